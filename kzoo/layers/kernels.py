@@ -572,6 +572,7 @@ def _torch_sdpa(query, key, value, mask, bias, is_causal, scale):
             causal_flag = True  # SDPA's is_causal is top-left aligned: only equal lengths
         else:
             c = torch.ones((q_len, k_len), dtype=torch.bool, device=q.device).tril(k_len - q_len)
+            c = c[None, None]
             mask = c if mask is None else torch.logical_and(mask, c)
     attn_mask = None
     if bias is not None:
@@ -634,5 +635,5 @@ def _tf_xla_attention(query, key, value, mask, bias, is_causal, scale):
             return reference_attention(q, k, v, mask=m, bias=b, is_causal=is_causal,
                                        scale=scale)
 
-        _TF_COMPILED[key_] = tf.function(run, jit_compile=True, reduce_retracing=True)
+        _TF_COMPILED[key_] = tf.function(run, jit_compile=True)
     return _TF_COMPILED[key_](query, key, value, mask, bias)

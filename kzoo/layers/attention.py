@@ -1,0 +1,284 @@
+"""Multi-head attention: self/cross, grouped-query, rotary, additive bias and a KV cache."""
+
+import keras
+from keras import ops
+
+from kzoo.layers.kernels import KERNELS, dot_product_attention
+from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
+from kzoo.layers.utils import (
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_rate,
+    serialize_initializer,
+)
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention (Vaswani et al. 2017) with the options modern models need.
+
+    Queries come from `query`; keys and values from `value` (cross-attention) or from `query`
+    itself (self-attention). Heads are projected with one dense layer each (`query_dense`,
+    `key_dense`, `value_dense`, kernel `(hidden, heads * head_dim)`) and recombined by
+    `output_dense`. The attention itself always runs through
+    `kzoo.layers.dot_product_attention`, so it uses the fastest kernel of the backend.
+
+    Args:
+        num_heads: number of query heads.
+        head_dim: size of each head; defaults to `hidden_dim // num_heads` (which must divide).
+        num_kv_heads: number of key/value heads (grouped-query attention, Ainslie et al.
+            2023; 1 = multi-query attention). Must divide `num_heads`. Defaults to `num_heads`.
+        output_dim: width of the output projection; defaults to the query's last dimension.
+        use_bias: whether the four projections have biases.
+        dropout: dropout rate on the attention probabilities (training only).
+        scale: score scale; None means `head_dim ** -0.5` (T5 uses 1.0).
+        rope_max_wavelength: if set, rotary position embeddings (Su et al. 2021) with this
+            base are applied to queries and keys (after projection, before attention).
+        rope_scaling_factor: linear position-interpolation factor for the rotary embedding.
+        kernel: attention kernel ("auto", "reference", "fused", "chunked").
+        kernel_initializer, bias_initializer: initialisers of the projections.
+        output_kernel_initializer: initialiser of the output projection (defaults to
+            `kernel_initializer`; GPT-2 and T5 scale it down with depth).
+
+    Call args:
+        query: `(batch, q_len, dim)`.
+        value: `(batch, k_len, dim_kv)` for cross-attention; None for self-attention.
+        attention_mask: boolean, True = may attend: `(batch, k_len)` padding,
+            `(batch, q_len, k_len)` or 4-D `(batch, 1|heads, q_len, k_len)`.
+        attention_bias: additive bias broadcastable to `(batch, heads, q_len, k_len)`
+            (ALiBi, T5 relative bias, Graphormer spatial/edge bias).
+        use_causal_mask: causal self-attention.
+        cache: key/value cache `(batch, 2, max_len, num_kv_heads, head_dim)`. With
+            `cache_index` (self-attention decoding) the new keys/values are written at
+            `cache_index` and the queries attend to the whole cache, query i sitting at
+            position `cache_index + i`. Without `cache_index` the cache holds precomputed
+            keys/values (cross-attention) and `value` is ignored.
+        cache_index: int or scalar tensor, position of the first query.
+        position_index: first position for the rotary embedding (defaults to `cache_index`
+            or 0).
+        return_attention_weights: also return `(batch, heads, q_len, k_len)` probabilities.
+
+    Returns:
+        `output`, followed by the weights if asked, followed by the updated cache if a
+        cache was given.
+
+    Example:
+    >>> mha = MultiHeadAttention(num_heads=8, num_kv_heads=2, rope_max_wavelength=10000)
+    >>> x = keras.random.normal((2, 16, 64))
+    >>> mha(x, use_causal_mask=True).shape
+    (2, 16, 64)
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        head_dim=None,
+        num_kv_heads=None,
+        output_dim=None,
+        use_bias=True,
+        dropout=0.0,
+        scale=None,
+        rope_max_wavelength=None,
+        rope_scaling_factor=1.0,
+        kernel="auto",
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        output_kernel_initializer=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("head_dim", head_dim, allow_none=True)
+        check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
+        check_positive_int("output_dim", output_dim, allow_none=True)
+        if num_kv_heads is not None and num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`; got num_kv_heads={num_kv_heads} "
+                f"and num_heads={num_heads} (num_heads % num_kv_heads = "
+                f"{num_heads % num_kv_heads})."
+            )
+        check_rate("dropout", dropout)
+        if scale is not None:
+            check_positive_float("scale", scale)
+        if rope_max_wavelength is not None:
+            check_positive_float("rope_max_wavelength", rope_max_wavelength)
+        check_positive_float("rope_scaling_factor", rope_scaling_factor)
+        check_choice("kernel", kernel, KERNELS)
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.output_dim = output_dim
+        self.use_bias = use_bias
+        self.dropout = dropout
+        self.scale = scale
+        self.rope_max_wavelength = rope_max_wavelength
+        self.rope_scaling_factor = rope_scaling_factor
+        self.kernel = kernel
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self.bias_initializer = serialize_initializer(bias_initializer)
+        self.output_kernel_initializer = (
+            None if output_kernel_initializer is None
+            else serialize_initializer(output_kernel_initializer)
+        )
+        self._kv_heads = num_kv_heads or num_heads
+        self.seed_generator = keras.random.SeedGenerator()
+        self.rotary = None
+        if rope_max_wavelength is not None:
+            from kzoo.layers.position import RotaryEmbedding
+
+            self.rotary = RotaryEmbedding(
+                max_wavelength=rope_max_wavelength,
+                scaling_factor=rope_scaling_factor,
+                dtype=self.dtype_policy,
+                name="rotary_embedding",
+            )
+
+    def _dense(self, units, name, initializer=None):
+        return keras.layers.Dense(
+            units,
+            use_bias=self.use_bias,
+            kernel_initializer=keras.initializers.get(initializer or self.kernel_initializer),
+            bias_initializer=keras.initializers.get(self.bias_initializer),
+            dtype=self.dtype_policy,
+            name=name,
+        )
+
+    def build(self, query_shape, value_shape=None):
+        hidden = query_shape[-1]
+        if self.head_dim is None:
+            if hidden % self.num_heads != 0:
+                raise ValueError(
+                    f"`num_heads`={self.num_heads} must divide the hidden size {hidden} when "
+                    "`head_dim` is not given."
+                )
+            self._head_dim = hidden // self.num_heads
+        else:
+            self._head_dim = self.head_dim
+        if self.rotary is not None and self._head_dim % 2:
+            raise ValueError(
+                f"rotary embeddings need an even head_dim; got head_dim={self._head_dim}."
+            )
+        value_shape = value_shape or query_shape
+        out_dim = self.output_dim or hidden
+        self.query_dense = self._dense(self.num_heads * self._head_dim, "query_dense")
+        self.key_dense = self._dense(self._kv_heads * self._head_dim, "key_dense")
+        self.value_dense = self._dense(self._kv_heads * self._head_dim, "value_dense")
+        self.output_dense = self._dense(
+            out_dim, "output_dense", self.output_kernel_initializer
+        )
+        self.query_dense.build(query_shape)
+        self.key_dense.build(value_shape)
+        self.value_dense.build(value_shape)
+        self.output_dense.build(tuple(query_shape[:-1]) + (self.num_heads * self._head_dim,))
+        self.built = True
+
+    def _split(self, x, heads):
+        return ops.reshape(x, (-1, ops.shape(x)[1], heads, self._head_dim))
+
+    def project_key_value(self, value):
+        """Keys and values `(batch, k_len, kv_heads, head_dim)` for `value` (e.g. a
+        cross-attention cache computed once from the encoder output)."""
+        k = self._split(self.key_dense(value), self._kv_heads)
+        v = self._split(self.value_dense(value), self._kv_heads)
+        return k, v
+
+    def call(
+        self,
+        query,
+        value=None,
+        attention_mask=None,
+        attention_bias=None,
+        use_causal_mask=False,
+        cache=None,
+        cache_index=None,
+        position_index=None,
+        return_attention_weights=False,
+        training=None,
+    ):
+        cross = value is not None
+        if len(query.shape) != 3:
+            raise ValueError(
+                f"`query` must have rank 3 (batch, seq, dim); got shape {tuple(query.shape)}."
+            )
+        q = self._split(self.query_dense(query), self.num_heads)
+        q_len = query.shape[1]
+        if position_index is not None:
+            start = position_index
+        else:
+            start = cache_index if cache_index is not None else 0
+
+        if cache is not None and cache_index is None:
+            # Precomputed keys/values (cross-attention decoding).
+            k, v = cache[:, 0], cache[:, 1]
+            new_cache = cache
+        else:
+            k, v = self.project_key_value(value if cross else query)
+            if self.rotary is not None and not cross:
+                k = self.rotary(k, start_index=start)
+            new_cache = None
+            if cache is not None:
+                index = ops.convert_to_tensor(cache_index, "int32")
+                zero = ops.zeros((), "int32")
+                starts = [zero, zero, index, zero, zero]
+                update = ops.stack([k, v], axis=1)
+                new_cache = ops.slice_update(cache, starts, ops.cast(update, cache.dtype))
+                k, v = new_cache[:, 0], new_cache[:, 1]
+        if self.rotary is not None and not cross:
+            q = self.rotary(q, start_index=start)
+
+        mask = normalize_mask(attention_mask, "attention_mask")
+        is_causal = False
+        if use_causal_mask:
+            if cache is not None and cache_index is not None:
+                mask = merge_masks(mask, causal_mask(q_len, k.shape[1], offset=cache_index))
+            else:
+                is_causal = True
+        result = dot_product_attention(
+            q, k, v,
+            mask=mask,
+            bias=attention_bias,
+            is_causal=is_causal,
+            scale=self.scale,
+            kernel=self.kernel,
+            return_weights=return_attention_weights,
+            dropout_rate=self.dropout,
+            training=training,
+            seed_generator=self.seed_generator,
+        )
+        if return_attention_weights:
+            out, weights = result
+        else:
+            out, weights = result, None
+        out = ops.reshape(out, (-1, q_len, self.num_heads * self._head_dim))
+        out = self.output_dense(out)
+        outputs = (out,)
+        if return_attention_weights:
+            outputs += (weights,)
+        if cache is not None:
+            outputs += (new_cache,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def compute_output_shape(self, query_shape, value_shape=None):
+        return tuple(query_shape[:-1]) + (self.output_dim or query_shape[-1],)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "head_dim": self.head_dim,
+                "num_kv_heads": self.num_kv_heads,
+                "output_dim": self.output_dim,
+                "use_bias": self.use_bias,
+                "dropout": self.dropout,
+                "scale": self.scale,
+                "rope_max_wavelength": self.rope_max_wavelength,
+                "rope_scaling_factor": self.rope_scaling_factor,
+                "kernel": self.kernel,
+                "kernel_initializer": self.kernel_initializer,
+                "bias_initializer": self.bias_initializer,
+                "output_kernel_initializer": self.output_kernel_initializer,
+            }
+        )
+        return config

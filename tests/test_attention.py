@@ -1,0 +1,496 @@
+"""dot_product_attention (every kernel), masks and MultiHeadAttention against NumPy."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from kzoo.layers import (
+    attention_kernel,
+    causal_mask,
+    choose_kernel,
+    dot_product_attention,
+    merge_masks,
+    normalize_mask,
+    padding_mask,
+    set_attention_kernel,
+    sliding_window_mask,
+)
+from kzoo.layers.attention import MultiHeadAttention
+from tests.helpers import assert_close, backend, roundtrip_layer, to_numpy
+
+KERNEL_NAMES = ["reference", "fused", "chunked"]
+
+
+# === The NumPy definition every kernel is checked against ===
+
+
+def np_attention(q, k, v, mask=None, bias=None, causal=False, scale=None):
+    """softmax(q k^T * scale + bias) v in float64; masked keys excluded; empty rows -> 0."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, t, h, d = q.shape
+    s_len, hk = k.shape[1], k.shape[2]
+    k = np.repeat(k, h // hk, axis=2)  # query head i uses kv head i // (h // hk)
+    v = np.repeat(v, h // hk, axis=2)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = np.einsum("bthd,bshd->bhts", q, k) * scale
+    if bias is not None:
+        scores = scores + bias
+    allowed = np.ones(scores.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(np.asarray(mask, bool), scores.shape)
+    if causal:
+        i = np.arange(t)[:, None] + (s_len - t)
+        j = np.arange(s_len)[None, :]
+        allowed &= j <= i
+    out = np.zeros((b, t, h, v.shape[-1]))
+    for bi in range(b):
+        for hi in range(h):
+            for ti in range(t):
+                row = allowed[bi, hi, ti]
+                if not row.any():
+                    continue
+                e = np.exp(scores[bi, hi, ti, row] - scores[bi, hi, ti, row].max())
+                p = e / e.sum()
+                out[bi, ti, hi] = p @ v[bi, row, hi]
+    return out
+
+
+def _data(b=2, t=6, s=None, h=4, hk=None, d=8, seed=0):
+    r = np.random.default_rng(seed)
+    s = s or t
+    hk = hk or h
+    q = r.normal(size=(b, t, h, d)).astype("float32")
+    k = r.normal(size=(b, s, hk, d)).astype("float32")
+    v = r.normal(size=(b, s, hk, d)).astype("float32")
+    return q, k, v
+
+
+def _pad(b, s, lengths):
+    m = np.zeros((b, s), bool)
+    for i, n in enumerate(lengths):
+        m[i, :n] = True
+    return m
+
+
+def _cases():
+    r = np.random.default_rng(1)
+    cases = {}
+    cases["no_mask"] = dict(shape=dict(), kw=dict())
+    cases["causal"] = dict(shape=dict(), kw=dict(causal=True))
+    pad = _pad(2, 6, [6, 3])[:, None, None, :]
+    cases["padding"] = dict(shape=dict(), kw=dict(mask=pad))
+    cases["causal_padding"] = dict(shape=dict(), kw=dict(mask=pad, causal=True))
+    i = np.arange(6)
+    window = ((i[:, None] - i[None, :]) >= 0) & ((i[:, None] - i[None, :]) < 3)
+    cases["sliding_window"] = dict(shape=dict(), kw=dict(mask=window[None, None]))
+    bias = r.normal(size=(1, 4, 6, 6)).astype("float32")
+    cases["bias"] = dict(shape=dict(), kw=dict(bias=bias))
+    cases["mask_bias"] = dict(shape=dict(), kw=dict(bias=bias, mask=pad, causal=True))
+    cases["gqa"] = dict(shape=dict(h=4, hk=2), kw=dict(causal=True))
+    cases["mqa"] = dict(shape=dict(h=4, hk=1), kw=dict(mask=pad))
+    cross_pad = _pad(2, 9, [9, 4])[:, None, None, :]
+    cases["cross"] = dict(shape=dict(t=5, s=9), kw=dict(mask=cross_pad))
+    cases["decode_offset"] = dict(shape=dict(t=1, s=7, hk=2), kw=dict(causal=True))
+    cases["decode_chunk"] = dict(shape=dict(t=3, s=7), kw=dict(causal=True))
+    # batch == heads: a 3-D mask must never be misread as (heads, q, k).
+    bh = r.random((4, 6, 6)) > 0.4
+    cases["batch_eq_heads"] = dict(shape=dict(b=4, h=4), kw=dict(mask=bh[:, None]))
+    full = np.ones((2, 1, 6, 6), bool)
+    full[1, 0, 2:4] = False  # two query rows of example 1 see nothing
+    cases["fully_masked_rows"] = dict(shape=dict(), kw=dict(mask=full))
+    cases["scale_one"] = dict(shape=dict(), kw=dict(scale=1.0, causal=True))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("kernel", KERNEL_NAMES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_numpy_forward(kernel, case):
+    spec = CASES[case]
+    q, k, v = _data(**spec["shape"])
+    kw = dict(spec["kw"])
+    expected = np_attention(q, k, v, **kw)
+    out = dot_product_attention(
+        q, k, v, mask=kw.get("mask"), bias=kw.get("bias"), is_causal=kw.get("causal", False),
+        scale=kw.get("scale"), kernel=kernel,
+    )
+    assert tuple(out.shape) == expected.shape
+    assert np.isfinite(to_numpy(out)).all()
+    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_small_blocks_match_numpy():
+    """Several query and key blocks (including ragged last blocks and skipped causal blocks)."""
+    from kzoo.layers import chunked_attention
+
+    q, k, v = _data(t=13, s=13, h=4, hk=2)
+    pad = _pad(2, 13, [13, 7])[:, None, None, :]
+    bias = np.random.default_rng(3).normal(size=(1, 4, 13, 13)).astype("float32")
+    for kw in (dict(causal=True), dict(mask=pad, bias=bias, causal=True), dict(mask=pad)):
+        expected = np_attention(q, k, v, **kw)
+        out = chunked_attention(
+            *(ops.convert_to_tensor(x) for x in (q, k, v)),
+            mask=None if "mask" not in kw else ops.convert_to_tensor(kw["mask"]),
+            bias=None if "bias" not in kw else ops.convert_to_tensor(kw["bias"]),
+            is_causal=kw.get("causal", False), query_block_size=4, key_block_size=3,
+        )
+        assert_close(out, expected)
+
+
+def _grad_fn(kernel, kw):
+    """Gradient of sum(out * w) with respect to q, k, v (and the bias) via the backend."""
+    b = backend()
+    mask, bias = kw.get("mask"), kw.get("bias")
+    causal = kw.get("causal", False)
+
+    def f(q, k, v, bias_t):
+        out = dot_product_attention(q, k, v, mask=mask, bias=bias_t, is_causal=causal,
+                                    kernel=kernel)
+        w = ops.cast(ops.reshape(ops.arange(ops.size(out)), out.shape) % 7, "float32") - 3.0
+        return ops.sum(out * w)
+
+    def grads(q, k, v, bias_np):
+        if b == "jax":
+            import jax
+
+            args = [q, k, v, bias_np]
+            argnums = (0, 1, 2, 3) if bias_np is not None else (0, 1, 2)
+            g = jax.grad(f, argnums=argnums)(*args)
+            return [np.asarray(x) for x in g]
+        if b == "torch":
+            import torch
+
+            ts = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+            bt = torch.tensor(bias_np, requires_grad=True) if bias_np is not None else None
+            f(*ts, bt).backward()
+            out = [t.grad.numpy() for t in ts]
+            return out + ([bt.grad.numpy()] if bt is not None else [])
+        import tensorflow as tf
+
+        ts = [tf.Variable(x) for x in (q, k, v)]
+        bt = tf.Variable(bias_np) if bias_np is not None else None
+        with tf.GradientTape() as tape:
+            loss = f(*ts, bt)
+        g = tape.gradient(loss, ts + ([bt] if bt is not None else []))
+        return [x.numpy() for x in g]
+
+    return grads
+
+
+@pytest.mark.parametrize("kernel", ["fused", "chunked"])
+@pytest.mark.parametrize(
+    "case", ["causal", "causal_padding", "mask_bias", "gqa", "cross", "decode_offset",
+             "fully_masked_rows"]
+)
+def test_kernel_gradients_match_reference(kernel, case):
+    spec = CASES[case]
+    q, k, v = _data(**spec["shape"])
+    kw = spec["kw"]
+    bias = kw.get("bias")
+    ref = _grad_fn("reference", kw)(q, k, v, bias)
+    got = _grad_fn(kernel, kw)(q, k, v, bias)
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_reference_gradient_matches_finite_differences():
+    """The reference kernel's gradient against central differences of the NumPy formula."""
+    q, k, v = _data(b=1, t=3, h=2, d=4)
+    w = np.random.default_rng(5).normal(size=(1, 3, 2, 4))
+    mask = _pad(1, 3, [2])[:, None, None, :]
+
+    def loss_np(qq):
+        return float((np_attention(qq, k, v, mask=mask, causal=True) * w).sum())
+
+    eps = 1e-5
+    num = np.zeros_like(q, dtype=np.float64)
+    it = np.nditer(q, flags=["multi_index"])
+    for _ in it:
+        idx = it.multi_index
+        qp = q.astype(np.float64).copy()
+        qm = qp.copy()
+        qp[idx] += eps
+        qm[idx] -= eps
+        num[idx] = (loss_np(qp) - loss_np(qm)) / (2 * eps)
+
+    kw = dict(mask=mask, causal=True)
+    b = backend()
+    wt = w.astype("float32")
+    if b == "jax":
+        import jax
+
+        g = jax.grad(lambda qq: ops.sum(dot_product_attention(
+            qq, k, v, mask=mask, is_causal=True, kernel="reference") * wt))(q)
+        g = np.asarray(g)
+    elif b == "torch":
+        import torch
+
+        qt = torch.tensor(q, requires_grad=True)
+        ops.sum(dot_product_attention(qt, k, v, mask=mask, is_causal=True,
+                                      kernel="reference") * torch.tensor(wt)).backward()
+        g = qt.grad.numpy()
+    else:
+        import tensorflow as tf
+
+        qt = tf.Variable(q)
+        with tf.GradientTape() as tape:
+            loss = ops.sum(dot_product_attention(qt, k, v, **{"mask": kw["mask"]},
+                                                 is_causal=True, kernel="reference") * wt)
+        g = tape.gradient(loss, qt).numpy()
+    np.testing.assert_allclose(g, num, atol=2e-4, rtol=2e-3)
+
+
+def test_bfloat16_kernels_close_to_float32():
+    q, k, v = _data(t=16, s=16)
+    expected = np_attention(q, k, v, causal=True)
+    for kernel in KERNEL_NAMES:
+        qb, kb, vb = (ops.cast(x, "bfloat16") for x in (q, k, v))
+        out = dot_product_attention(qb, kb, vb, is_causal=True, kernel=kernel)
+        assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+        assert_close(ops.cast(out, "float32"), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_return_weights_are_probabilities():
+    q, k, v = _data()
+    pad = _pad(2, 6, [6, 3])[:, None, None, :]
+    out, w = dot_product_attention(q, k, v, mask=pad, is_causal=True, return_weights=True)
+    w = to_numpy(w)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+    assert (w[1, :, :, 3:] == 0).all()  # padded keys get no weight
+    assert (np.triu(w[0, 0], 1) == 0).all()  # no weight on the future
+
+
+# === Errors ===
+
+
+def test_bad_inputs_raise_value_error():
+    q, k, v = _data()
+    with pytest.raises(ValueError, match="rank 4"):
+        dot_product_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        dot_product_attention(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        dot_product_attention(q, k, v, mask=np.ones((2, 1, 5, 6), bool))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        dot_product_attention(q, k, v, bias=np.ones((3, 4, 6, 6), "float32"))
+    with pytest.raises(ValueError, match="kernel"):
+        dot_product_attention(q, k, v, kernel="flash9")
+    with pytest.raises(ValueError, match="head_dim"):
+        dot_product_attention(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="return_weights"):
+        dot_product_attention(q, k, v, kernel="fused", return_weights=True)
+
+
+# === Masks ===
+
+
+def test_mask_helpers_against_numpy():
+    c = to_numpy(causal_mask(3, 5))
+    assert c.shape == (1, 1, 3, 5)
+    np.testing.assert_array_equal(c[0, 0], np.tril(np.ones((3, 5), bool), 2))
+    c0 = to_numpy(causal_mask(2, 6, offset=1))  # queries at positions 1, 2
+    np.testing.assert_array_equal(c0[0, 0], np.arange(6)[None, :] <= np.array([[1], [2]]))
+    sw = to_numpy(sliding_window_mask(5, window=2))[0, 0]
+    i = np.arange(5)
+    np.testing.assert_array_equal(sw, (i[:, None] - i[None] >= 0) & (i[:, None] - i[None] < 2))
+    swb = to_numpy(sliding_window_mask(5, window=2, causal=False))[0, 0]
+    np.testing.assert_array_equal(swb, np.abs(i[:, None] - i[None]) < 2)
+    p = to_numpy(padding_mask(np.array([[1, 1, 0]])))
+    assert p.shape == (1, 1, 1, 3) and p.dtype == bool
+    m = to_numpy(merge_masks(None, causal_mask(3), padding_mask(np.array([[1, 1, 0]]))))
+    np.testing.assert_array_equal(m[0, 0], np.tril(np.ones((3, 3), bool)) & [True, True, False])
+    assert merge_masks(None, None) is None
+    assert to_numpy(normalize_mask(np.ones((2, 3, 4)))).shape == (2, 1, 3, 4)
+    with pytest.raises(ValueError, match="rank"):
+        normalize_mask(np.ones((2,)))
+    with pytest.raises(ValueError, match="window"):
+        sliding_window_mask(4, window=0)
+
+
+# === Dispatch ===
+
+
+def test_choose_kernel_decisions_for_accelerators():
+    base = dict(query_length=1024, key_length=1024, head_dim=64)
+    # torch: SDPA everywhere (flash / memory-efficient on CUDA, flash on CPU).
+    assert choose_kernel(backend="torch", device="gpu", dtype="bfloat16", **base) == "fused"
+    assert choose_kernel(backend="torch", device="cpu", dtype="float32", **base) == "fused"
+    # JAX: cuDNN for half precision on CUDA, with masks and biases.
+    for mk in ("none", "causal", "general"):
+        assert choose_kernel(backend="jax", device="gpu", dtype="bfloat16", mask_kind=mk,
+                             **base) == "fused"
+    assert choose_kernel(backend="jax", device="gpu", dtype="float16", has_bias=True,
+                         **base) == "fused"
+    # cuDNN needs head_dim <= 128 and a multiple of 8; float32 does not go to cuDNN.
+    assert choose_kernel(backend="jax", device="gpu", dtype="bfloat16", query_length=8,
+                         key_length=8, head_dim=256) == "reference"
+    assert choose_kernel(backend="jax", device="gpu", dtype="float32", **base) == "chunked"
+    assert choose_kernel(backend="jax", device="tpu", dtype="bfloat16", **base) == "fused"
+    # CPU: short sequences on the einsum reference, long ones chunked.
+    assert choose_kernel(backend="jax", device="cpu", dtype="float32", query_length=512,
+                         key_length=512, head_dim=64) == "reference"
+    assert choose_kernel(backend="jax", device="cpu", dtype="float32", query_length=8192,
+                         key_length=8192, head_dim=64) == "chunked"
+    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
+                         query_length=8192, key_length=8192, head_dim=64) == "chunked"
+    assert choose_kernel(backend="tensorflow", device="gpu", dtype="float32",
+                         query_length=128, key_length=128, head_dim=64) == "fused"
+    # Decoding one token never chunks.
+    assert choose_kernel(backend="jax", device="cpu", dtype="float32", query_length=1,
+                         key_length=8192, head_dim=64) == "reference"
+    # Weights or dropout force the reference kernel.
+    assert choose_kernel(backend="torch", device="gpu", dtype="bfloat16", needs_weights=True,
+                         **base) == "reference"
+    assert choose_kernel(backend="jax", device="tpu", dtype="bfloat16", dropout=True,
+                         **base) == "reference"
+    with pytest.raises(ValueError, match="device"):
+        choose_kernel(backend="jax", device="npu", dtype="float32", **base)
+
+
+def test_override_setter_and_environment(monkeypatch):
+    q, k, v = _data()
+    try:
+        set_attention_kernel("chunked")
+        assert attention_kernel(q, k) == "chunked"
+        assert attention_kernel(q, k, kernel="fused") == "fused"  # explicit wins
+    finally:
+        set_attention_kernel(None)
+    monkeypatch.setenv("KZOO_ATTENTION_KERNEL", "reference")
+    assert attention_kernel(q, k) == "reference"
+    monkeypatch.setenv("KZOO_ATTENTION_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="KZOO_ATTENTION_KERNEL"):
+        attention_kernel(q, k)
+    with pytest.raises(ValueError, match="kernel"):
+        set_attention_kernel("bogus")
+
+
+# === MultiHeadAttention ===
+
+
+def _np_mha(layer, x, value=None, mask=None, bias=None, causal=False):
+    """MultiHeadAttention written out in NumPy from the layer's weights."""
+    value = x if value is None else value
+    h, d = layer.num_heads, layer._head_dim
+    hk = layer._kv_heads
+
+    def dense(dl, inp):
+        w = to_numpy(dl.kernel)
+        out = inp @ w
+        if dl.use_bias:
+            out = out + to_numpy(dl.bias)
+        return out
+
+    b, t, _ = x.shape
+    s = value.shape[1]
+    q = dense(layer.query_dense, x).reshape(b, t, h, d)
+    k = dense(layer.key_dense, value).reshape(b, s, hk, d)
+    v = dense(layer.value_dense, value).reshape(b, s, hk, d)
+    o = np_attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=layer.scale)
+    return dense(layer.output_dense, o.reshape(b, t, h * d))
+
+
+def test_mha_self_and_cross_against_numpy():
+    r = np.random.default_rng(0)
+    x = r.normal(size=(2, 5, 16)).astype("float32")
+    enc = r.normal(size=(2, 7, 12)).astype("float32")
+    pad = _pad(2, 5, [5, 3])
+    layer = MultiHeadAttention(num_heads=4, num_kv_heads=2)
+    out = layer(x, attention_mask=pad, use_causal_mask=True)
+    assert_close(out, _np_mha(layer, x, mask=pad[:, None, None, :], causal=True), atol=2e-5)
+    cross = MultiHeadAttention(num_heads=2, head_dim=5, use_bias=False, scale=1.0)
+    enc_pad = _pad(2, 7, [7, 2])
+    out = cross(x, value=enc, attention_mask=enc_pad)
+    assert tuple(out.shape) == (2, 5, 16)
+    assert_close(out, _np_mha(cross, x, enc, mask=enc_pad[:, None, None, :]), atol=2e-5)
+    bias = r.normal(size=(1, 2, 5, 7)).astype("float32")
+    out = cross(x, value=enc, attention_bias=bias)
+    assert_close(out, _np_mha(cross, x, enc, bias=bias), atol=2e-5)
+
+
+def test_mha_rotary_matches_numpy_rotate_half():
+    r = np.random.default_rng(0)
+    x = r.normal(size=(1, 6, 8)).astype("float32")
+    layer = MultiHeadAttention(num_heads=2, rope_max_wavelength=10000)
+    out = to_numpy(layer(x, use_causal_mask=True))
+    h, d = 2, 4
+
+    def rope(t):  # rotate-half convention, positions 0..5
+        inv = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+        ang = np.arange(t.shape[1])[:, None] * inv[None]
+        cos = np.concatenate([np.cos(ang)] * 2, -1)[None, :, None, :]
+        sin = np.concatenate([np.sin(ang)] * 2, -1)[None, :, None, :]
+        rot = np.concatenate([-t[..., d // 2:], t[..., : d // 2]], -1)
+        return t * cos + rot * sin
+
+    q = (x @ to_numpy(layer.query_dense.kernel) + to_numpy(layer.query_dense.bias))
+    k = (x @ to_numpy(layer.key_dense.kernel) + to_numpy(layer.key_dense.bias))
+    v = (x @ to_numpy(layer.value_dense.kernel) + to_numpy(layer.value_dense.bias))
+    q, k, v = (a.reshape(1, 6, h, d) for a in (q, k, v))
+    o = np_attention(rope(q), rope(k), v, causal=True).reshape(1, 6, h * d)
+    expected = o @ to_numpy(layer.output_dense.kernel) + to_numpy(layer.output_dense.bias)
+    np.testing.assert_allclose(out, expected, atol=2e-5)
+
+
+def test_mha_cache_decoding_equals_full_pass():
+    r = np.random.default_rng(0)
+    x = r.normal(size=(2, 6, 16)).astype("float32")
+    layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_max_wavelength=10000)
+    full = to_numpy(layer(x, use_causal_mask=True))
+    cache = ops.zeros((2, 2, 6, 2, 4))
+    # Prefill 4 tokens, then decode two one at a time.
+    out, cache = layer(x[:, :4], use_causal_mask=True, cache=cache, cache_index=0)
+    steps = [to_numpy(out)]
+    for i in (4, 5):
+        out, cache = layer(x[:, i:i + 1], use_causal_mask=True, cache=cache, cache_index=i)
+        steps.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
+
+
+def test_mha_returns_weights_and_validates():
+    x = np.random.default_rng(0).normal(size=(2, 5, 16)).astype("float32")
+    layer = MultiHeadAttention(num_heads=4)
+    out, w = layer(x, use_causal_mask=True, return_attention_weights=True)
+    assert tuple(w.shape) == (2, 4, 5, 5)
+    np.testing.assert_allclose(to_numpy(w).sum(-1), 1.0, atol=1e-6)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MultiHeadAttention(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        MultiHeadAttention(num_heads=0)
+    with pytest.raises(ValueError, match="dropout"):
+        MultiHeadAttention(num_heads=2, dropout=1.5)
+    with pytest.raises(ValueError, match="must divide the hidden size"):
+        MultiHeadAttention(num_heads=3)(x)
+    with pytest.raises(ValueError, match="attention_mask"):
+        MultiHeadAttention(num_heads=4)(x, attention_mask=np.ones((2,), bool))
+    with pytest.raises(ValueError, match="rank 3"):
+        MultiHeadAttention(num_heads=4)(x[0])
+
+
+def test_mha_serialization_and_keras_file(tmp_path):
+    layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_max_wavelength=500.0,
+                               dropout=0.1, kernel="reference")
+    roundtrip_layer(layer)
+    inp = keras.Input((5, 16))
+    model = keras.Model(inp, MultiHeadAttention(num_heads=4, num_kv_heads=1)(
+        inp, use_causal_mask=True))
+    x = np.random.default_rng(0).normal(size=(2, 5, 16)).astype("float32")
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), atol=1e-6)
+
+
+def test_mha_mixed_bfloat16_and_finite_gradients():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    layer = MultiHeadAttention(num_heads=4)
+    x = np.random.default_rng(0).normal(size=(2, 5, 16)).astype("float32")
+    out = layer(x, use_causal_mask=True)
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    assert np.isfinite(to_numpy(ops.cast(out, "float32"))).all()
