@@ -7,7 +7,8 @@ pipeline), once per graph, and gives the model the integer tensors it embeds.
 A *graph* is a dict in the OGB / Hugging Face `datasets` format:
 
 - `num_nodes`: int, the number of nodes `n`;
-- `node_feat`: `(n, F_node)` integer node features (optional: one feature `1` per node, as transformers);
+- `node_feat`: `(n, F_node)` integer node features (optional: one feature `1` per node, as
+  in transformers);
 - `edge_index`: `(2, E)` integer source / target node ids (an undirected graph stores each
   edge in both directions);
 - `edge_attr`: `(E, F_edge)` integer edge features (optional: one feature `1` per edge;
@@ -99,10 +100,14 @@ _LOOKUPS = {
 # === Validation helpers ===
 
 
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_optional_positive_int(name, value):
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive integer or None; got {name}={value!r}.")
     return int(value)
 
@@ -129,8 +134,7 @@ def _integer_array(name, value, ndim):
 
 
 def _check_num_nodes(num_nodes):
-    if isinstance(num_nodes, (bool, np.bool_)) or not isinstance(num_nodes, (int, np.integer)) \
-            or num_nodes <= 0:
+    if not _is_int(num_nodes) or num_nodes <= 0:
         raise ValueError(f"`num_nodes` must be a positive integer; got num_nodes={num_nodes!r}.")
     return int(num_nodes)
 
@@ -448,10 +452,7 @@ def shortest_paths(num_nodes, edge_index, max_dist=None):
     """
     n = _check_num_nodes(num_nodes)
     edge_index = _check_edge_index(n, edge_index)
-    if max_dist is not None and (
-        isinstance(max_dist, (bool, np.bool_)) or not isinstance(max_dist, (int, np.integer))
-        or max_dist < 0
-    ):
+    if max_dist is not None and (not _is_int(max_dist) or max_dist < 0):
         raise ValueError(
             f"`max_dist` must be a non-negative integer or None; got max_dist={max_dist!r}."
         )
@@ -538,8 +539,7 @@ def shortest_path_nodes(dist, via, max_hops=None):
     longest = int(dist.max()) if dist.size else 0
     if max_hops is None:
         hops = longest
-    elif isinstance(max_hops, (bool, np.bool_)) or not isinstance(max_hops, (int, np.integer)) \
-            or max_hops < 0:
+    elif not _is_int(max_hops) or max_hops < 0:
         raise ValueError(
             f"`max_hops` must be a non-negative integer or None; got max_hops={max_hops!r}."
         )
@@ -662,7 +662,9 @@ def _check_graph_list(graphs):
             "(wrap a single graph in a list)."
         )
     if len(graphs) == 0:
-        raise ValueError(f"`graphs` must be a non-empty list of graph dicts; got graphs={graphs!r}.")
+        raise ValueError(
+            f"`graphs` must be a non-empty list of graph dicts; got graphs={graphs!r}."
+        )
 
 
 def _stack_labels(items):
@@ -703,9 +705,10 @@ def batch(graphs, multi_hop_max_dist=5, spatial_pos_max=20, pad_to_nodes=None,
         multi_hop_max_dist: positive int or None: hops of `input_edges` to keep.
         spatial_pos_max: pairs at `spatial_pos >= spatial_pos_max` (i.e. distance
             `>= spatial_pos_max - 1`, or unreachable) may not attend to each other.
-        pad_to_nodes: optional int: pad to this many nodes instead of the largest graph's
-            (and `input_edges` to `multi_hop_max_dist` hops), so that every batch has the
-            same shape (no retracing under `jit`). Graphs must not be larger.
+        pad_to_nodes: optional int: pad to this many nodes instead of the largest graph's,
+            and `input_edges` to exactly `multi_hop_max_dist` hops (when it is an int), so
+            that every batch has the same shape (no retracing under `jit`); zero-padded hops
+            add nothing in Graphormer. Graphs must not be larger.
         return_node_mask: also return `node_mask`, `(B, N)` bool, True for real nodes.
 
     Returns:
@@ -727,7 +730,9 @@ def batch(graphs, multi_hop_max_dist=5, spatial_pos_max=20, pad_to_nodes=None,
     multi_hop_max_dist = _check_optional_positive_int("multi_hop_max_dist", multi_hop_max_dist)
     if isinstance(spatial_pos_max, (bool, np.bool_)) or not isinstance(
             spatial_pos_max, (int, float, np.integer, np.floating)):
-        raise ValueError(f"`spatial_pos_max` must be a number; got spatial_pos_max={spatial_pos_max!r}.")
+        raise ValueError(
+            f"`spatial_pos_max` must be a number; got spatial_pos_max={spatial_pos_max!r}."
+        )
     pad_to_nodes = _check_optional_positive_int("pad_to_nodes", pad_to_nodes)
 
     items = [_as_item(index, graph, multi_hop_max_dist) for index, graph in enumerate(graphs)]
@@ -823,9 +828,10 @@ class GraphDataset(keras.utils.PyDataset):
                  multi_hop_max_dist=5, spatial_pos_max=20, pad_to_nodes=None, **kwargs):
         super().__init__(**kwargs)
         _check_graph_list(graphs)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-                or batch_size <= 0:
-            raise ValueError(f"`batch_size` must be a positive integer; got batch_size={batch_size!r}.")
+        if not _is_int(batch_size) or batch_size <= 0:
+            raise ValueError(
+                f"`batch_size` must be a positive integer; got batch_size={batch_size!r}."
+            )
         self.graphs = list(graphs)
         if labels is not None:
             labels = np.asarray(labels)
