@@ -1,0 +1,653 @@
+"""Positional encodings: sinusoidal, learned, rotary (RoPE), ALiBi and T5 relative buckets.
+
+Every layer here takes a `start_index` call argument (a Python int or a scalar integer
+tensor) giving the absolute position of the first query token, so that the same layer
+serves full sequences and cached, token-by-token decoding inside compiled functions.
+
+Layouts:
+- `SinusoidalPositionEncoding`, `PositionEmbedding`: `(batch, seq, dim)` in, the encoding
+  (not added) broadcast to the same shape out.
+- `RotaryEmbedding`: `(batch, seq, heads, head_dim)` in, the rotated tensor out.
+- `ALiBiBias`, `RelativePositionBias`: an additive attention bias of shape
+  `(1, num_heads, q_len, k_len)`, broadcastable to `(batch, heads, q_len, k_len)`, for
+  `dot_product_attention(..., bias=...)`.
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from kzoo.layers.utils import check_positive_float
+from kzoo.layers.utils import check_positive_int
+from kzoo.layers.utils import check_rank
+from kzoo.layers.utils import serialize_initializer
+
+# === Helpers ===
+
+
+def _check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be a bool (True or False); got {name}={value!r}.")
+    return bool(value)
+
+
+def _check_start_index(start_index):
+    """Validate a Python `start_index`; tensors pass through unchecked (traced values)."""
+    if isinstance(start_index, bool):
+        raise ValueError(
+            "`start_index` must be a non-negative integer or a scalar integer tensor; "
+            f"got start_index={start_index!r}."
+        )
+    if isinstance(start_index, (int, np.integer)):
+        if start_index < 0:
+            raise ValueError(
+                "`start_index` must be a non-negative integer or a scalar integer tensor; "
+                f"got start_index={start_index!r}."
+            )
+        return int(start_index)
+    if isinstance(start_index, float):
+        raise ValueError(
+            "`start_index` must be a non-negative integer or a scalar integer tensor; "
+            f"got start_index={start_index!r}."
+        )
+    shape = getattr(start_index, "shape", None)
+    if shape is not None and len(shape) != 0:
+        raise ValueError(
+            "`start_index` must be a non-negative integer or a scalar integer tensor; "
+            f"got a tensor of shape {tuple(shape)}."
+        )
+    return start_index
+
+
+def _positions(length, start_index, dtype="int32"):
+    """`start_index + arange(length)` in `dtype` (start_index: int or scalar tensor)."""
+    positions = ops.arange(length, dtype="int32")
+    if isinstance(start_index, int):
+        if start_index:
+            positions = positions + start_index
+    else:
+        positions = positions + ops.cast(start_index, "int32")
+    return ops.cast(positions, dtype)
+
+
+class _Shape:
+    """Adapter so `check_rank` can validate a shape tuple in `build`."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _is_float_dtype(dtype):
+    return "float" in keras.backend.standardize_dtype(dtype)
+
+
+# === Sinusoidal ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class SinusoidalPositionEncoding(keras.layers.Layer):
+    """Fixed sinusoidal position encoding (Vaswani et al., 2017, "Attention Is All You Need").
+
+    For position `pos` and feature index `j` (with `i = j // 2`):
+
+        PE[pos, 2i]   = sin(pos / max_wavelength ** (2i / dim))
+        PE[pos, 2i+1] = cos(pos / max_wavelength ** (2i / dim))
+
+    Sines and cosines are interleaved exactly as in the paper's formula. An odd `dim` is
+    supported: the last feature `dim - 1 = 2i` is a sine and has no cosine partner.
+    The encoding is returned (not added to the inputs), broadcast to the inputs' shape, in
+    the inputs' floating dtype; angles are computed in float32.
+
+    Args:
+        max_wavelength: positive number, the base of the geometric progression of
+            wavelengths (10000 in the paper).
+        **kwargs: standard `keras.layers.Layer` arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: tensor of shape `(batch, seq, dim)`; only its shape and dtype are used.
+        start_index: int or scalar integer tensor, the position of the first token
+            (positions `start_index .. start_index + seq - 1`). Default 0.
+
+    Returns:
+        Tensor of the same shape as `inputs`.
+
+    Example:
+
+    ```python
+    x = keras.random.normal((2, 16, 64))
+    x = x + SinusoidalPositionEncoding()(x)
+    # Decoding the 6th token on its own:
+    pe = SinusoidalPositionEncoding()(x[:, :1], start_index=5)
+    ```
+    """
+
+    def __init__(self, max_wavelength=10000, **kwargs):
+        super().__init__(**kwargs)
+        check_positive_float("max_wavelength", max_wavelength)
+        self.max_wavelength = max_wavelength
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        check_rank("inputs", _Shape(input_shape), 3)
+        if input_shape[-1] is None:
+            raise ValueError(
+                "SinusoidalPositionEncoding needs a known last (feature) dimension; got "
+                f"input shape {tuple(input_shape)}."
+            )
+        self.built = True
+
+    def _inverse_frequencies(self, dim):
+        # 1 / max_wavelength ** (2 * (j // 2) / dim) for every feature j, in float64 then
+        # rounded once to float32.
+        pair = 2.0 * (np.arange(dim) // 2)
+        return (float(self.max_wavelength) ** (-pair / dim)).astype("float32")
+
+    def call(self, inputs, start_index=0):
+        start_index = _check_start_index(start_index)
+        check_rank("inputs", inputs, 3)
+        shape = ops.shape(inputs)
+        seq_len, dim = shape[1], inputs.shape[-1]
+        positions = _positions(seq_len, start_index, "float32")
+        inv_freq = ops.convert_to_tensor(self._inverse_frequencies(dim))
+        angles = positions[:, None] * inv_freq[None, :]
+        is_even = (np.arange(dim) % 2) == 0
+        encoding = ops.where(is_even[None, :], ops.sin(angles), ops.cos(angles))
+        dtype = inputs.dtype if _is_float_dtype(inputs.dtype) else self.compute_dtype
+        encoding = ops.cast(encoding, dtype)
+        return ops.broadcast_to(encoding[None, :, :], shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"max_wavelength": self.max_wavelength})
+        return config
+
+
+# === Learned ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class PositionEmbedding(keras.layers.Layer):
+    """Learned absolute position embedding (as in BERT and GPT-2).
+
+    Holds a trainable table `embeddings` of shape `(sequence_length, dim)`, with `dim`
+    taken from the last dimension of the inputs at build time. The call returns rows
+    `start_index .. start_index + seq - 1` of the table (not added to the inputs),
+    broadcast to the inputs' shape, in the layer's compute dtype.
+
+    Args:
+        sequence_length: positive int, the maximum number of positions (table rows).
+        initializer: initializer of the table (default `"glorot_uniform"`); stored
+            serialised.
+        **kwargs: standard `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: tensor of shape `(batch, seq, dim)`; only its shape is used.
+        start_index: int or scalar integer tensor, the first position. A tensor is read
+            with `ops.slice`, so it can vary inside a compiled decoding loop; a Python int
+            is checked against `sequence_length`.
+
+    Returns:
+        Tensor of the same shape as `inputs`.
+
+    Example:
+
+    ```python
+    token_embeddings = keras.random.normal((2, 10, 32))
+    layer = PositionEmbedding(sequence_length=128)
+    x = token_embeddings + layer(token_embeddings)   # layer.embeddings.shape == (128, 32)
+    step = layer(token_embeddings[:, :1], start_index=keras.ops.convert_to_tensor(9))
+    ```
+    """
+
+    def __init__(self, sequence_length, initializer="glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        check_positive_int("sequence_length", sequence_length)
+        try:
+            initializer = serialize_initializer(initializer)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                "`initializer` must be a Keras initializer, its name or its config; "
+                f"got initializer={initializer!r}."
+            ) from error
+        self.sequence_length = sequence_length
+        self.initializer = initializer
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        check_rank("inputs", _Shape(input_shape), 3)
+        dim = input_shape[-1]
+        if dim is None:
+            raise ValueError(
+                "PositionEmbedding needs a known last (feature) dimension; got input shape "
+                f"{tuple(input_shape)}."
+            )
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.sequence_length, dim),
+            initializer=keras.initializers.get(self.initializer),
+            trainable=True,
+        )
+        self.built = True
+
+    def call(self, inputs, start_index=0):
+        start_index = _check_start_index(start_index)
+        check_rank("inputs", inputs, 3)
+        shape = ops.shape(inputs)
+        seq_len = shape[1]
+        dim = self.embeddings.shape[-1]
+        if isinstance(seq_len, int):
+            first = start_index if isinstance(start_index, int) else 0
+            if first + seq_len > self.sequence_length:
+                raise ValueError(
+                    f"start_index + sequence length must be <= sequence_length="
+                    f"{self.sequence_length}; got start_index={start_index} and inputs "
+                    f"of length {seq_len}."
+                )
+        if isinstance(start_index, int):
+            start = [start_index, 0]
+        else:
+            start = ops.stack([ops.cast(start_index, "int32"), ops.zeros((), "int32")])
+        table = ops.convert_to_tensor(self.embeddings)
+        rows = ops.slice(table, start, [seq_len, dim])
+        rows = ops.cast(rows, self.compute_dtype)
+        return ops.broadcast_to(rows[None, :, :], shape)
+
+    def compute_output_shape(self, input_shape):
+        # Declared rather than traced: symbolic tracing substitutes arbitrary lengths for
+        # unknown dimensions, which may exceed `sequence_length`.
+        return tuple(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {"sequence_length": self.sequence_length, "initializer": self.initializer}
+        )
+        return config
+
+
+# === Rotary ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class RotaryEmbedding(keras.layers.Layer):
+    """Rotary position embedding, RoPE (Su et al., 2021, "RoFormer").
+
+    Feature pairs `(x1, x2)` of each head are rotated by the angle
+    `theta_i * pos / scaling_factor` with `theta_i = max_wavelength ** (-2i / head_dim)`:
+
+        x1' = x1 * cos - x2 * sin
+        x2' = x2 * cos + x1 * sin
+
+    so that the dot product of a rotated query and key depends only on their relative
+    position. Pairing:
+
+    - `interleaved=False` (default): pairs `(i, i + head_dim / 2)`, the "rotate half"
+      convention of GPT-NeoX and Hugging Face LLaMA/Mistral/Qwen checkpoints.
+    - `interleaved=True`: pairs `(2i, 2i + 1)`, as in the paper, GPT-J and Meta's LLaMA.
+
+    `scaling_factor` divides the positions (linear position interpolation, Chen et al.
+    2023). Angles and the rotation are computed in float32; the result is cast back to the
+    inputs' dtype.
+
+    Args:
+        max_wavelength: positive number, the RoPE base (10000; LLaMA-3 uses 500000).
+        scaling_factor: positive number dividing positions (1.0 = no scaling).
+        interleaved: bool, the pairing convention (see above).
+        **kwargs: standard `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: tensor of shape `(batch, seq, heads, head_dim)` (rank 3
+            `(batch, seq, head_dim)` is accepted too); `head_dim` must be even.
+        start_index: int or scalar integer tensor, the position of the first token.
+
+    Returns:
+        Tensor with the shape and dtype of `inputs`.
+
+    Example:
+
+    ```python
+    rope = RotaryEmbedding(max_wavelength=10000)
+    q = keras.random.normal((2, 16, 8, 64))   # (batch, seq, heads, head_dim)
+    k = keras.random.normal((2, 16, 8, 64))
+    q, k = rope(q), rope(k)
+    ```
+    """
+
+    def __init__(self, max_wavelength=10000, scaling_factor=1.0, interleaved=False, **kwargs):
+        super().__init__(**kwargs)
+        check_positive_float("max_wavelength", max_wavelength)
+        check_positive_float("scaling_factor", scaling_factor)
+        _check_bool("interleaved", interleaved)
+        self.max_wavelength = max_wavelength
+        self.scaling_factor = scaling_factor
+        self.interleaved = interleaved
+
+    def _check_head_dim(self, shape):
+        check_rank("inputs", _Shape(shape), (3, 4))
+        head_dim = shape[-1]
+        if head_dim is None or head_dim % 2 != 0:
+            raise ValueError(
+                "RotaryEmbedding needs an even, known head_dim (last dimension of inputs); "
+                f"got head_dim={head_dim} for inputs of shape {tuple(shape)}."
+            )
+        return head_dim
+
+    def build(self, input_shape):
+        self._check_head_dim(input_shape)
+        self.built = True
+
+    def call(self, inputs, start_index=0):
+        start_index = _check_start_index(start_index)
+        head_dim = self._check_head_dim(inputs.shape)
+        rank = len(inputs.shape)
+        half = head_dim // 2
+        seq_len = ops.shape(inputs)[1]
+
+        inv_freq = float(self.max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)
+        inv_freq = ops.convert_to_tensor(inv_freq.astype("float32"))
+        positions = _positions(seq_len, start_index, "float32")
+        if float(self.scaling_factor) != 1.0:
+            positions = positions / float(self.scaling_factor)
+        angles = positions[:, None] * inv_freq[None, :]  # (seq, half)
+        # Broadcast over (batch, [heads]): (1, seq, [1,] half).
+        angles = ops.reshape(angles, (1, -1) + (1,) * (rank - 3) + (half,))
+        cos, sin = ops.cos(angles), ops.sin(angles)
+
+        x = ops.cast(inputs, "float32")
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x[..., :half], x[..., half:]
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        if self.interleaved:
+            y = ops.stack([y1, y2], axis=-1)
+            y = ops.reshape(y, ops.shape(inputs))
+        else:
+            y = ops.concatenate([y1, y2], axis=-1)
+        return ops.cast(y, inputs.dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "max_wavelength": self.max_wavelength,
+                "scaling_factor": self.scaling_factor,
+                "interleaved": self.interleaved,
+            }
+        )
+        return config
+
+
+# === ALiBi ===
+
+
+def alibi_slopes(num_heads):
+    """ALiBi head slopes (Press et al., 2022) as a float64 NumPy array of length `num_heads`.
+
+    For a power of two `n`, the geometric sequence `2**(-8/n * (h + 1))`, h = 0..n-1.
+    Otherwise with `m` the largest power of two below `n`: the `m`-head slopes followed by
+    every other slope of the `2m`-head sequence (starting with its first), up to `n` slopes.
+    """
+    check_positive_int("num_heads", num_heads)
+
+    def power_of_two(n):
+        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+
+    lower = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(lower)
+    if lower != num_heads:
+        slopes += power_of_two(2 * lower)[0::2][: num_heads - lower]
+    return np.asarray(slopes, dtype="float64")
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class ALiBiBias(keras.layers.Layer):
+    """Attention with Linear Biases, ALiBi (Press et al., 2022, "Train Short, Test Long").
+
+    Query `i` sits at position `start_index + i` and key `j` at position `j`. The additive
+    bias of head `h` is
+
+        bias[h, i, j] = -slope_h * (query_pos - key_pos)       (bidirectional=False)
+        bias[h, i, j] = -slope_h * |query_pos - key_pos|       (bidirectional=True)
+
+    with slopes from `alibi_slopes(num_heads)`. For causal use, keys after the query get a
+    positive bias and must be masked out by the causal mask, as in the paper. The bias is
+    always float32 (whatever the dtype policy): distances times slopes lose their ordering
+    in bfloat16 for long sequences, and the attention scores it is added to are float32.
+
+    Args:
+        num_heads: positive int, the number of attention heads.
+        bidirectional: bool, symmetric `|distance|` bias for encoders.
+        **kwargs: standard `keras.layers.Layer` arguments.
+
+    Call arguments:
+        query: tensor `(batch, q_len, ...)`; only its length is used.
+        key: tensor `(batch, k_len, ...)` or None (then `key = query`).
+        start_index: int or scalar integer tensor, the position of the first query.
+
+    Returns:
+        float32 tensor of shape `(1, num_heads, q_len, k_len)`.
+
+    Example:
+
+    ```python
+    alibi = ALiBiBias(num_heads=8)
+    x = keras.random.normal((2, 10, 8, 64))   # (batch, seq, heads, head_dim)
+    bias = alibi(x)                            # (1, 8, 10, 10)
+    alibi.slopes()                             # [0.5, 0.25, ..., 0.00390625]
+    ```
+    """
+
+    def __init__(self, num_heads, bidirectional=False, **kwargs):
+        super().__init__(**kwargs)
+        check_positive_int("num_heads", num_heads)
+        _check_bool("bidirectional", bidirectional)
+        self.num_heads = num_heads
+        self.bidirectional = bidirectional
+
+    def slopes(self):
+        """The per-head slopes as a float64 NumPy array of shape `(num_heads,)`."""
+        return alibi_slopes(self.num_heads)
+
+    def build(self, input_shape):
+        self.built = True
+
+    def call(self, query, key=None, start_index=0):
+        start_index = _check_start_index(start_index)
+        key = query if key is None else key
+        q_len, k_len = ops.shape(query)[1], ops.shape(key)[1]
+        query_pos = _positions(q_len, start_index, "float32")
+        key_pos = _positions(k_len, 0, "float32")
+        distance = query_pos[:, None] - key_pos[None, :]
+        if self.bidirectional:
+            distance = ops.abs(distance)
+        slopes = ops.convert_to_tensor(self.slopes().astype("float32"))
+        bias = -slopes[:, None, None] * distance[None, :, :]
+        return bias[None]
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"num_heads": self.num_heads, "bidirectional": self.bidirectional})
+        return config
+
+
+# === T5 relative position buckets ===
+
+
+def _check_bucket_args(bidirectional, num_buckets, max_distance):
+    _check_bool("bidirectional", bidirectional)
+    minimum = 4 if bidirectional else 2
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < minimum:
+        raise ValueError(
+            f"`num_buckets` must be an integer >= {minimum} (bidirectional={bidirectional}); "
+            f"got num_buckets={num_buckets!r}."
+        )
+    max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if (
+        isinstance(max_distance, bool)
+        or not isinstance(max_distance, int)
+        or max_distance <= max_exact
+    ):
+        raise ValueError(
+            f"`max_distance` must be an integer > {max_exact} (the number of exact buckets "
+            f"for num_buckets={num_buckets}, bidirectional={bidirectional}); got "
+            f"max_distance={max_distance!r}."
+        )
+
+
+def _bucket_table(num_buckets, max_distance):
+    """Bucket of each distance 0..max_distance for one direction with `num_buckets` buckets.
+
+    Reproduces the float32 arithmetic of Mesh TensorFlow / Hugging Face T5 on the host, with
+    every float32 operation correctly rounded, so the in-graph lookup is exact integer work
+    on every backend (the backends' own float32 `log` differ by an ulp at the bucket edges,
+    e.g. XLA on CPU, which would move a distance into the neighbouring bucket).
+    Distances >= max_distance all fall in the last bucket.
+    """
+    max_exact = num_buckets // 2
+    distance = np.arange(max_distance + 1)
+    ratio = np.maximum(distance, max_exact).astype(np.float32) / np.float32(max_exact)
+    log = np.log(ratio.astype(np.float64)).astype(np.float32)
+    scaled = log / np.float32(math.log(max_distance / max_exact))
+    scaled = scaled * np.float32(num_buckets - max_exact)
+    large = max_exact + np.trunc(scaled).astype(np.int64)
+    large = np.minimum(large, num_buckets - 1)
+    return np.where(distance < max_exact, distance, large).astype("int32")
+
+
+def relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """T5 relative-position buckets (Raffel et al., 2020), as in Mesh TensorFlow / HF T5.
+
+    `relative_position = key_pos - query_pos` (integers, any shape). If `bidirectional`,
+    half of the buckets are for positive relative positions (offset `num_buckets // 2`)
+    and `|relative_position|` is bucketed in the other half; otherwise only non-positive
+    relative positions are distinguished (`-min(relative_position, 0)`). Of the buckets
+    left, half hold the exact small distances and the rest are log-spaced up to
+    `max_distance`; larger distances share the last bucket.
+
+    Returns an int32 tensor of the input's shape with values in `[0, num_buckets)`, equal
+    to `transformers`' `T5Attention._relative_position_bucket`.
+
+    Example:
+
+    ```python
+    rel = keras.ops.arange(8)[None, :] - keras.ops.arange(8)[:, None]
+    buckets = relative_position_bucket(rel, bidirectional=True, num_buckets=32,
+                                       max_distance=128)
+    ```
+    """
+    _check_bucket_args(bidirectional, num_buckets, max_distance)
+    relative_position = ops.cast(relative_position, "int32")
+    if bidirectional:
+        num_buckets //= 2
+        offset = ops.cast(ops.greater(relative_position, 0), "int32") * num_buckets
+        distance = ops.abs(relative_position)
+    else:
+        offset = None
+        distance = -ops.minimum(relative_position, 0)
+    table = ops.convert_to_tensor(_bucket_table(num_buckets, max_distance))
+    buckets = ops.take(table, ops.minimum(distance, max_distance), axis=0)
+    return buckets if offset is None else buckets + offset
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class RelativePositionBias(keras.layers.Layer):
+    """T5 relative position bias (Raffel et al., 2020, "Exploring the Limits of Transfer
+    Learning with a Unified Text-to-Text Transformer").
+
+    A learned table `embeddings` of shape `(num_buckets, num_heads)` (the layout of Hugging
+    Face's `relative_attention_bias.weight`, so checkpoints copy over as they are). Query
+    `i` sits at position `start_index + i` and key `j` at `j`; the bias of head `h` is
+    `embeddings[relative_position_bucket(key_pos - query_pos), h]`.
+
+    Args:
+        num_heads: positive int.
+        num_buckets: int, number of buckets (>= 2; >= 4 when bidirectional). T5: 32.
+        max_distance: int, distances from here on share the last bucket. T5: 128.
+        bidirectional: bool, True for encoders, False for causal decoders.
+        embeddings_initializer: initializer of the table (default
+            `RandomNormal(stddev=0.05)`, close to T5's `d_model ** -0.5`); stored serialised.
+        **kwargs: standard `keras.layers.Layer` arguments.
+
+    Call arguments:
+        query: tensor `(batch, q_len, ...)`; only its length is used.
+        key: tensor `(batch, k_len, ...)` or None (then `key = query`).
+        start_index: int or scalar integer tensor, the position of the first query.
+
+    Returns:
+        Tensor of shape `(1, num_heads, q_len, k_len)` in the layer's compute dtype.
+
+    Example:
+
+    ```python
+    bias_layer = RelativePositionBias(num_heads=8, bidirectional=True)
+    x = keras.random.normal((2, 10, 512))
+    bias = bias_layer(x)        # (1, 8, 10, 10); bias_layer.embeddings.shape == (32, 8)
+    ```
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        num_buckets=32,
+        max_distance=128,
+        bidirectional=True,
+        embeddings_initializer=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_positive_int("num_heads", num_heads)
+        _check_bucket_args(bidirectional, num_buckets, max_distance)
+        if embeddings_initializer is None:
+            embeddings_initializer = keras.initializers.RandomNormal(stddev=0.05)
+        try:
+            embeddings_initializer = serialize_initializer(embeddings_initializer)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                "`embeddings_initializer` must be a Keras initializer, its name or its "
+                f"config; got embeddings_initializer={embeddings_initializer!r}."
+            ) from error
+        self.num_heads = num_heads
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.embeddings_initializer = embeddings_initializer
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.num_buckets, self.num_heads),
+            initializer=keras.initializers.get(self.embeddings_initializer),
+            trainable=True,
+        )
+        self.built = True
+
+    def call(self, query, key=None, start_index=0):
+        start_index = _check_start_index(start_index)
+        key = query if key is None else key
+        q_len, k_len = ops.shape(query)[1], ops.shape(key)[1]
+        query_pos = _positions(q_len, start_index)
+        key_pos = _positions(k_len, 0)
+        relative = key_pos[None, :] - query_pos[:, None]
+        buckets = relative_position_bucket(
+            relative, self.bidirectional, self.num_buckets, self.max_distance
+        )
+        values = ops.take(self.embeddings, buckets, axis=0)  # (q, k, heads)
+        values = ops.transpose(values, (2, 0, 1))[None]
+        return ops.cast(values, self.compute_dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "num_buckets": self.num_buckets,
+                "max_distance": self.max_distance,
+                "bidirectional": self.bidirectional,
+                "embeddings_initializer": self.embeddings_initializer,
+            }
+        )
+        return config
