@@ -186,7 +186,8 @@ class PositionEmbedding(keras.layers.Layer):
         inputs: tensor of shape `(batch, seq, dim)`; only its shape is used.
         start_index: int or scalar integer tensor, the first position. A tensor is read
             with `ops.slice`, so it can vary inside a compiled decoding loop; a Python int
-            is checked against `sequence_length`.
+            is checked against `sequence_length`, a tensor cannot be (out of range, JAX
+            clamps the slice while TensorFlow and torch raise).
 
     Returns:
         Tensor of the same shape as `inputs`.
