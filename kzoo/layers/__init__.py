@@ -18,3 +18,18 @@ from kzoo.layers.masks import (  # noqa: F401
     padding_mask,
     sliding_window_mask,
 )
+from kzoo.layers.attention import MultiHeadAttention  # noqa: F401,E402
+from kzoo.layers.blocks import TransformerBlock  # noqa: F401,E402
+from kzoo.layers.embedding import PatchEmbedding, TokenEmbedding  # noqa: F401,E402
+from kzoo.layers.feedforward import FeedForward, GatedFeedForward, get_activation  # noqa: F401,E402
+from kzoo.layers.moe import MixtureOfExperts  # noqa: F401,E402
+from kzoo.layers.norm import RMSNorm  # noqa: F401,E402
+from kzoo.layers.position import (  # noqa: F401,E402
+    ALiBiBias,
+    PositionEmbedding,
+    RelativePositionBias,
+    RotaryEmbedding,
+    SinusoidalPositionEncoding,
+    alibi_slopes,
+    relative_position_bucket,
+)

@@ -201,7 +201,8 @@ class TransformerBlock(keras.layers.Layer):
 
         return FeedForward(dropout=self.dropout, **initializers, **common)
 
-    def build(self, input_shape, encoder_shape=None):
+    def build(self, inputs_shape, encoder_outputs_shape=None):
+        input_shape, encoder_shape = inputs_shape, encoder_outputs_shape
         self.self_attention.build(input_shape)
         self.self_attention_norm.build(input_shape)
         if self.cross_attention:
