@@ -1,0 +1,213 @@
+"""The callbacks every recipe trains with (see `training.loop`).
+
+They share one `RunState` (global step, per-epoch history, best value, divergence):
+
+- `StepCheckpoint`: a full training checkpoint every `save_every` steps and at every
+  epoch end (`training.checkpoint`: atomic, exact, refuses non-finite losses);
+- `BestModel`: the model with the best validation value so far, as a preset directory
+  (`kzoo.presets.save`), like `ModelCheckpoint(save_best_only=True)` but resumable;
+- `NaNGuard`: stops at the first non-finite loss and records where (used with Keras'
+  `TerminateOnNaN`), so that the run ends with a clear error and saves nothing broken;
+- `RestoreMetrics`: puts the running metric averages of a checkpoint taken mid-epoch
+  back at the start of the resumed epoch;
+- `PlotCurves`: regenerates the PNG of the curves at every epoch end;
+- `EpochProgbar`: Keras' progress bar, numbering epochs over the whole run (the loop
+  calls `fit` once per epoch).
+"""
+
+import math
+
+import keras
+import numpy as np
+
+from training import checkpoint
+from training.plot import plot_history
+
+
+class RunState:
+    """What the callbacks share and the checkpoints carry."""
+
+    def __init__(self):
+        self.step = 0
+        self.segment_start = 0
+        self.epoch_end_step = 0
+        self.history = []
+        self.best = None
+        self.best_epoch = None
+        self.best_step = None
+        self.diverged = None
+        self.wall_time_before = 0.0
+        self.last_checkpoint_step = None
+
+    def to_meta(self):
+        return {
+            "step": self.step,
+            "history": self.history,
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "best_step": self.best_step,
+        }
+
+    def load_meta(self, meta):
+        self.step = int(meta["step"])
+        self.history = list(meta.get("history", []))
+        self.best = meta.get("best")
+        self.best_epoch = meta.get("best_epoch")
+        self.best_step = meta.get("best_step")
+        self.last_checkpoint_step = self.step
+
+
+def _finite(value):
+    try:
+        return value is not None and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def weights_finite(model):
+    checkpoint._sync(model)
+    return all(
+        np.isfinite(np.asarray(keras.ops.convert_to_numpy(v.value), np.float64)).all()
+        for v in model.trainable_variables
+    )
+
+
+def _plain_logs(logs):
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+class NaNGuard(keras.callbacks.Callback):
+    """Stop training at the first non-finite loss; remember the step and the value."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not _finite(loss):
+            step = self.state.segment_start + batch + 1
+            self.state.diverged = {"step": step, "loss": float(loss), "where": "training"}
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        for key in ("loss", "val_loss"):
+            value = (logs or {}).get(key)
+            if value is not None and not _finite(value) and self.state.diverged is None:
+                self.state.diverged = {"step": self.state.step, "loss": float(value),
+                                       "where": key}
+                self.model.stop_training = True
+
+
+class RestoreMetrics(keras.callbacks.Callback):
+    """At the first epoch of a resumed run, put the saved running metric states back."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.pending is not None:
+            checkpoint.assign_metrics(self.model, self.pending)
+            self.pending = None
+
+
+class BestModel(keras.callbacks.Callback):
+    """Save the model (`kzoo.presets.save`) whenever `monitor` improves."""
+
+    def __init__(self, state, directory, monitor, mode, save_fn):
+        super().__init__()
+        if mode not in ("min", "max"):
+            raise ValueError(f"`mode` must be 'min' or 'max'; got mode={mode!r}.")
+        self.state = state
+        self.directory = directory
+        self.monitor = monitor
+        self.mode = mode
+        self.save_fn = save_fn
+
+    def better(self, value):
+        if self.state.best is None:
+            return True
+        return value < self.state.best if self.mode == "min" else value > self.state.best
+
+    def on_epoch_end(self, epoch, logs=None):
+        value = (logs or {}).get(self.monitor)
+        if not _finite(value) or self.state.diverged is not None:
+            return
+        value = float(value)
+        if self.better(value) and weights_finite(self.model):
+            self.save_fn(self.model, self.directory)
+            self.state.best = value
+            self.state.best_epoch = epoch + 1
+            self.state.best_step = self.state.step
+
+
+class StepCheckpoint(keras.callbacks.Callback):
+    """A training checkpoint every `save_every` steps and at the end of every epoch."""
+
+    def __init__(self, state, directory, save_every, fingerprint, extra_meta=None, keep=2):
+        super().__init__()
+        self.state = state
+        self.directory = directory
+        self.save_every = int(save_every)
+        self.fingerprint = fingerprint
+        self.extra_meta = extra_meta or (lambda: {})
+        self.keep = keep
+
+    def _save(self, metrics_state):
+        meta = self.state.to_meta()
+        meta["fingerprint"] = self.fingerprint
+        meta.update(self.extra_meta())
+        checkpoint.save(self.directory, self.model, meta, metrics_state=metrics_state,
+                        keep=self.keep)
+        self.state.last_checkpoint_step = self.state.step
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.state.segment_start + batch + 1
+        self.state.step = step
+        if self.state.diverged is not None or not _finite((logs or {}).get("loss")):
+            return
+        if step % self.save_every == 0 and step < self.state.epoch_end_step:
+            self._save(metrics_state=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        row = {"epoch": epoch + 1, "step": self.state.step}
+        row.update(_plain_logs(logs))
+        if self.state.diverged is not None or not _finite(row.get("loss")):
+            return
+        self.state.history.append(row)
+        self._save(metrics_state=False)
+
+
+class PlotCurves(keras.callbacks.Callback):
+    """Redraw the curves PNG from the run's history at every epoch end."""
+
+    def __init__(self, state, path, title=None):
+        super().__init__()
+        self.state = state
+        self.path = path
+        self.title = title
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.state.history:
+            plot_history(self.state.history, self.path, self.title)
+
+
+class EpochProgbar(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar with "Epoch k/N" counted over the whole run."""
+
+    def __init__(self, total_epochs):
+        super().__init__()
+        self.total_epochs = int(total_epochs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._reset_progbar()
+        self._maybe_init_progbar()
+        if self.verbose:
+            print(f"Epoch {epoch + 1}/{self.total_epochs}", flush=True)

@@ -1,0 +1,213 @@
+"""Exact, crash-safe training checkpoints.
+
+A checkpoint is one `.npz` file holding everything that decides how training continues:
+
+- every model variable (`model.variables`: weights, non-trainable state and the dropout
+  `SeedGenerator` states), every optimizer variable (moments, the iteration counter that
+  drives the learning-rate schedule) and, for a checkpoint taken mid-epoch, the running
+  state of the epoch's metrics (so the resumed epoch logs the same averages);
+- a JSON record: the global step, the per-epoch history (what the CSV log and the plot
+  are rebuilt from), the best validation value so far, the wall time spent, and a
+  fingerprint of the run's configuration (a checkpoint of another configuration is
+  refused, not silently loaded).
+
+The data a step sees is a function of the seed and the step (see `training.data`), so
+model + optimizer + step is the whole training state.
+
+Crash safety: a checkpoint is written to a temporary name in the same directory, flushed
+and fsync'ed, then renamed with `os.replace` (atomic on POSIX), and only then are older
+checkpoints removed (the newest `keep` stay). Only names `ckpt-<8 digits>.npz` are ever
+read, so a temporary file left by a killed save is ignored; a checkpoint that does not
+load (truncated, garbage, wrong model) is skipped with a warning in favour of the
+previous one.
+"""
+
+import io
+import json
+import os
+import re
+import warnings
+import zipfile
+
+import keras
+import numpy as np
+
+CHECKPOINT_RE = re.compile(r"^ckpt-(\d{8})\.npz$")
+META_KEY = "__meta__"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be used for this run."""
+
+
+def checkpoint_name(step):
+    return f"ckpt-{int(step):08d}.npz"
+
+
+def list_checkpoints(directory):
+    """`[(step, path)]` of the well-named checkpoints in `directory`, newest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = CHECKPOINT_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found, reverse=True)
+
+
+def _to_numpy(variable):
+    return np.asarray(keras.ops.convert_to_numpy(variable.value))
+
+
+def _sync(model):
+    """On JAX, `fit` keeps the training state outside the model between batches."""
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None and keras.backend.backend() == "jax":
+        sync()
+
+
+def save(directory, model, meta, metrics_state=False, keep=2):
+    """Write a checkpoint of `model` (and its optimizer) at `meta["step"]`; return its path.
+
+    Args:
+        directory: the checkpoint directory (created if missing).
+        model: a compiled model whose optimizer is built.
+        meta: JSON-serialisable dict; must contain `step`.
+        metrics_state: also store the model's metric variables (mid-epoch checkpoints).
+        keep: how many checkpoints to keep (the newest).
+    """
+    os.makedirs(directory, exist_ok=True)
+    _sync(model)
+    arrays = {}
+    for i, v in enumerate(model.variables):
+        arrays[f"model/{i}"] = _to_numpy(v)
+    for i, v in enumerate(model.optimizer.variables):
+        arrays[f"optimizer/{i}"] = _to_numpy(v)
+    meta = dict(meta)
+    meta["num_model_variables"] = len(model.variables)
+    meta["num_optimizer_variables"] = len(model.optimizer.variables)
+    meta["model_shapes"] = [list(np.shape(a)) for k, a in arrays.items()
+                            if k.startswith("model/")]
+    if metrics_state:
+        metric_vars = model.metrics_variables
+        for i, v in enumerate(metric_vars):
+            arrays[f"metrics/{i}"] = _to_numpy(v)
+        meta["num_metrics_variables"] = len(metric_vars)
+    else:
+        meta["num_metrics_variables"] = None
+    arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
+
+    final = os.path.join(directory, checkpoint_name(meta["step"]))
+    tmp = os.path.join(directory, f".{checkpoint_name(meta['step'])}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    for _, path in list_checkpoints(directory)[keep:]:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+    return final
+
+
+def _fsync_dir(directory):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - not on every platform
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def read(path):
+    """`(meta, arrays)` of one checkpoint file; raises on any damage."""
+    with open(path, "rb") as f:
+        data = f.read()
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    if META_KEY not in arrays:
+        raise CheckpointError(f"{path}: no metadata record.")
+    meta = json.loads(arrays.pop(META_KEY).tobytes().decode("utf-8"))
+    return meta, arrays
+
+
+def _check_compatible(path, meta, arrays, model, fingerprint):
+    if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+        changed = sorted(
+            k for k in set(fingerprint) | set(meta.get("fingerprint") or {})
+            if (meta.get("fingerprint") or {}).get(k) != fingerprint.get(k)
+        )
+        raise CheckpointError(
+            f"{path} belongs to a run with another configuration (differs in {changed}). "
+            "Use another --out directory, or --fresh to discard its checkpoints."
+        )
+    variables = model.variables
+    if meta["num_model_variables"] != len(variables):
+        raise CheckpointError(
+            f"{path} holds {meta['num_model_variables']} model variables; the model has "
+            f"{len(variables)}."
+        )
+    for i, v in enumerate(variables):
+        if tuple(arrays[f"model/{i}"].shape) != tuple(v.shape):
+            raise CheckpointError(
+                f"{path}: variable {i} ({v.path}) has shape {arrays[f'model/{i}'].shape} "
+                f"in the checkpoint and {tuple(v.shape)} in the model."
+            )
+    if meta["num_optimizer_variables"] != len(model.optimizer.variables):
+        raise CheckpointError(
+            f"{path} holds {meta['num_optimizer_variables']} optimizer variables; the "
+            f"optimizer has {len(model.optimizer.variables)}."
+        )
+
+
+def restore(path, model, fingerprint=None):
+    """Load checkpoint `path` into `model` and its (built) optimizer; return
+    `(meta, metrics_arrays or None)`. Raises `CheckpointError` / IO errors on damage."""
+    meta, arrays = read(path)
+    _check_compatible(path, meta, arrays, model, fingerprint)
+    for i, v in enumerate(model.variables):
+        v.assign(arrays[f"model/{i}"].astype(v.dtype))
+    for i, v in enumerate(model.optimizer.variables):
+        v.assign(arrays[f"optimizer/{i}"].astype(v.dtype))
+    metrics = None
+    if meta.get("num_metrics_variables") is not None:
+        metrics = [arrays[f"metrics/{i}"] for i in range(meta["num_metrics_variables"])]
+    return meta, metrics
+
+
+def restore_latest(directory, model, fingerprint=None):
+    """Restore the newest loadable checkpoint of `directory`; `(meta, metrics)` or None.
+
+    A damaged file is skipped with a warning (the previous checkpoint is used); a
+    checkpoint of another configuration raises `CheckpointError`.
+    """
+    for step, path in list_checkpoints(directory):
+        try:
+            return restore(path, model, fingerprint)
+        except CheckpointError as error:
+            if "another configuration" in str(error):
+                raise
+            warnings.warn(f"Skipping unusable checkpoint {path}: {error}", stacklevel=2)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
+                json.JSONDecodeError, UnicodeDecodeError) as error:
+            warnings.warn(f"Skipping damaged checkpoint {path}: {type(error).__name__}: "
+                          f"{error}", stacklevel=2)
+    return None
+
+
+def assign_metrics(model, values):
+    """Put saved metric states back (the running averages of a resumed epoch)."""
+    variables = model.metrics_variables
+    if len(variables) != len(values):
+        return False
+    for v, value in zip(variables, values):
+        v.assign(np.asarray(value).astype(v.dtype))
+    return True

@@ -1,0 +1,203 @@
+"""`python -m training <recipe> [options]`: the command line of the training recipes."""
+
+import argparse
+import json
+import os
+import sys
+
+from training.recipes import RECIPES, recipe_module
+
+EXIT_DIVERGED = 3
+
+
+def _positive_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a positive integer; got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer; got {text!r}")
+        return value
+    return parse
+
+
+def _non_negative_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a non-negative integer; got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a non-negative integer; got {text!r}")
+        return value
+    return parse
+
+
+def _float(name, low=None, high=None, low_open=False, high_open=False):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number; got {text!r}") from None
+        if value != value or (low is not None and (value < low or (low_open and value == low))) \
+                or (high is not None and (value > high or (high_open and value == high))):
+            lo = "(" if low_open else "["
+            hi = ")" if high_open else "]"
+            raise argparse.ArgumentTypeError(
+                f"{name} must be in {lo}{low}, {'inf' if high is None else high}{hi}; "
+                f"got {text!r}")
+        return value
+    return parse
+
+
+def _override(text):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(
+            f"--override must look like KEY=VALUE (VALUE parsed as JSON); got {text!r}")
+    key, value = text.split("=", 1)
+    if not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"--override key must be a name; got {key!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key, parsed
+
+
+def _preset(text):
+    import kzoo
+
+    names = kzoo.presets.list()
+    if text in names or os.path.isdir(text):
+        return text
+    import difflib
+
+    close = difflib.get_close_matches(text, names, n=3, cutoff=0.4)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise argparse.ArgumentTypeError(
+        f"unknown preset {text!r}{hint}; choose one of {names} or a saved preset directory")
+
+
+def _common_arguments(parser, defaults):
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int("--steps"),
+                        help="optimizer steps to train for")
+    length.add_argument("--epochs", type=_positive_int("--epochs"),
+                        help="passes over the training data (default: "
+                             f"{defaults.get('epochs', '-')}; steps: "
+                             f"{defaults.get('steps', '-')})")
+    parser.add_argument("--preset", type=_preset,
+                        help=f"kzoo preset or saved preset directory (default: "
+                             f"{defaults.get('preset')})")
+    parser.add_argument("--batch-size", type=_positive_int("--batch-size"),
+                        help=f"examples per step (default: {defaults.get('batch_size', 32)})")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="compute in bfloat16 (dtype policy mixed_bfloat16)")
+    parser.add_argument("--out", help="output directory (default: runs/<recipe>)")
+    parser.add_argument("--seed", type=_non_negative_int("--seed"), default=0,
+                        help="seed of the initialisation, data order, masking, dropout")
+    parser.add_argument("--learning-rate", type=_float("--learning-rate", 0, low_open=True),
+                        help="peak learning rate of the WarmupInverseSqrt schedule "
+                             f"(default: {defaults.get('learning_rate', 1e-3)})")
+    parser.add_argument("--warmup-steps", type=_positive_int("--warmup-steps"),
+                        help=f"warmup steps (default: {defaults.get('warmup_steps', 100)})")
+    parser.add_argument("--weight-decay", type=_float("--weight-decay", 0),
+                        help="AdamW weight decay")
+    parser.add_argument("--clipnorm", type=_float("--clipnorm", 0),
+                        help="clip gradients to this global norm (0: no clipping; default 1)")
+    parser.add_argument("--label-smoothing", type=_float("--label-smoothing", 0, 1,
+                                                         high_open=True),
+                        help="label smoothing of the cross-entropy")
+    parser.add_argument("--save-every", type=_positive_int("--save-every"),
+                        help="checkpoint every N steps (and at every epoch end)")
+    parser.add_argument("--max-epoch-steps", type=_positive_int("--max-epoch-steps"),
+                        help="validate/log at least every N steps (default 200)")
+    parser.add_argument("--override", type=_override, action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="preset config override, repeatable, e.g. --override num_layers=2")
+    parser.add_argument("--fresh", action="store_true",
+                        help="discard the checkpoints and outputs in --out and start over")
+    parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
+                        help="0 silent, 1 progress bar (default), 2 one line per epoch")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m training",
+        description="Train kzoo models on real data that ships with Python packages. "
+                    "Each run writes a CSV log, a PNG of the curves, metrics.json, "
+                    "checkpoints (resumed automatically) and the model as a preset "
+                    "directory into --out.",
+    )
+    sub = parser.add_subparsers(dest="recipe", metavar="recipe", required=True,
+                                title="recipes", help="one of: " + ", ".join(RECIPES))
+    for name in RECIPES:
+        module = recipe_module(name)
+        recipe_parser = sub.add_parser(name, help=module.HELP.replace("%", "%%"),
+                                       description=module.__doc__.replace("%", "%%"),
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+        _common_arguments(recipe_parser, module.DEFAULTS)
+        module.add_arguments(recipe_parser)
+    return parser
+
+
+COMMON = {"recipe", "steps", "epochs", "preset", "batch_size", "mixed_precision", "out",
+          "seed", "learning_rate", "warmup_steps", "weight_decay", "clipnorm",
+          "label_smoothing", "save_every", "max_epoch_steps", "override", "fresh", "verbose"}
+
+
+def config_from_args(args):
+    """A `RunConfig` from parsed arguments and the recipe's defaults."""
+    from training.loop import RunConfig
+
+    module = recipe_module(args.recipe)
+    defaults = dict(module.DEFAULTS)
+    overrides = dict(defaults.pop("overrides", {}))
+    options = dict(defaults.pop("options", {}))
+    overrides.update(dict(args.override))
+    for key, value in vars(args).items():
+        if key not in COMMON:
+            options[key] = value
+    values = dict(defaults)
+    for key in ("preset", "batch_size", "learning_rate", "warmup_steps", "weight_decay",
+                "clipnorm", "label_smoothing", "save_every", "max_epoch_steps"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    if args.steps is not None or args.epochs is not None:
+        values["steps"], values["epochs"] = args.steps, args.epochs
+    elif "steps" not in values and "epochs" not in values:
+        values["epochs"] = 1
+    return RunConfig(
+        recipe=args.recipe,
+        out=args.out or os.path.join("runs", args.recipe),
+        seed=args.seed,
+        mixed_precision=args.mixed_precision,
+        overrides=overrides,
+        options=options,
+        fresh=args.fresh,
+        verbose=args.verbose,
+        **values,
+    )
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from training.loop import TrainingDiverged
+    from training.checkpoint import CheckpointError
+
+    module = recipe_module(args.recipe)
+    try:
+        cfg = config_from_args(args)
+        module.train(cfg)
+    except TrainingDiverged as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

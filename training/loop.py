@@ -1,0 +1,322 @@
+"""The training harness every recipe uses: `RunConfig` and `run(...)`.
+
+`run` compiles the model with AdamW on a `kzoo.schedules.WarmupInverseSqrt` schedule and
+gradient clipping, trains it with `model.fit` (Keras' progress bar, `CSVLogger`,
+`TerminateOnNaN` and the callbacks of `training.callbacks`), and writes into `cfg.out`:
+
+- `log.csv`: one row per epoch (Keras' `CSVLogger`, appending when a run resumes);
+- `curves.png`: the loss and metric curves, redrawn at every epoch end and at the end;
+- `metrics.json`: the final metrics (`"metrics"`) and facts about the run (`"run"`);
+- `model/`: the trained model as a preset directory (`kzoo.presets.load("<out>/model")`);
+- `best/`: the model at the best validation value;
+- `checkpoints/`: training checkpoints (every `save_every` steps and every epoch end).
+
+Epochs: an epoch is one pass over the training data (`task.steps_per_epoch` steps), or
+`max_epoch_steps` steps if a pass is longer; `--steps N` ends the run after `N` steps (the
+last epoch may be shorter). The loop calls `fit` once per epoch, on the arrays of exactly
+that epoch's steps (see `training.data`), so a run resumed from a checkpoint taken in the
+middle of an epoch continues with the very batches it would have seen. Re-running a
+finished run's command re-evaluates the final model and rewrites its outputs.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+
+import keras
+import numpy as np
+
+import kzoo.presets
+from kzoo.schedules import WarmupInverseSqrt
+from training import callbacks as cb
+from training import checkpoint
+from training.plot import plot_history
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; nothing broken was saved."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything that defines a run (the CLI fills it; recipes provide defaults)."""
+
+    recipe: str
+    out: str
+    preset: str = None
+    steps: int = None
+    epochs: int = None
+    batch_size: int = 32
+    seed: int = 0
+    mixed_precision: bool = False
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    clipnorm: float = 1.0
+    label_smoothing: float = 0.0
+    save_every: int = 100
+    max_epoch_steps: int = 200
+    overrides: dict = dataclasses.field(default_factory=dict)
+    options: dict = dataclasses.field(default_factory=dict)
+    fresh: bool = False
+    verbose: int = 1
+
+    def fingerprint(self):
+        """What a checkpoint must agree on to be resumed (not the run length)."""
+        keys = ("recipe", "preset", "batch_size", "seed", "mixed_precision", "learning_rate",
+                "warmup_steps", "weight_decay", "clipnorm", "label_smoothing",
+                "max_epoch_steps", "overrides", "options")
+        out = {k: getattr(self, k) for k in keys}
+        out["backend"] = keras.backend.backend()
+        return json.loads(json.dumps(out, sort_keys=True, default=str))
+
+    @property
+    def dtype(self):
+        return "mixed_bfloat16" if self.mixed_precision else "float32"
+
+
+def set_seed(seed):
+    """Seed Python, NumPy and the backend (and make TensorFlow's kernels deterministic)."""
+    keras.utils.set_random_seed(int(seed))
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        try:
+            tf.config.experimental.enable_op_determinism()
+        except (AttributeError, RuntimeError):  # pragma: no cover - old TF
+            pass
+
+
+def make_optimizer(cfg):
+    """AdamW on warmup + inverse-square-root decay, global-norm gradient clipping; no
+    weight decay on biases, norms and embeddings' position tables."""
+    optimizer = keras.optimizers.AdamW(
+        learning_rate=WarmupInverseSqrt(peak_learning_rate=float(cfg.learning_rate),
+                                        warmup_steps=int(cfg.warmup_steps)),
+        weight_decay=float(cfg.weight_decay),
+        beta_1=0.9,
+        beta_2=0.98,
+        epsilon=1e-9 if not cfg.mixed_precision else 1e-6,
+        clipnorm=float(cfg.clipnorm) if cfg.clipnorm else None,
+    )
+    optimizer.exclude_from_weight_decay(
+        var_names=["bias", "gamma", "beta", "norm", "scale", "position", "token"])
+    return optimizer
+
+
+def total_steps(cfg, task):
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise ValueError("Give --steps or --epochs, not both.")
+    if cfg.steps is not None:
+        return int(cfg.steps)
+    return int(cfg.epochs) * task.steps_per_epoch
+
+
+def _write_json(path, data):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_default(obj):
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def _rewrite_csv(path, history):
+    """The CSV log as `CSVLogger` writes it, rebuilt from a checkpoint's history."""
+    import csv
+
+    if not history:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    keys = sorted({k for row in history for k in row if k not in ("epoch", "step")})
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["epoch"] + keys)
+        writer.writeheader()
+        for row in history:
+            writer.writerow({"epoch": row["epoch"] - 1, **{k: row.get(k, "NA") for k in keys}})
+    os.replace(tmp, path)
+
+
+def save_model(model, directory, extra_files=None):
+    """`kzoo.presets.save` plus the recipe's extra files (e.g. the tokenizer)."""
+    kzoo.presets.save(model, directory)
+    for writer in extra_files or ():
+        writer(directory)
+    return directory
+
+
+def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report=None,
+        extra_files=None, extra_run_info=None):
+    """Train `model` on `task` as `cfg` says; write the outputs; return the metrics dict.
+
+    Args:
+        cfg: a `RunConfig`.
+        model: the (uncompiled) kzoo task model.
+        task: a `training.data.Task`.
+        loss, metrics: for `compile`.
+        monitor, mode: the validation value that picks the best model ("val_accuracy",
+            "max").
+        evaluate: `evaluate(model, task) -> dict` of final metrics (test set, generation).
+        report: `report(model, task, metrics)` prints samples at the end.
+        extra_files: callables `f(directory)` writing files next to a saved model.
+        extra_run_info: dict added to the `"run"` record of `metrics.json`.
+
+    Raises:
+        TrainingDiverged: the loss became NaN/inf (no final model or checkpoint is written
+            from the broken weights).
+    """
+    started = time.time()
+    out = cfg.out
+    ckpt_dir = os.path.join(out, "checkpoints")
+    if cfg.fresh and os.path.isdir(out):
+        for name in ("checkpoints", "best", "model", "log.csv", "curves.png", "metrics.json"):
+            path = os.path.join(out, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    os.makedirs(out, exist_ok=True)
+    paths = {
+        "csv": os.path.join(out, "log.csv"),
+        "plot": os.path.join(out, "curves.png"),
+        "metrics": os.path.join(out, "metrics.json"),
+        "model": os.path.join(out, "model"),
+        "best": os.path.join(out, "best"),
+        "checkpoints": ckpt_dir,
+    }
+
+    steps_total = total_steps(cfg, task)
+    if steps_total <= 0:
+        raise ValueError(f"The run needs at least one step; got {steps_total}.")
+    epoch_steps = max(1, min(task.steps_per_epoch, int(cfg.max_epoch_steps)))
+    num_epochs = math.ceil(steps_total / epoch_steps)
+
+    model.compile(optimizer=make_optimizer(cfg), loss=loss, metrics=metrics)
+    model.optimizer.build(model.trainable_variables)
+
+    state = cb.RunState()
+    fingerprint = cfg.fingerprint()
+    restored = checkpoint.restore_latest(ckpt_dir, model, fingerprint)
+    restore_metrics = cb.RestoreMetrics()
+    resumed_from = None
+    if restored is not None:
+        meta, metric_values = restored
+        state.load_meta(meta)
+        state.wall_time_before = float(meta.get("wall_time_s", 0.0))
+        resumed_from = state.step
+        if state.step % epoch_steps and metric_values is not None:
+            restore_metrics.pending = metric_values
+        if cfg.verbose:
+            print(f"Resuming {cfg.recipe} from step {state.step} "
+                  f"(checkpoint in {ckpt_dir}).", flush=True)
+        _rewrite_csv(paths["csv"], state.history)
+    elif os.path.exists(paths["csv"]):
+        os.remove(paths["csv"])  # a log without checkpoints belongs to no resumable run
+    if state.step > steps_total:
+        raise ValueError(
+            f"The checkpoint in {ckpt_dir} is at step {state.step}, past the requested "
+            f"{steps_total} steps; use --fresh (or another --out) to start over."
+        )
+
+    def extra_meta():
+        return {"wall_time_s": state.wall_time_before + (time.time() - started)}
+
+    callbacks = [
+        restore_metrics,
+        cb.NaNGuard(state),
+        keras.callbacks.TerminateOnNaN(),
+        cb.BestModel(state, paths["best"], monitor, mode,
+                     lambda m, d: save_model(m, d, extra_files)),
+        cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint, extra_meta),
+        keras.callbacks.CSVLogger(paths["csv"], append=True),
+        cb.PlotCurves(state, paths["plot"], title=f"{cfg.recipe} ({keras.backend.backend()})"),
+    ]
+    if cfg.verbose:
+        callbacks.append(cb.EpochProgbar(num_epochs))
+
+    validation = task.validation
+    while state.step < steps_total:
+        epoch = state.step // epoch_steps
+        stop = min((epoch + 1) * epoch_steps, steps_total)
+        state.segment_start = state.step
+        state.epoch_end_step = stop
+        x, y, w = task.segment(state.step, stop)
+        model.fit(
+            x, y, sample_weight=w, batch_size=task.batch_size, epochs=epoch + 1,
+            initial_epoch=epoch, shuffle=False, validation_data=validation,
+            validation_batch_size=task.batch_size, callbacks=callbacks,
+            verbose=cfg.verbose,
+        )
+        if state.diverged is not None:
+            d = state.diverged
+            raise TrainingDiverged(
+                f"{cfg.recipe}: the {d['where']} loss became {d['loss']} at step "
+                f"{d['step']} (learning rate peak {cfg.learning_rate}); training stopped "
+                "and no model was saved from the diverged weights. The last good "
+                f"checkpoint is step {state.last_checkpoint_step} in {ckpt_dir}. Lower "
+                "--learning-rate or check the data."
+            )
+        state.step = stop
+
+    if not cb.weights_finite(model):
+        raise TrainingDiverged(
+            f"{cfg.recipe}: the weights contain NaN/inf after training; refusing to save "
+            "the model. Lower --learning-rate."
+        )
+    final = {}
+    if state.history:
+        last = state.history[-1]
+        final.update({k: v for k, v in last.items() if k.startswith("val_")})
+        final["loss"] = last.get("loss")
+    if evaluate is not None:
+        final.update(evaluate(model, task))
+    bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise TrainingDiverged(
+            f"{cfg.recipe}: final metrics {bad} are not finite ({ {k: final[k] for k in bad} }); "
+            "refusing to save the model."
+        )
+    save_model(model, paths["model"], extra_files)
+    if state.history:
+        plot_history(state.history, paths["plot"],
+                     title=f"{cfg.recipe} ({keras.backend.backend()})")
+    wall = state.wall_time_before + (time.time() - started)
+    record = {
+        "metrics": final,
+        "best": {"monitor": monitor, "value": state.best, "epoch": state.best_epoch,
+                 "step": state.best_step},
+        "run": {
+            "recipe": cfg.recipe,
+            "preset": cfg.preset,
+            "backend": keras.backend.backend(),
+            "steps": steps_total,
+            "epochs": num_epochs,
+            "steps_per_epoch": epoch_steps,
+            "batch_size": task.batch_size,
+            "seed": cfg.seed,
+            "dtype": cfg.dtype,
+            "params": int(model.count_params()),
+            "wall_time_s": round(wall, 2),
+            "resumed_from_step": resumed_from,
+            "overrides": cfg.overrides,
+            "options": cfg.options,
+            **(extra_run_info or {}),
+        },
+        "files": {k: os.path.abspath(v) for k, v in paths.items()},
+    }
+    _write_json(paths["metrics"], record)
+    if report is not None:
+        report(model, task, final)
+    return record

