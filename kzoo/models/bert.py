@@ -1,0 +1,509 @@
+"""BERT (Devlin et al., 2019, "BERT: Pre-training of Deep Bidirectional Transformers for
+Language Understanding", https://arxiv.org/abs/1810.04805).
+
+- `BertBackbone`: token + learned position + segment embeddings, summed, layer-normalised
+  and dropped out; `num_layers` post-LN transformer encoder blocks; a tanh pooler on the
+  first (`[CLS]`) token. Outputs `{"sequence_output", "pooled_output"}`.
+- `BertMaskedLM`: the masked-language-model head (Dense + activation + LayerNorm, then the
+  decoder tied to the token embeddings plus an output bias) over every position.
+- `BertClassifier`: dropout + Dense on the pooled output.
+
+Inputs follow keras-hub: `{"token_ids", "segment_ids", "padding_mask"}`, each
+`(batch, seq)` int32 (`padding_mask` 1/True for real tokens).
+
+Example:
+>>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
+...                         hidden_dim=64, intermediate_dim=256)
+>>> model = BertClassifier(backbone, num_classes=3)
+"""
+
+import keras
+from keras import ops
+
+from kzoo.layers.blocks import TransformerBlock
+from kzoo.layers.embedding import TokenEmbedding
+from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward, get_activation
+from kzoo.layers.position import PositionEmbedding
+from kzoo.layers.utils import (
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_rate,
+)
+
+FAMILY = "bert"
+
+
+def bert_kernel_initializer(stddev=0.02):
+    """BERT's initialiser: normal(0, stddev) for every kernel and embedding."""
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+    return value
+
+
+def _dtype_policy(dtype):
+    return keras.dtype_policies.get(dtype) if dtype is not None else None
+
+
+# === Layers ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class BertEncoderBlock(TransformerBlock):
+    """A post-LN `TransformerBlock` whose feed-forward has no inner dropout.
+
+    BERT drops out only the output of each sub-layer (before the residual sum), never the
+    intermediate activations of the feed-forward, while the shared `TransformerBlock`
+    passes its `dropout` to the feed-forward's hidden layer too. This subclass builds the
+    same sub-layers (identical weight names) with the inner dropout set to 0; everything
+    else, including the configuration, is `TransformerBlock`'s.
+
+    Example:
+    >>> block = BertEncoderBlock(num_heads=2, intermediate_dim=128, norm_first=False)
+    >>> block(keras.random.normal((2, 5, 32))).shape
+    (2, 5, 32)
+    """
+
+    def _feedforward(self):
+        if self.feedforward != "plain":
+            return super()._feedforward()
+        return FeedForward(
+            intermediate_dim=self.intermediate_dim,
+            activation=self.activation,
+            use_bias=self.use_bias,
+            dropout=0.0,
+            kernel_initializer=self.kernel_initializer,
+            dtype=self.dtype_policy,
+            name="feedforward",
+        )
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class BertMaskedLMTransform(keras.layers.Layer):
+    """The transform of BERT's masked-LM head: `LayerNorm(act(Dense(x)))`.
+
+    Args:
+        activation: activation name (see `kzoo.layers.get_activation`).
+        layer_norm_epsilon: epsilon of the layer norm.
+        kernel_initializer: initialiser of the dense kernel.
+
+    Call args:
+        inputs: `(batch, seq, hidden_dim)`.
+
+    Returns:
+        `(batch, seq, hidden_dim)`.
+
+    Example:
+    >>> transform = BertMaskedLMTransform(activation="gelu")
+    >>> transform(keras.random.normal((2, 5, 32))).shape
+    (2, 5, 32)
+    """
+
+    def __init__(self, activation="gelu", layer_norm_epsilon=1e-12,
+                 kernel_initializer="glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        get_activation(activation)
+        self.activation = activation
+        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        self.kernel_initializer = keras.initializers.serialize(
+            keras.initializers.get(kernel_initializer)
+        )
+        self._activation_fn = get_activation(activation)
+        self.dense = None
+        self.layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
+        )
+
+    def build(self, input_shape):
+        self.dense = keras.layers.Dense(
+            input_shape[-1],
+            kernel_initializer=keras.initializers.get(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="dense",
+        )
+        self.dense.build(input_shape)
+        self.layer_norm.build(input_shape)
+        self.built = True
+
+    def call(self, inputs):
+        return self.layer_norm(self._activation_fn(self.dense(inputs)))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "activation": self.activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "kernel_initializer": self.kernel_initializer,
+            }
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class OutputBias(keras.layers.Layer):
+    """Adds a learned bias (initialised to zeros) over the last axis, e.g. to logits.
+
+    Example:
+    >>> OutputBias()(keras.ops.zeros((2, 5, 100))).shape
+    (2, 5, 100)
+    """
+
+    def build(self, input_shape):
+        self.bias = self.add_weight(name="bias", shape=(input_shape[-1],), initializer="zeros")
+        self.built = True
+
+    def call(self, inputs):
+        return inputs + ops.cast(self.bias, inputs.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+
+# === Backbone ===
+
+
+class _FunctionalModel(keras.Model):
+    """A functional `keras.Model` subclass that may set attributes before `__init__`.
+
+    With the torch backend, `torch.nn.Module.__setattr__` refuses sub-modules before
+    `Module.__init__` has run; all state lives in the functional graph, so attributes set
+    before `super().__init__` (and properties) are plain Python attributes there.
+    """
+
+    def __setattr__(self, name, value):
+        is_property = isinstance(getattr(type(self), name, None), property)
+        uninitialized = not hasattr(self, "_initialized")
+        if keras.config.backend() == "torch" and (is_property or uninitialized):
+            return object.__setattr__(self, name, value)
+        return super().__setattr__(name, value)
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class BertBackbone(_FunctionalModel):
+    """The BERT encoder (Devlin et al., 2019, arXiv:1810.04805).
+
+    `embeddings = LayerNorm(token + position + segment)` then dropout; `num_layers` post-LN
+    transformer blocks (`x = LN(x + drop(attn(x)))`, `x = LN(x + drop(ffn(x)))`) with
+    exact-erf GELU by default; a pooler `tanh(Dense(sequence_output[:, 0]))`. Every kernel
+    and embedding table is initialised normal(0, `initializer_range`), biases zeros, layer
+    norms ones/zeros, as in BERT.
+
+    Args:
+        vocabulary_size: number of token ids.
+        num_layers: number of transformer blocks.
+        num_heads: attention heads (must divide `hidden_dim`).
+        hidden_dim: width of the hidden states.
+        intermediate_dim: width of the feed-forward hidden layer (4 * hidden_dim in BERT).
+        max_sequence_length: number of learned positions (the longest input).
+        num_segments: number of segment (token type) ids.
+        dropout: dropout rate on the embeddings and after every sub-layer.
+        attention_dropout: dropout on the attention probabilities (None: same as `dropout`).
+        layer_norm_epsilon: epsilon of every layer norm.
+        activation: feed-forward activation ("gelu" = exact erf, "gelu_new", "relu", ...; see
+            `kzoo.layers.get_activation`).
+        initializer_range: standard deviation of the normal initialiser.
+        dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
+
+    Inputs (a dict, each `(batch, seq)` int32):
+        token_ids; segment_ids; padding_mask (1 for real tokens, 0 for padding).
+
+    Outputs (a dict):
+        sequence_output: `(batch, seq, hidden_dim)`;
+        pooled_output: `(batch, hidden_dim)`.
+
+    Example:
+    >>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
+    ...                         hidden_dim=64, intermediate_dim=256)
+    >>> out = backbone({"token_ids": np.ones((2, 8), "int32"),
+    ...                 "segment_ids": np.zeros((2, 8), "int32"),
+    ...                 "padding_mask": np.ones((2, 8), "int32")})
+    >>> out["sequence_output"].shape, out["pooled_output"].shape
+    ((2, 8, 64), (2, 64))
+    """
+
+    family = FAMILY
+
+    def __init__(
+        self,
+        vocabulary_size=30522,
+        num_layers=12,
+        num_heads=12,
+        hidden_dim=768,
+        intermediate_dim=3072,
+        max_sequence_length=512,
+        num_segments=2,
+        dropout=0.1,
+        attention_dropout=None,
+        layer_norm_epsilon=1e-12,
+        activation="gelu",
+        initializer_range=0.02,
+        dtype=None,
+        **kwargs,
+    ):
+        check_positive_int("vocabulary_size", vocabulary_size)
+        check_positive_int("num_layers", num_layers)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("hidden_dim", hidden_dim)
+        if hidden_dim % num_heads != 0:
+            raise ValueError(
+                f"`num_heads` must be a positive integer dividing hidden_dim={hidden_dim}; "
+                f"got num_heads={num_heads}."
+            )
+        check_positive_int("intermediate_dim", intermediate_dim)
+        check_positive_int("max_sequence_length", max_sequence_length)
+        check_positive_int("num_segments", num_segments)
+        check_rate("dropout", dropout)
+        if attention_dropout is not None:
+            check_rate("attention_dropout", attention_dropout)
+        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        check_choice("activation", activation, ACTIVATION_NAMES)
+        check_positive_float("initializer_range", initializer_range)
+        policy = _dtype_policy(dtype)
+        init = bert_kernel_initializer(initializer_range)
+
+        # === Layers ===
+        self.token_embedding = TokenEmbedding(
+            vocabulary_size, hidden_dim, tie_weights=True,
+            embeddings_initializer=init, dtype=policy, name="token_embedding",
+        )
+        self.position_embedding = PositionEmbedding(
+            max_sequence_length, initializer=init, dtype=policy, name="position_embedding"
+        )
+        self.segment_embedding = keras.layers.Embedding(
+            num_segments, hidden_dim, embeddings_initializer=init, dtype=policy,
+            name="segment_embedding",
+        )
+        self.embeddings_add = keras.layers.Add(dtype=policy, name="embeddings_add")
+        self.embeddings_layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=policy, name="embeddings_layer_norm"
+        )
+        self.embeddings_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="embeddings_dropout"
+        )
+        self.transformer_layers = [
+            BertEncoderBlock(
+                num_heads=num_heads,
+                intermediate_dim=intermediate_dim,
+                norm_first=False,
+                layer_norm_epsilon=layer_norm_epsilon,
+                activation=activation,
+                dropout=dropout,
+                attention_dropout=dropout if attention_dropout is None else attention_dropout,
+                kernel_initializer=init,
+                dtype=policy,
+                name=f"transformer_layer_{i}",
+            )
+            for i in range(num_layers)
+        ]
+        self.pooler_dense = keras.layers.Dense(
+            hidden_dim, activation="tanh", kernel_initializer=init, dtype=policy,
+            name="pooler_dense",
+        )
+
+        # === Functional Model ===
+        token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
+        segment_ids = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
+        padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask")
+        tokens = self.token_embedding(token_ids)
+        x = self.embeddings_add(
+            [tokens, self.position_embedding(tokens), self.segment_embedding(segment_ids)]
+        )
+        x = self.embeddings_layer_norm(x)
+        x = self.embeddings_dropout(x)
+        for block in self.transformer_layers:
+            x = block(x, padding_mask=padding_mask)
+        pooled = self.pooler_dense(x[:, 0, :])
+        super().__init__(
+            inputs={"token_ids": token_ids, "segment_ids": segment_ids,
+                    "padding_mask": padding_mask},
+            outputs={"sequence_output": x, "pooled_output": pooled},
+            **kwargs,
+        )
+        if policy is not None:
+            self.dtype_policy = policy
+
+        # === Config ===
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.max_sequence_length = max_sequence_length
+        self.num_segments = num_segments
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.activation = activation
+        self.initializer_range = initializer_range
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "vocabulary_size": self.vocabulary_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "hidden_dim": self.hidden_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "max_sequence_length": self.max_sequence_length,
+            "num_segments": self.num_segments,
+            "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "activation": self.activation,
+            "initializer_range": self.initializer_range,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+# === Task models ===
+
+
+class _BertTask(_FunctionalModel):
+    """Shared plumbing of the BERT task models (config, serialisation)."""
+
+    family = FAMILY
+    task_name = None
+
+    def _task_config(self):
+        return {}
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "backbone": keras.layers.serialize(self.backbone),
+            **self._task_config(),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["backbone"] = keras.layers.deserialize(config["backbone"])
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+def _check_backbone(backbone):
+    if not isinstance(backbone, BertBackbone):
+        raise ValueError(
+            f"`backbone` must be a BertBackbone; got backbone of type {type(backbone).__name__}."
+        )
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class BertMaskedLM(_BertTask):
+    """BERT with its masked-language-model head: vocabulary logits at every position.
+
+    `logits = LayerNorm(act(Dense(h))) @ E^T + b`, with `E` the backbone's token embedding
+    matrix (tied) and `b` an output bias, exactly Hugging Face's `BertForMaskedLM` layout
+    (the pooler of the backbone is unused). Train with a sparse categorical cross-entropy
+    on the masked positions (e.g. via `sample_weight`).
+
+    Args:
+        backbone: a `BertBackbone`.
+        dtype: dtype policy of the head (defaults to the backbone's).
+
+    Inputs: the backbone's dict. Output: logits `(batch, seq, vocabulary_size)`.
+
+    Example:
+    >>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
+    ...                         hidden_dim=64, intermediate_dim=256)
+    >>> mlm = BertMaskedLM(backbone)
+    >>> mlm.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    """
+
+    task_name = "masked_lm"
+
+    def __init__(self, backbone, dtype=None, **kwargs):
+        _check_backbone(backbone)
+        policy = _dtype_policy(dtype) or backbone.dtype_policy
+        # === Layers ===
+        self.backbone = backbone
+        self.transform = BertMaskedLMTransform(
+            activation=backbone.activation,
+            layer_norm_epsilon=backbone.layer_norm_epsilon,
+            kernel_initializer=bert_kernel_initializer(backbone.initializer_range),
+            dtype=policy,
+            name="mlm_transform",
+        )
+        self.output_bias = OutputBias(dtype=policy, name="mlm_output_bias")
+        # === Functional Model ===
+        inputs = backbone.input
+        hidden = self.transform(backbone(inputs)["sequence_output"])
+        logits = self.output_bias(backbone.token_embedding(hidden, reverse=True))
+        super().__init__(inputs=inputs, outputs=logits, **kwargs)
+        self.dtype_policy = policy
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class BertClassifier(_BertTask):
+    """BERT for sequence classification: `Dense(dropout(pooled_output))` logits.
+
+    Args:
+        backbone: a `BertBackbone`.
+        num_classes: number of classes (logits per example).
+        dropout: dropout rate on the pooled output.
+        dtype: dtype policy of the head (defaults to the backbone's).
+
+    Inputs: the backbone's dict. Output: logits `(batch, num_classes)`.
+
+    Example:
+    >>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
+    ...                         hidden_dim=64, intermediate_dim=256)
+    >>> clf = BertClassifier(backbone, num_classes=3)
+    >>> clf.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    """
+
+    task_name = "classifier"
+
+    def __init__(self, backbone, num_classes=2, dropout=0.1, dtype=None, **kwargs):
+        _check_backbone(backbone)
+        check_positive_int("num_classes", num_classes)
+        check_rate("dropout", dropout)
+        policy = _dtype_policy(dtype) or backbone.dtype_policy
+        # === Layers ===
+        self.backbone = backbone
+        self.classifier_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="classifier_dropout"
+        )
+        self.classifier_dense = keras.layers.Dense(
+            num_classes,
+            kernel_initializer=bert_kernel_initializer(backbone.initializer_range),
+            dtype=policy,
+            name="logits",
+        )
+        # === Functional Model ===
+        inputs = backbone.input
+        pooled = backbone(inputs)["pooled_output"]
+        logits = self.classifier_dense(self.classifier_dropout(pooled))
+        super().__init__(inputs=inputs, outputs=logits, **kwargs)
+        self.dtype_policy = policy
+        # === Config ===
+        self.num_classes = num_classes
+        self.dropout = dropout
+
+    def _task_config(self):
+        return {"num_classes": self.num_classes, "dropout": self.dropout}
+
+
+BACKBONE = BertBackbone
+TASKS = {"backbone": None, "masked_lm": BertMaskedLM, "classifier": BertClassifier}
+DEFAULT_TASK = "masked_lm"

@@ -1,0 +1,660 @@
+"""BERT family: models against a NumPy reference written here, and against transformers."""
+
+import json
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo.presets
+from kzoo.models import bert as bert_module
+from kzoo.models.bert import BertBackbone, BertClassifier, BertMaskedLM
+from tests.helpers import assert_close, backend, rng, to_numpy
+
+TINY = dict(
+    vocabulary_size=61,
+    num_layers=2,
+    num_heads=2,
+    hidden_dim=16,
+    intermediate_dim=40,
+    max_sequence_length=24,
+    num_segments=2,
+)
+
+
+def tiny_backbone(**overrides):
+    return BertBackbone(**{**TINY, **overrides})
+
+
+def make_inputs(batch=3, seq=9, vocab=61, lengths=(9, 6, 3), seed=0):
+    r = rng(seed)
+    token_ids = r.integers(1, vocab, size=(batch, seq)).astype("int32")
+    segment_ids = np.zeros((batch, seq), "int32")
+    segment_ids[:, seq // 2:] = 1
+    padding_mask = np.zeros((batch, seq), "int32")
+    for i, n in enumerate(lengths):
+        padding_mask[i, :n] = 1
+    token_ids = np.where(padding_mask == 1, token_ids, 0).astype("int32")
+    segment_ids = np.where(padding_mask == 1, segment_ids, 0).astype("int32")
+    return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
+
+
+def randomize(model, seed=1, scale=0.2):
+    """Give every weight a random value (norm scales around 1) so no term hides at init."""
+    r = rng(seed)
+    for w in model.weights:
+        value = r.normal(0.0, scale, size=tuple(w.shape))
+        if w.path.endswith("gamma"):
+            value = 1.0 + value
+        w.assign(value.astype("float32"))
+
+
+# --- NumPy reference (Devlin et al. 2019; independent of kzoo's code) -------------------
+
+
+def np_layer_norm(x, gamma, beta, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * gamma + beta
+
+
+def np_gelu(x):
+    erf = np.vectorize(math.erf)
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def np_bert(backbone, inputs):
+    """Float64 BERT forward from the backbone's weights; returns (sequence, pooled)."""
+    w = lambda v: to_numpy(v).astype(np.float64)  # noqa: E731
+    eps = backbone.layer_norm_epsilon
+    ids, seg, mask = inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"]
+    seq = ids.shape[1]
+    x = (w(backbone.token_embedding.embeddings)[ids]
+         + w(backbone.position_embedding.embeddings)[:seq][None]
+         + w(backbone.segment_embedding.embeddings)[seg])
+    x = np_layer_norm(x, w(backbone.embeddings_layer_norm.gamma),
+                      w(backbone.embeddings_layer_norm.beta), eps)
+    heads = backbone.num_heads
+    d = backbone.hidden_dim // heads
+    for block in backbone.transformer_layers:
+        att = block.self_attention
+
+        def proj(layer, h):
+            return h @ w(layer.kernel) + w(layer.bias)
+
+        q = proj(att.query_dense, x).reshape(x.shape[0], seq, heads, d)
+        k = proj(att.key_dense, x).reshape(x.shape[0], seq, heads, d)
+        v = proj(att.value_dense, x).reshape(x.shape[0], seq, heads, d)
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+        scores = np.where(mask[:, None, None, :] == 1, scores, -1e30)
+        scores = scores - scores.max(-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(-1, keepdims=True)
+        ctx = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(x.shape[0], seq, heads * d)
+        x = np_layer_norm(x + proj(att.output_dense, ctx), w(block.self_attention_norm.gamma),
+                          w(block.self_attention_norm.beta), eps)
+        ffn = block.feedforward_layer
+        h = np_gelu(proj(ffn.intermediate_dense, x))
+        x = np_layer_norm(x + proj(ffn.output_dense, h), w(block.feedforward_norm.gamma),
+                          w(block.feedforward_norm.beta), eps)
+    pooled = np.tanh(x[:, 0] @ w(backbone.pooler_dense.kernel) + w(backbone.pooler_dense.bias))
+    return x, pooled
+
+
+def real(mask):
+    return np.asarray(mask).astype(bool)
+
+
+# --- Models -----------------------------------------------------------------------------
+
+
+def test_forward_shapes_and_dtypes():
+    inputs = make_inputs()
+    backbone = tiny_backbone()
+    out = backbone(inputs)
+    assert set(out) == {"sequence_output", "pooled_output"}
+    assert tuple(out["sequence_output"].shape) == (3, 9, 16)
+    assert tuple(out["pooled_output"].shape) == (3, 16)
+    assert keras.backend.standardize_dtype(out["sequence_output"].dtype) == "float32"
+    mlm = BertMaskedLM(backbone)
+    logits = mlm(inputs)
+    assert tuple(logits.shape) == (3, 9, 61)
+    assert keras.backend.standardize_dtype(logits.dtype) == "float32"
+    clf = BertClassifier(backbone, num_classes=5)
+    assert tuple(clf(inputs).shape) == (3, 5)
+    assert mlm.backbone is backbone and clf.backbone is backbone
+    assert (mlm.family, mlm.task_name, clf.task_name) == ("bert", "masked_lm", "classifier")
+    assert BertBackbone.family == "bert"
+
+
+def test_family_contract():
+    assert bert_module.FAMILY == "bert"
+    assert bert_module.BACKBONE is BertBackbone
+    assert bert_module.TASKS == {"backbone": None, "masked_lm": BertMaskedLM,
+                                 "classifier": BertClassifier}
+    assert bert_module.DEFAULT_TASK == "masked_lm"
+
+
+def test_backbone_and_mlm_match_numpy_reference():
+    inputs = make_inputs()
+    mlm = BertMaskedLM(tiny_backbone())
+    randomize(mlm)
+    backbone = mlm.backbone
+    seq_ref, pooled_ref = np_bert(backbone, inputs)
+    out = backbone(inputs)
+    m = real(inputs["padding_mask"])
+    got_seq = to_numpy(out["sequence_output"])
+    print("backbone max |diff| vs NumPy:", np.abs(got_seq[m] - seq_ref[m]).max())
+    assert_close(got_seq[m], seq_ref[m], atol=2e-5)
+    assert_close(out["pooled_output"], pooled_ref, atol=2e-5)
+    # Masked-LM head: LN(gelu(Dense(h))) @ E^T + b.
+    w = lambda v: to_numpy(v).astype(np.float64)  # noqa: E731
+    h = np_gelu(seq_ref @ w(mlm.transform.dense.kernel) + w(mlm.transform.dense.bias))
+    h = np_layer_norm(h, w(mlm.transform.layer_norm.gamma), w(mlm.transform.layer_norm.beta),
+                      backbone.layer_norm_epsilon)
+    logits_ref = h @ w(backbone.token_embedding.embeddings).T + w(mlm.output_bias.bias)
+    assert_close(to_numpy(mlm(inputs))[m], logits_ref[m], atol=5e-5, rtol=1e-4)
+
+
+def test_classifier_matches_numpy_reference():
+    inputs = make_inputs()
+    clf = BertClassifier(tiny_backbone(), num_classes=3)
+    randomize(clf)
+    _, pooled = np_bert(clf.backbone, inputs)
+    dense = clf.classifier_dense
+    ref = pooled @ to_numpy(dense.kernel) + to_numpy(dense.bias)
+    assert_close(clf(inputs), ref, atol=2e-5)
+
+
+def test_padding_invariance():
+    mlm = BertMaskedLM(tiny_backbone())
+    randomize(mlm, seed=3)
+    inputs = make_inputs(lengths=(9, 5, 2))
+    full = to_numpy(mlm(inputs))
+    # Garbage in the padded positions changes nothing at real positions.
+    noisy = dict(inputs)
+    pad = inputs["padding_mask"] == 0
+    noisy["token_ids"] = np.where(pad, 7, inputs["token_ids"]).astype("int32")
+    noisy["segment_ids"] = np.where(pad, 1, inputs["segment_ids"]).astype("int32")
+    np.testing.assert_allclose(to_numpy(mlm(noisy))[~pad], full[~pad], atol=1e-5)
+    # Each example alone, unpadded, gives the same outputs as in the padded batch.
+    for i, n in enumerate((9, 5, 2)):
+        alone = {k: v[i:i + 1, :n] for k, v in inputs.items()}
+        np.testing.assert_allclose(to_numpy(mlm(alone))[0], full[i, :n], atol=1e-5)
+        pooled = to_numpy(mlm.backbone(alone)["pooled_output"])[0]
+        np.testing.assert_allclose(
+            pooled, to_numpy(mlm.backbone(inputs)["pooled_output"])[i], atol=1e-5)
+
+
+def test_encoder_is_bidirectional_and_uses_segments():
+    backbone = tiny_backbone()
+    randomize(backbone, seed=4)
+    inputs = make_inputs(lengths=(9, 9, 9))
+    base = to_numpy(backbone(inputs)["sequence_output"])
+    changed = dict(inputs)
+    changed["token_ids"] = inputs["token_ids"].copy()
+    changed["token_ids"][:, -1] = (inputs["token_ids"][:, -1] % 60) + 1
+    # A later token changes earlier positions (no causal mask in BERT).
+    assert np.abs(to_numpy(backbone(changed)["sequence_output"])[:, 0] - base[:, 0]).max() > 1e-4
+    flipped = dict(inputs)
+    flipped["segment_ids"] = 1 - inputs["segment_ids"]
+    assert np.abs(to_numpy(backbone(flipped)["sequence_output"]) - base).max() > 1e-4
+
+
+def test_dropout_only_in_training():
+    backbone = tiny_backbone(dropout=0.5)
+    inputs = make_inputs()
+    a = to_numpy(backbone(inputs)["sequence_output"])
+    b = to_numpy(backbone(inputs)["sequence_output"])
+    np.testing.assert_array_equal(a, b)
+    c = to_numpy(backbone(inputs, training=True)["sequence_output"])
+    assert np.abs(a - c).max() > 1e-3
+
+
+def test_feedforward_has_no_inner_dropout():
+    block = tiny_backbone(dropout=0.3).transformer_layers[0]
+    assert block.feedforward_layer.dropout == 0.0
+    assert block.dropout == 0.3
+
+
+def test_initialisation_is_bert_normal():
+    backbone = BertBackbone(vocabulary_size=2000, num_layers=1, num_heads=2, hidden_dim=64,
+                            intermediate_dim=256, max_sequence_length=64)
+    for w in (backbone.token_embedding.embeddings, backbone.position_embedding.embeddings,
+              backbone.transformer_layers[0].self_attention.query_dense.kernel,
+              backbone.transformer_layers[0].feedforward_layer.intermediate_dense.kernel):
+        values = to_numpy(w)
+        assert abs(values.mean()) < 3e-3
+        assert abs(values.std() - 0.02) < 1.5e-3, (w.path, values.std())
+    np.testing.assert_array_equal(to_numpy(backbone.pooler_dense.bias), 0.0)
+    np.testing.assert_array_equal(to_numpy(backbone.embeddings_layer_norm.gamma), 1.0)
+
+
+def _assert_same_outputs(a, b, inputs):
+    out_a, out_b = a(inputs), b(inputs)
+    if isinstance(out_a, dict):
+        for key in out_a:
+            np.testing.assert_array_equal(to_numpy(out_a[key]), to_numpy(out_b[key]))
+    else:
+        np.testing.assert_array_equal(to_numpy(out_a), to_numpy(out_b))
+
+
+@pytest.mark.parametrize("task", ["backbone", "masked_lm", "classifier"])
+def test_keras_file_round_trip(task, tmp_path):
+    backbone = tiny_backbone(attention_dropout=0.05, activation="gelu_new",
+                             layer_norm_epsilon=1e-6)
+    model = {"backbone": lambda: backbone, "masked_lm": lambda: BertMaskedLM(backbone),
+             "classifier": lambda: BertClassifier(backbone, num_classes=4, dropout=0.2)}[task]()
+    randomize(model, seed=5)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    assert type(restored) is type(model)
+    assert restored.get_config() == model.get_config()
+    _assert_same_outputs(model, restored, make_inputs())
+
+
+def test_get_config_is_exactly_the_arguments():
+    backbone = tiny_backbone(dropout=0.2)
+    config = backbone.get_config()
+    expected = {**TINY, "dropout": 0.2, "attention_dropout": None, "layer_norm_epsilon": 1e-12,
+                "activation": "gelu", "initializer_range": 0.02}
+    assert {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")} \
+        == expected
+    clone = BertBackbone.from_config(config)
+    assert clone.get_config() == config
+    clf = BertClassifier(backbone, num_classes=4, dropout=0.3)
+    clf_config = clf.get_config()
+    assert clf_config["num_classes"] == 4 and clf_config["dropout"] == 0.3
+    assert BertClassifier.from_config(clf_config).get_config() == clf_config
+
+
+@pytest.mark.parametrize("task", ["masked_lm", "classifier", "backbone"])
+def test_presets_save_load_directory(task, tmp_path):
+    model = kzoo.presets.load("bert_tiny_uncased", task=task, max_sequence_length=32,
+                              **({"num_classes": 3} if task == "classifier" else {}))
+    randomize(model, seed=6, scale=0.05)
+    kzoo.presets.save(model, tmp_path)
+    restored = kzoo.presets.load(tmp_path)
+    assert type(restored) is type(model)
+    _assert_same_outputs(model, restored, make_inputs(vocab=30522))
+
+
+def test_preset_load_overrides_and_task_switch(tmp_path):
+    mlm = kzoo.presets.load("bert_tiny_uncased")
+    assert isinstance(mlm, BertMaskedLM)
+    assert mlm.backbone.num_layers == 2 and mlm.backbone.hidden_dim == 128
+    randomize(mlm, seed=7, scale=0.05)
+    kzoo.presets.save(mlm, tmp_path)
+    clf = kzoo.presets.load(tmp_path, task="classifier", num_classes=3)
+    assert isinstance(clf, BertClassifier) and clf.num_classes == 3
+    inputs = make_inputs(vocab=30522)
+    np.testing.assert_array_equal(to_numpy(clf.backbone(inputs)["sequence_output"]),
+                                  to_numpy(mlm.backbone(inputs)["sequence_output"]))
+
+
+def _fit_lowers_loss(model, inputs, labels, epochs=8):
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(inputs, labels, batch_size=4, epochs=epochs, verbose=0)
+    losses = history.history["loss"]
+    print(f"{model.task_name} losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.05
+
+
+def test_fit_masked_lm_lowers_loss():
+    inputs = make_inputs(batch=8, lengths=(9, 8, 7, 6, 9, 5, 4, 9))
+    labels = rng(8).integers(0, 61, size=(8, 9)).astype("int32")
+    _fit_lowers_loss(BertMaskedLM(tiny_backbone(dropout=0.0)), inputs, labels)
+
+
+def test_fit_classifier_lowers_loss():
+    inputs = make_inputs(batch=8, lengths=(9, 8, 7, 6, 9, 5, 4, 9))
+    labels = np.array([0, 1, 2, 0, 1, 2, 0, 1], "int32")
+    _fit_lowers_loss(BertClassifier(tiny_backbone(dropout=0.0), num_classes=3, dropout=0.0),
+                     inputs, labels)
+
+
+def test_mixed_precision():
+    backbone = tiny_backbone(dtype="mixed_bfloat16")
+    mlm = BertMaskedLM(backbone)
+    assert mlm.dtype_policy.name == "mixed_bfloat16"
+    logits = mlm(make_inputs())
+    assert keras.backend.standardize_dtype(logits.dtype) == "bfloat16"
+    assert backbone.token_embedding.embeddings.dtype == "float32"
+    assert np.all(np.isfinite(to_numpy(keras.ops.cast(logits, "float32"))))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(num_heads=3), "num_heads"),
+        (dict(hidden_dim=0), "hidden_dim"),
+        (dict(num_layers=-1), "num_layers"),
+        (dict(vocabulary_size=2.5), "vocabulary_size"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(attention_dropout=-0.1), "attention_dropout"),
+        (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
+        (dict(activation="gelu_42"), "activation"),
+        (dict(num_segments=0), "num_segments"),
+        (dict(max_sequence_length=None), "max_sequence_length"),
+    ],
+)
+def test_config_validation(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        tiny_backbone(**kwargs)
+
+
+def test_task_validation():
+    backbone = tiny_backbone()
+    with pytest.raises(ValueError, match="num_classes"):
+        BertClassifier(backbone, num_classes=0)
+    with pytest.raises(ValueError, match="dropout"):
+        BertClassifier(backbone, dropout=1.0)
+    with pytest.raises(ValueError, match="backbone"):
+        BertMaskedLM(keras.Sequential([keras.layers.Dense(2)]))
+    with pytest.raises(ValueError, match="sequence_length"):
+        backbone(make_inputs(batch=1, seq=30, lengths=(30,)))
+
+
+# --- Presets ----------------------------------------------------------------------------
+
+SMALL_PRESETS = ["bert_tiny_uncased", "bert_mini_uncased"]
+LARGE_PRESETS = ["bert_small_uncased", "bert_medium_uncased", "bert_base_uncased",
+                 "bert_large_uncased"]
+SHAPES = {"bert_tiny_uncased": (2, 128, 2), "bert_mini_uncased": (4, 256, 4),
+          "bert_small_uncased": (4, 512, 8), "bert_medium_uncased": (8, 512, 8),
+          "bert_base_uncased": (12, 768, 12), "bert_large_uncased": (24, 1024, 16)}
+
+
+def _hf_counts(layers, hidden, heads):
+    """Parameter counts of transformers' BertModel (with pooler) and BertForMaskedLM."""
+    import torch
+    import transformers
+
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden,
+                                     num_attention_heads=heads, intermediate_size=4 * hidden)
+    with torch.device("meta"):
+        model = transformers.BertModel(config)
+        mlm = transformers.BertForMaskedLM(config)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return count(model), count(mlm)
+
+
+def _check_preset(name):
+    spec = kzoo.presets.info(name)
+    assert spec["family"] == "bert" and spec["task"] == "masked_lm"
+    assert {"name", "config", "task_config", "description", "paper", "params",
+            "hf_reference"} <= set(spec)
+    assert spec["name"] == name and "arxiv.org/abs/" in spec["paper"]
+    layers, hidden, heads = SHAPES[name]
+    config = spec["config"]
+    assert (config["num_layers"], config["hidden_dim"], config["num_heads"]) == SHAPES[name]
+    assert config["intermediate_dim"] == 4 * hidden and config["vocabulary_size"] == 30522
+    model = kzoo.presets.load(name)
+    assert isinstance(model, BertMaskedLM)
+    assert model.count_params() == spec["params"]
+    assert model.backbone.count_params() == spec["params_backbone"]
+    hf_backbone, hf_mlm = _hf_counts(layers, hidden, heads)
+    pooler = hidden * hidden + hidden
+    assert spec["params_backbone"] == hf_backbone
+    assert spec["params"] == hf_mlm + pooler
+    # Published figures: within 1%, except BERT-Large's rounded "340M" (1.1%).
+    tolerance = 0.012 if name == "bert_large_uncased" else 0.01
+    assert abs(spec["params"] - spec["published_params"]) / spec["published_params"] < tolerance
+
+
+@pytest.mark.parametrize("name", SMALL_PRESETS)
+def test_small_preset_param_counts(name):
+    _check_preset(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LARGE_PRESETS)
+def test_large_preset_param_counts(name):
+    _check_preset(name)
+
+
+def test_presets_are_listed():
+    names = kzoo.presets.list()
+    for name in SMALL_PRESETS + LARGE_PRESETS:
+        assert name in names
+
+
+# --- Hugging Face conversion ------------------------------------------------------------
+
+HF_TINY = dict(vocab_size=67, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=37, max_position_embeddings=40, type_vocab_size=3,
+               layer_norm_eps=1e-7, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.05)
+
+
+def hf_model(cls_name, seed=0, **config):
+    """A tiny randomly initialised transformers BERT, every weight of scale ~0.2."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config = transformers.BertConfig(**{**HF_TINY, **config})
+    model = getattr(transformers, cls_name)(hf_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2)
+            if "LayerNorm.weight" in name:
+                p.add_(1.0)
+    return model
+
+
+def hf_inputs(lengths=(11, 7, 4), seq=11, vocab=67, segments=3):
+    inputs = make_inputs(batch=len(lengths), seq=seq, vocab=vocab, lengths=lengths, seed=11)
+    r = rng(12)
+    inputs["segment_ids"] = np.where(inputs["padding_mask"] == 1,
+                                     r.integers(0, segments, size=(len(lengths), seq)),
+                                     0).astype("int32")
+    return inputs
+
+
+def hf_forward(model, inputs):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(inputs["token_ids"], dtype=torch.long),
+                     token_type_ids=torch.tensor(inputs["segment_ids"], dtype=torch.long),
+                     attention_mask=torch.tensor(inputs["padding_mask"], dtype=torch.long))
+
+
+def hf_outputs(model, inputs):
+    """The tensors to compare, as NumPy: logits, or (sequence, pooled) for BertModel."""
+    out = hf_forward(model, inputs)
+    if hasattr(out, "logits"):
+        return [out.logits.numpy()]
+    if hasattr(out, "prediction_logits"):
+        return [out.prediction_logits.numpy()]
+    return [out.last_hidden_state.numpy(), out.pooler_output.numpy()]
+
+
+def kzoo_outputs(model, inputs):
+    out = model(inputs)
+    if isinstance(out, dict):
+        return [to_numpy(out["sequence_output"]), to_numpy(out["pooled_output"])]
+    return [to_numpy(out)]
+
+
+def max_real_diff(a, b, mask):
+    m = real(mask)
+    return float(np.abs(a[m] - b[m]).max()) if a.ndim == 3 else float(np.abs(a - b).max())
+
+
+def read_state(path):
+    from safetensors.numpy import load_file
+
+    return dict(load_file(os.path.join(path, "model.safetensors")))
+
+
+@pytest.mark.parametrize(
+    "cls_name, task, config",
+    [
+        ("BertForMaskedLM", "masked_lm", {}),
+        ("BertForMaskedLM", "masked_lm", {"hidden_act": "gelu_new"}),
+        ("BertForSequenceClassification", "classifier", {"num_labels": 3,
+                                                         "classifier_dropout": 0.2}),
+        ("BertModel", "backbone", {"hidden_act": "relu"}),
+    ],
+)
+def test_hf_parity_and_round_trip(cls_name, task, config, tmp_path):
+    import transformers
+
+    reference = hf_model(cls_name, **config)
+    src = os.path.join(tmp_path, "hf")
+    reference.save_pretrained(src, safe_serialization=True)
+    inputs = hf_inputs()
+    expected = hf_outputs(reference, inputs)
+
+    model = kzoo.presets.load(src)
+    assert getattr(model, "task_name", None) or "backbone" == task
+    backbone = model.backbone if task != "backbone" else model
+    assert backbone.layer_norm_epsilon == 1e-7 and backbone.num_segments == 3
+    assert backbone.intermediate_dim == 37 and backbone.max_sequence_length == 40
+    assert backbone.attention_dropout == 0.05
+    if "hidden_act" in config:
+        assert backbone.activation == config["hidden_act"]
+    if task == "classifier":
+        assert model.num_classes == 3 and model.dropout == 0.2
+    got = kzoo_outputs(model, inputs)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        diff = max_real_diff(g, e, inputs["padding_mask"])
+        print(f"[{backend()}] {cls_name} {config} max |diff| vs transformers: {diff:.3g}")
+        assert diff <= 1e-5
+
+    # kzoo -> HF: transformers reads the export and computes the same outputs.
+    out = os.path.join(tmp_path, "export")
+    kzoo.presets.save(model, out, format="hf")
+    exported = getattr(transformers, cls_name).from_pretrained(out).eval()
+    for g, e in zip(hf_outputs(exported, inputs), expected):
+        assert max_real_diff(g, e, inputs["padding_mask"]) <= 1e-5
+    # HF -> kzoo -> HF: identical tensors under identical names.
+    original, written = read_state(src), read_state(out)
+    assert sorted(written) == sorted(original)
+    for name in original:
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == [cls_name]
+
+
+def test_hf_pretraining_checkpoint_loads_as_masked_lm(tmp_path):
+    """Google's original layout: pooler + next-sentence head, decoder stored untied-looking."""
+    reference = hf_model("BertForPreTraining")
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    inputs = hf_inputs()
+    model = kzoo.presets.load(tmp_path)
+    assert isinstance(model, BertMaskedLM)
+    diff = max_real_diff(kzoo_outputs(model, inputs)[0], hf_outputs(reference, inputs)[0],
+                         inputs["padding_mask"])
+    assert diff <= 1e-5
+    # Its pooler was loaded too: the backbone's pooled output matches BertModel's.
+    pooled = to_numpy(model.backbone(inputs)["pooled_output"])
+    expected = hf_forward(reference.bert, inputs).pooler_output.numpy()
+    np.testing.assert_allclose(pooled, expected, atol=1e-5)
+
+
+def test_hf_masked_lm_as_backbone_and_classifier(tmp_path):
+    reference = hf_model("BertForMaskedLM")
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    inputs = hf_inputs()
+    expected = hf_forward(reference.bert, inputs).last_hidden_state.numpy()
+    with pytest.warns(UserWarning, match="pooler"):
+        backbone = kzoo.presets.load(tmp_path, task="backbone")
+    got = to_numpy(backbone(inputs)["sequence_output"])
+    assert max_real_diff(got, expected, inputs["padding_mask"]) <= 1e-5
+    clf = kzoo.presets.load(tmp_path, task="classifier", num_classes=4)
+    assert isinstance(clf, BertClassifier) and tuple(clf(inputs).shape) == (3, 4)
+
+
+def _write_hf(tmp_path, config, state):
+    from safetensors.numpy import save_file
+
+    os.makedirs(tmp_path, exist_ok=True)
+    save_file(state, os.path.join(tmp_path, "model.safetensors"))
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@pytest.fixture(scope="module")
+def hf_mlm_files(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_mlm")
+    hf_model("BertForMaskedLM").save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return config, read_state(path)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("position_embedding_type", "relative_key"),
+        ("position_embedding_type", "relative_key_query"),
+        ("hidden_act", "mish"),
+        ("is_decoder", True),
+        ("add_cross_attention", True),
+        ("tie_word_embeddings", False),
+        ("architectures", ["BertForQuestionAnswering"]),
+    ],
+)
+def test_hf_unsupported_fields_raise(field, value, hf_mlm_files, tmp_path):
+    config, state = hf_mlm_files
+    _write_hf(tmp_path, {**config, field: value}, state)
+    with pytest.raises(ValueError, match=field):
+        kzoo.presets.load(tmp_path)
+
+
+def test_hf_missing_unexpected_and_mismatched_weights(hf_mlm_files, tmp_path):
+    config, state = hf_mlm_files
+    missing = dict(state)
+    del missing["bert.encoder.layer.1.output.dense.bias"]
+    missing["bert.encoder.layer.9.output.dense.bias"] = state["cls.predictions.bias"]
+    _write_hf(os.path.join(tmp_path, "a"), config, missing)
+    with pytest.raises(ValueError) as info:
+        kzoo.presets.load(os.path.join(tmp_path, "a"))
+    assert "bert.encoder.layer.1.output.dense.bias" in str(info.value)
+    assert "bert.encoder.layer.9.output.dense.bias" in str(info.value)
+    wrong = dict(state)
+    wrong["bert.embeddings.position_embeddings.weight"] = np.zeros((39, 32), np.float32)
+    _write_hf(os.path.join(tmp_path, "b"), config, wrong)
+    with pytest.raises(ValueError, match=r"\(39, 32\).*\(40, 32\)"):
+        kzoo.presets.load(os.path.join(tmp_path, "b"))
+    untied = dict(state)
+    untied["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"] + 1
+    _write_hf(os.path.join(tmp_path, "c"), config, untied)
+    with pytest.raises(ValueError, match="tie"):
+        kzoo.presets.load(os.path.join(tmp_path, "c"))
+
+
+def test_hf_legacy_layer_norm_names(hf_mlm_files, tmp_path):
+    """TF-era checkpoints name layer norms gamma/beta; transformers renames them, so do we."""
+    config, state = hf_mlm_files
+    legacy = {}
+    for name, value in state.items():
+        if "LayerNorm" in name:
+            name = name.replace(".weight", ".gamma").replace(".bias", ".beta")
+        legacy[name] = value
+    _write_hf(tmp_path, config, legacy)
+    model = kzoo.presets.load(tmp_path)
+    np.testing.assert_array_equal(
+        to_numpy(model.backbone.embeddings_layer_norm.gamma),
+        state["bert.embeddings.LayerNorm.weight"])
+
+
+def test_hf_load_weights_into_preset(tmp_path):
+    """`load(preset, weights=hf_dir)`: a preset-shaped model gets a checkpoint's weights."""
+    reference = hf_model("BertForMaskedLM", vocab_size=30522, hidden_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+                         max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    model = kzoo.presets.load("bert_tiny_uncased", weights=tmp_path)
+    inputs = make_inputs(vocab=30522)
+    diff = max_real_diff(kzoo_outputs(model, inputs)[0], hf_outputs(reference, inputs)[0],
+                         inputs["padding_mask"])
+    assert diff <= 1e-4
