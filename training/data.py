@@ -232,43 +232,53 @@ def split_text(text, validation_fraction=0.1):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens, after four special tokens.
+    """UTF-8 bytes as tokens (ids 0-255), then four special tokens.
 
-    Ids: 0 `[PAD]`, 1 `[BOS]` (also BERT's `[CLS]`), 2 `[EOS]` (`[SEP]`), 3 `[MASK]`, then
-    byte `b` is `b + 4`. Vocabulary 260.
+    The convention of kzoo's byte-level presets (`gpt_mini`): 256 end of text (`[EOS]`,
+    BERT's `[SEP]`), 257 `[PAD]`, 258 `[BOS]` (BERT's `[CLS]`), 259 `[MASK]`. Vocabulary 260.
     """
 
     kind = "byte"
-    pad_id, bos_id, eos_id, mask_id = 0, 1, 2, 3
-    num_special = 4
+    eos_id, pad_id, bos_id, mask_id = 256, 257, 258, 259
+    regular_range = (0, 256)
 
     @property
     def vocabulary_size(self):
-        return 256 + self.num_special
+        return 260
+
+    def is_special(self, ids):
+        return np.asarray(ids) >= 256
 
     def encode(self, text):
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + 4
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids):
-        data = bytes(int(i) - 4 for i in ids if 4 <= int(i) < 260)
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
     def save(self, directory):
         path = os.path.join(directory, "tokenizer.txt")
-        _atomic_write_text(path, "byte-level: id = utf-8 byte + 4; 0 [PAD] 1 [BOS] 2 [EOS] "
-                                 "3 [MASK]\n")
+        _atomic_write_text(path, "byte-level: ids 0-255 = UTF-8 bytes; 256 [EOS], 257 [PAD], "
+                                 "258 [BOS]/[CLS], 259 [MASK]\n")
         return path
 
 
 class BPETokenizer:
     """A byte-level BPE (Hugging Face `tokenizers`) trained on the training text.
 
-    Special tokens take ids 0-3 as in `ByteTokenizer`.
+    Special tokens take ids 0-3: `[PAD]`, `[BOS]`, `[EOS]`, `[MASK]`.
     """
 
     kind = "bpe"
     pad_id, bos_id, eos_id, mask_id = 0, 1, 2, 3
     num_special = 4
+
+    @property
+    def regular_range(self):
+        return (self.num_special, self.vocabulary_size)
+
+    def is_special(self, ids):
+        return np.asarray(ids) < self.num_special
 
     def __init__(self, text, vocabulary_size=1024):
         try:
@@ -345,7 +355,7 @@ def mask_tokens(windows, rng, tokenizer, rate=0.15, cls=True):
         windows = np.concatenate(
             [np.full((len(body), 1), tokenizer.bos_id, np.int32), body,
              np.full((len(body), 1), tokenizer.eos_id, np.int32)], axis=1)
-    special = windows < tokenizer.num_special
+    special = tokenizer.is_special(windows)
     picked = (rng.random(windows.shape) < rate) & ~special
     # Every row predicts at least one token.
     for row in np.flatnonzero(~picked.any(axis=1)):
@@ -355,8 +365,8 @@ def mask_tokens(windows, rng, tokenizer, rate=0.15, cls=True):
     inputs = windows.copy()
     inputs[picked & (action < 0.8)] = tokenizer.mask_id
     swap = picked & (action >= 0.8) & (action < 0.9)
-    inputs[swap] = rng.integers(tokenizer.num_special, tokenizer.vocabulary_size,
-                                size=int(swap.sum()))
+    low, high = tokenizer.regular_range
+    inputs[swap] = rng.integers(low, high, size=int(swap.sum()))
     x = {
         "token_ids": inputs,
         "segment_ids": np.zeros_like(inputs),

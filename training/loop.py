@@ -79,15 +79,9 @@ class RunConfig:
 
 
 def set_seed(seed):
-    """Seed Python, NumPy and the backend (and make TensorFlow's kernels deterministic)."""
+    """Seed Python's, NumPy's and the backend's generators (`keras.utils.set_random_seed`):
+    with the step-indexed data of `training.data`, the whole run follows from the seed."""
     keras.utils.set_random_seed(int(seed))
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        try:
-            tf.config.experimental.enable_op_determinism()
-        except (AttributeError, RuntimeError):  # pragma: no cover - old TF
-            pass
 
 
 def make_optimizer(cfg):
@@ -217,6 +211,10 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
         state.wall_time_before = float(meta.get("wall_time_s", 0.0))
         resumed_from = state.step
         if state.step % epoch_steps and metric_values is not None:
+            # The compiled metrics are built lazily (on TensorFlow only by a first step):
+            # build them with one inference pass so the saved running states fit them.
+            x, y, w = task.train_batch(state.step)
+            model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size, verbose=0)
             restore_metrics.pending = metric_values
         if cfg.verbose:
             print(f"Resuming {cfg.recipe} from step {state.step} "

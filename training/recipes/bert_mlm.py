@@ -15,6 +15,7 @@ import keras
 
 import kzoo.presets
 from training import data as D
+from training.loop import set_seed
 from training.recipes import _text
 
 NAME = "bert_mlm"
@@ -39,6 +40,7 @@ def add_arguments(parser):
 
 
 def build(cfg):
+    set_seed(cfg.seed)
     tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     seq_len = int(cfg.options.get("seq_len", 128))
     windows = D.tile_windows(val_ids, seq_len, max_windows=VALIDATION_WINDOWS)

@@ -17,6 +17,7 @@ import numpy as np
 
 import kzoo.presets
 from training import data as D
+from training.loop import set_seed
 from training.recipes import _text
 
 NAME = "gpt_text"
@@ -42,6 +43,7 @@ def add_arguments(parser):
 
 
 def build(cfg):
+    set_seed(cfg.seed)
     tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     seq_len = int(cfg.options.get("seq_len", 128))
     validation = D.causal_lm_batch(

@@ -22,6 +22,7 @@ import numpy as np
 
 import kzoo.presets
 from training import data as D
+from training.loop import set_seed
 
 NAME = "graphormer_freesolv"
 HELP = "Graphormer on FreeSolv (random 80/10/10 split); test RMSE in kcal/mol, --seeds mode."
@@ -71,6 +72,7 @@ def _graph_inputs(graphs, pad_to_nodes, multi_hop_max_dist=5):
 def build(cfg):
     from kzoo import graphs as G
 
+    set_seed(cfg.seed)
     smiles, values = D.load_freesolv()
     limit = cfg.options.get("max_molecules")
     if limit is not None:

@@ -18,6 +18,7 @@ import numpy as np
 
 import kzoo.presets
 from training import data as D
+from training.loop import set_seed
 
 NAME = "t5_numbers"
 HELP = "T5 English -> French number words (num2words); exact match on held-out numbers."
@@ -63,6 +64,7 @@ def _check(options):
 
 
 def build(cfg):
+    set_seed(cfg.seed)
     max_number, heldout, language = _check(cfg.options)
     train_numbers, held = D.split_numbers(max_number, heldout, cfg.seed)
     val_numbers, test_numbers = held[: heldout // 2], held[heldout // 2:]

@@ -13,6 +13,7 @@ import numpy as np
 
 import kzoo.presets
 from training import data as D
+from training.loop import set_seed
 
 NAME = "vit_digits"
 HELP = "ViT on sklearn's 8x8 digits; stratified held-out test accuracy (target >= 98%)."
@@ -37,6 +38,7 @@ def add_arguments(parser):
 
 
 def build(cfg):
+    set_seed(cfg.seed)
     train, val, test = D.load_digits_split(seed=cfg.seed)
     augment = None if cfg.options.get("no_augment") else D.shift_images
     task = D.ArrayTask((train[0], train[1], None), cfg.batch_size, cfg.seed,

@@ -1,0 +1,279 @@
+"""Tests of the training entry points (`python -m training ...`), run once per backend.
+
+Every recipe trains a tiny model for a few steps and must leave its outputs behind; a run
+killed with SIGKILL and restarted must end exactly where an uninterrupted run ends; a
+damaged or half-written checkpoint must be skipped; a NaN loss must stop the run with a
+clear error and save nothing.
+"""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo.presets
+from training import checkpoint
+from training import data as D
+from training.cli import build_parser, main
+from training.losses import SmoothedSparseCrossentropy
+from training.recipes import RECIPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY_VIT = ["--override", "num_layers=1", "--override", "hidden_dim=16",
+            "--override", "intermediate_dim=32", "--override", "num_heads=2"]
+TINY_GPT = ["--override", "num_layers=1", "--override", "hidden_dim=16",
+            "--override", "intermediate_dim=32", "--override", "num_heads=2",
+            "--seq-len", "16", "--max-chars", "20000", "--sample-tokens", "8"]
+TINY_BERT = ["--override", "num_layers=1", "--override", "hidden_dim=16",
+             "--override", "intermediate_dim=32", "--override", "num_heads=2",
+             "--seq-len", "16", "--max-chars", "20000"]
+TINY_T5 = ["--override", "num_layers=1", "--override", "hidden_dim=16",
+           "--override", "key_value_dim=8", "--override", "intermediate_dim=32",
+           "--override", "num_heads=2", "--max-number", "200", "--heldout", "20"]
+TINY_GRAPHORMER = ["--override", "num_layers=1", "--override", "hidden_dim=16",
+                   "--override", "intermediate_dim=32", "--override", "num_heads=2",
+                   "--max-molecules", "60"]
+
+RECIPE_ARGS = {
+    "vit_digits": TINY_VIT + ["--batch-size", "16"],
+    "gpt_text": TINY_GPT + ["--batch-size", "4"],
+    "demo": TINY_GPT + ["--batch-size", "4"],
+    "bert_mlm": TINY_BERT + ["--batch-size", "4"],
+    "t5_numbers": TINY_T5 + ["--batch-size", "8"],
+    "graphormer_freesolv": TINY_GRAPHORMER + ["--batch-size", "8"],
+}
+FINAL_METRIC = {
+    "vit_digits": "test_accuracy",
+    "gpt_text": "val_perplexity",
+    "demo": "val_perplexity",
+    "bert_mlm": "val_masked_accuracy",
+    "t5_numbers": "test_exact_match",
+    "graphormer_freesolv": "test_rmse_kcal",
+}
+
+
+def _family_available(recipe):
+    from training.recipes import recipe_module
+
+    name = recipe_module(recipe).DEFAULTS["preset"]
+    return name in kzoo.presets.list()
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.json")) as f:
+        return json.load(f)
+
+
+# === CLI ===
+
+
+def test_help_lists_every_recipe():
+    text = build_parser().format_help()
+    for name in RECIPES:
+        assert name in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["nope"], "'nope'"),
+    (["vit_digits", "--steps", "-3"], "'-3'"),
+    (["vit_digits", "--steps", "2", "--epochs", "2"], "not allowed with"),
+    (["vit_digits", "--preset", "vit_tiny_patch61"], "vit_tiny_patch61"),
+    (["gpt_text", "--tokenizer", "wordpiece"], "'wordpiece'"),
+    (["graphormer_freesolv", "--seeds", "0,x"], "'0,x'"),
+    (["vit_digits", "--override", "num_layers"], "KEY=VALUE"),
+])
+def test_bad_arguments_are_named(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+# === Building blocks ===
+
+
+def test_label_smoothing_loss_matches_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 3, 5)).astype("float32")
+    labels = rng.integers(0, 5, size=(2, 3))
+    weights = np.array([[1, 1, 0], [1, 0, 0]], "float32")
+    eps = 0.1
+    z = logits - logits.max(-1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    target = np.full((2, 3, 5), eps / 5)
+    target[np.arange(2)[:, None], np.arange(3)[None], labels] += 1 - eps
+    per_token = -(target * log_p).sum(-1)
+    expected = (per_token * weights).sum() / weights.sum()
+    loss = SmoothedSparseCrossentropy(eps)(labels, logits, sample_weight=weights)
+    np.testing.assert_allclose(float(keras.ops.convert_to_numpy(loss)), expected, rtol=1e-5)
+
+
+def test_batches_depend_only_on_seed_and_step():
+    x = np.arange(100, dtype="float32")[:, None]
+    y = np.arange(100)
+    a = D.ArrayTask((x, y, None), 8, seed=3)
+    b = D.ArrayTask((x, y, None), 8, seed=3)
+    for step in (0, 11, 12, 40, 13):  # out of order: no hidden iterator state
+        np.testing.assert_array_equal(a.train_batch(step)[1], b.train_batch(step)[1])
+    # one pass covers distinct examples; the next pass is another permutation
+    first = np.concatenate([a.train_batch(s)[1] for s in range(a.steps_per_epoch)])
+    second = np.concatenate([a.train_batch(s)[1] for s in range(a.steps_per_epoch,
+                                                                 2 * a.steps_per_epoch)])
+    assert len(set(first.tolist())) == len(first)
+    assert not np.array_equal(first, second)
+    assert not np.array_equal(D.ArrayTask((x, y, None), 8, seed=4).train_batch(0)[1],
+                              a.train_batch(0)[1])
+
+
+def test_bert_masking_rates():
+    tok = D.ByteTokenizer()
+    windows = np.random.default_rng(0).integers(0, 256, size=(400, 128))
+    x, y, w = D.mask_tokens(windows, np.random.default_rng(1), tok, rate=0.15)
+    picked = w.astype(bool)
+    assert (y[:, 0] == tok.bos_id).all() and (y[:, -1] == tok.eos_id).all()
+    assert not picked[:, 0].any() and not picked[:, -1].any()
+    assert abs(picked.mean() - 0.15 * 126 / 128) < 0.01
+    ids = x["token_ids"][picked]
+    original = y[picked]
+    masked = ids == tok.mask_id
+    kept = ids == original
+    assert abs(masked.mean() - 0.8) < 0.02
+    assert abs((~masked & ~kept).mean() - 0.1) < 0.02  # random replacement (rarely = original)
+    assert (x["token_ids"][~picked] == y[~picked]).all()
+
+
+def _tiny_compiled_model():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dropout(0.5)(keras.layers.Dense(8)(inputs)))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_damaged_and_half_written_checkpoints_are_skipped(tmp_path):
+    model = _tiny_compiled_model()
+    x = np.ones((8, 4), "float32")
+    model.fit(x, np.zeros((8, 3)), epochs=1, verbose=0)
+    good = [v.numpy() if hasattr(v, "numpy") else keras.ops.convert_to_numpy(v)
+            for v in model.variables]
+    checkpoint.save(tmp_path, model, {"step": 10, "fingerprint": {"a": 1}})
+    # A later checkpoint whose save was interrupted: the temporary file is garbage, the
+    # final name holds a truncated file (as if the disk lost its end).
+    with open(tmp_path / ".ckpt-00000020.npz.tmp-999", "wb") as f:
+        f.write(b"\x00garbage")
+    checkpoint.save(tmp_path, model, {"step": 20, "fingerprint": {"a": 1}})
+    with open(tmp_path / "ckpt-00000020.npz", "r+b") as f:
+        f.truncate(200)
+    other = _tiny_compiled_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta, _ = checkpoint.restore_latest(tmp_path, other, {"a": 1})
+    assert meta["step"] == 10
+    assert any("ckpt-00000020" in str(w.message) for w in caught)
+    for v, expected in zip(other.variables, good):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), expected)
+    # A checkpoint of another configuration is refused, not loaded.
+    with pytest.raises(checkpoint.CheckpointError, match="another configuration"):
+        checkpoint.restore_latest(tmp_path, other, {"a": 2})
+
+
+# === Recipes ===
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_ARGS))
+def test_recipe_writes_its_outputs(recipe, tmp_path):
+    if not _family_available(recipe):
+        pytest.fail(f"the default preset of {recipe} is not registered in kzoo.presets")
+    out = str(tmp_path / recipe)
+    argv = [recipe, "--steps", "3", "--max-epoch-steps", "2", "--save-every", "2",
+            "--out", out, "--verbose", "0"] + RECIPE_ARGS[recipe]
+    assert main(argv) == 0
+    rows = _read_csv(os.path.join(out, "log.csv"))
+    assert [r["epoch"] for r in rows] == ["0", "1"]
+    assert "loss" in rows[0] and any(k.startswith("val_") for k in rows[0])
+    with open(os.path.join(out, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    record = _metrics(out)
+    value = record["metrics"][FINAL_METRIC[recipe]]
+    assert np.isfinite(value)
+    assert record["run"]["steps"] == 3 and record["run"]["backend"] == keras.backend.backend()
+    model = kzoo.presets.load(os.path.join(out, "model"))
+    assert model.count_params() == record["run"]["params"]
+    assert os.path.isdir(os.path.join(out, "best"))
+    assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints"))[0][0] == 3
+
+
+def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
+    out = str(tmp_path / "nan")
+    argv = ["vit_digits", "--steps", "6", "--max-epoch-steps", "6", "--save-every", "100",
+            "--learning-rate", "1e12", "--warmup-steps", "1", "--clipnorm", "0",
+            "--out", out, "--verbose", "0", "--no-augment"] + TINY_VIT + ["--batch-size", "16"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "became nan" in err.lower() or "became inf" in err.lower()
+    assert "no model was saved" in err
+    assert not os.path.exists(os.path.join(out, "model"))
+    assert not os.path.exists(os.path.join(out, "metrics.json"))
+    assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints")) == []
+
+
+# === Resumption ===
+
+
+RESUME_ARGS = ["vit_digits", "--steps", "90", "--max-epoch-steps", "20", "--save-every", "4",
+               "--batch-size", "16", "--verbose", "0"] + TINY_VIT + [
+                   "--override", "dropout=0.2"]
+
+
+def test_sigkill_then_restart_ends_like_an_uninterrupted_run(tmp_path):
+    reference = str(tmp_path / "reference")
+    assert main(RESUME_ARGS + ["--out", reference]) == 0
+
+    out = str(tmp_path / "killed")
+    command = [sys.executable, "-m", "training"] + RESUME_ARGS + ["--out", out]
+    env = dict(os.environ, KERAS_BACKEND=keras.backend.backend(), TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    ckpt_dir = os.path.join(out, "checkpoints")
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            found = checkpoint.list_checkpoints(ckpt_dir)
+            if found and found[0][0] >= 24:  # the second epoch has started
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, (
+            "the run ended before it could be killed: " + proc.stderr.read().decode()[-2000:])
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = checkpoint.list_checkpoints(ckpt_dir)[0][0]
+    assert 0 < killed_at < 90
+    assert not os.path.exists(os.path.join(out, "metrics.json"))
+
+    restarted = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, timeout=300)
+    assert restarted.returncode == 0, restarted.stderr.decode()[-3000:]
+    resumed, expected = _metrics(out), _metrics(reference)
+    assert resumed["run"]["resumed_from_step"] >= killed_at
+    assert resumed["metrics"] == expected["metrics"]
+    assert resumed["best"] == expected["best"]
+    assert _read_csv(os.path.join(out, "log.csv")) == _read_csv(
+        os.path.join(reference, "log.csv"))
