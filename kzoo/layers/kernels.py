@@ -593,8 +593,70 @@ def _torch_sdpa(query, key, value, mask, bias, is_causal, scale):
     return out
 
 
+def tpu_flash_plan(query_shape, key_shape, mask_shape=None, has_bias=False, is_causal=False,
+                   block=128):
+    """How the JAX/TPU path runs a call: which form of the Pallas flash kernel, or XLA.
+
+    Returns one of:
+    - "pallas": Pallas TPU flash attention, causal flag only (no mask, no bias);
+    - "pallas_segments": key padding expressed as segment ids (no O(n^2) tensor);
+    - "pallas_bias": mask and bias folded into one additive bias `ab`;
+    - "xla": `jax.nn.dot_product_attention` (sequence lengths not multiples of `block`,
+      or causal attention with q_len != k_len, which the kernel aligns top-left).
+    """
+    q_len, k_len = query_shape[1], key_shape[1]
+    if q_len is None or k_len is None or q_len % block or k_len % block:
+        return "xla"
+    if is_causal and q_len != k_len:
+        return "xla"
+    if mask_shape is None and not has_bias:
+        return "pallas"
+    if (not has_bias and mask_shape is not None and len(mask_shape) == 4
+            and tuple(mask_shape[1:3]) == (1, 1)):
+        return "pallas_segments"
+    return "pallas_bias"
+
+
+def _jax_tpu_flash(query, key, value, mask, bias, is_causal, scale, plan):
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+
+    groups = query.shape[2] // key.shape[2]
+    if groups > 1:  # the kernel wants equal head counts
+        key = jnp.repeat(key, groups, axis=2)
+        value = jnp.repeat(value, groups, axis=2)
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
+    kwargs = dict(causal=is_causal, sm_scale=scale)
+    if plan == "pallas_segments":
+        from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds
+
+        b = query.shape[0]
+        kv_seg = jnp.broadcast_to(mask[:, 0, 0, :], (b, key.shape[1])).astype(jnp.int32)
+        q_seg = jnp.ones((b, query.shape[1]), jnp.int32)
+        kwargs["segment_ids"] = SegmentIds(q=q_seg, kv=kv_seg)
+    elif plan == "pallas_bias":
+        full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        ab = jnp.zeros(full, jnp.float32)
+        if bias is not None:
+            ab = ab + bias.astype(jnp.float32)
+        if mask is not None:
+            ab = jnp.where(mask, ab, _NEG)
+        kwargs["ab"] = ab
+    out = jnp.swapaxes(flash_attention(q, k, v, **kwargs), 1, 2)
+    if mask is not None:
+        visible = jnp.swapaxes(jnp.any(mask, axis=-1, keepdims=True), 1, 2)
+        out = jnp.where(visible, out, 0)
+    return out.astype(query.dtype)
+
+
 def _jax_attention(query, key, value, mask, bias, is_causal, scale):
     import jax
+
+    if current_device() == "tpu":
+        plan = tpu_flash_plan(query.shape, key.shape, None if mask is None else mask.shape,
+                              bias is not None, is_causal)
+        if plan != "xla":
+            return _jax_tpu_flash(query, key, value, mask, bias, is_causal, scale, plan)
 
     q_len, k_len = query.shape[1], key.shape[1]
     if is_causal and q_len != k_len:
