@@ -1,0 +1,337 @@
+"""ViT: backbone, classifier, presets and the Hugging Face converter.
+
+References are NumPy formulas written here, `torch.nn.functional.interpolate` (bicubic) and
+transformers' `ViTModel` / `ViTForImageClassification`; never kzoo itself.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo.presets
+from kzoo.models.vit import ViTBackbone
+from kzoo.models.vit import ViTClassifier
+from kzoo.models.vit import ViTEmbedding
+from kzoo.models.vit import ViTEncoderLayer
+from kzoo.models.vit import bicubic_resize_matrix
+from tests.helpers import assert_close
+from tests.helpers import roundtrip_layer
+from tests.helpers import to_numpy
+
+TINY = dict(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32,
+            intermediate_dim=64)
+
+
+def images(batch=2, height=32, width=32, channels=3, seed=0):
+    return np.random.default_rng(seed).normal(size=(batch, height, width, channels)).astype(
+        "float32"
+    )
+
+
+def torch_bicubic(grid, size):
+    """torch's bicubic resize of a (h, w, d) NumPy grid to `size` (the reference)."""
+    import torch
+
+    t = torch.tensor(np.asarray(grid, "float32")).permute(2, 0, 1)[None]
+    out = torch.nn.functional.interpolate(t, size=size, mode="bicubic", align_corners=False)
+    return out[0].permute(1, 2, 0).numpy()
+
+
+# === Bicubic interpolation and the embedding layer ===
+
+
+@pytest.mark.parametrize("in_size,out_size", [(4, 6), (4, 4), (7, 3), (14, 24), (2, 9)])
+def test_bicubic_matrix_matches_torch(in_size, out_size):
+    grid = np.random.default_rng(1).normal(size=(in_size, 1, 5)).astype("float32")
+    ours = np.einsum("oi,iwd->owd", bicubic_resize_matrix(in_size, out_size), grid)
+    np.testing.assert_allclose(ours, torch_bicubic(grid, (out_size, 1)), atol=2e-6)
+
+
+def np_embedding(layer, x):
+    """NumPy reference of ViTEmbedding: patch matmul + class token + resampled positions."""
+    kernel = to_numpy(layer.patch_embedding.projection.kernel)  # (ph, pw, c, d)
+    bias = to_numpy(layer.patch_embedding.projection.bias)
+    ph, pw, c, d = kernel.shape
+    b, h, w, _ = x.shape
+    patches = x.reshape(b, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 2, 4, 5)
+    tokens = patches.reshape(b, -1, ph * pw * c) @ kernel.reshape(-1, d) + bias
+    table = to_numpy(layer.position_embedding)
+    prefix = 1 if layer.use_class_token else 0
+    gh, gw = layer.grid
+    grid = table[prefix:].reshape(gh, gw, d)
+    pos = torch_bicubic(grid, (h // ph, w // pw)).reshape(-1, d)
+    if prefix:
+        cls = np.broadcast_to(to_numpy(layer.class_token), (b, 1, d))
+        tokens = np.concatenate([cls, tokens], axis=1)
+        pos = np.concatenate([table[:1], pos], axis=0)
+    return tokens + pos[None]
+
+
+@pytest.mark.parametrize(
+    "image_size,shape,class_token",
+    [(32, (32, 32), True), (32, (48, 48), True), (32, (16, 40), True),
+     ((16, 24), (32, 16), True), (32, (40, 24), False)],
+)
+def test_embedding_matches_numpy_at_any_size(image_size, shape, class_token):
+    layer = ViTEmbedding(image_size=image_size, patch_size=8, hidden_dim=16,
+                         num_channels=3, use_class_token=class_token)
+    layer.build((None, None, None, 3))
+    layer.position_embedding.assign(
+        np.random.default_rng(3).normal(size=layer.position_embedding.shape).astype("float32"))
+    if class_token:
+        layer.class_token.assign(np.random.default_rng(4).normal(size=(1, 1, 16)))
+    x = images(2, *shape)
+    out = layer(x)
+    n = (shape[0] // 8) * (shape[1] // 8) + int(class_token)
+    assert tuple(out.shape) == (2, n, 16)
+    assert_close(out, np_embedding(layer, x), atol=1e-5)
+
+
+def test_layers_serialize():
+    roundtrip_layer(ViTEmbedding(image_size=(16, 24), patch_size=8, hidden_dim=16))
+    roundtrip_layer(ViTEncoderLayer(num_heads=2, intermediate_dim=8, qkv_bias=False))
+
+
+def test_qkv_bias_false_drops_only_qkv_biases():
+    layer = ViTEncoderLayer(num_heads=2, intermediate_dim=8, qkv_bias=False)
+    layer(np.zeros((1, 3, 4), "float32"))
+    names = sorted(w.path.split("/", 1)[1] for w in layer.weights)
+    assert not any(n.startswith(("self_attention/query_dense/bias",
+                                 "self_attention/key_dense/bias",
+                                 "self_attention/value_dense/bias")) for n in names)
+    assert "self_attention/output_dense/bias" in names
+    assert "feedforward/intermediate_dense/bias" in names
+    assert "feedforward/output_dense/bias" in names
+    assert len(names) == 13  # q/k/v kernels, output kernel+bias, 2 norms x 2, MLP 2 x 2
+    full = ViTEncoderLayer(num_heads=2, intermediate_dim=8)
+    full(np.zeros((1, 3, 4), "float32"))
+    assert len(full.weights) == len(layer.weights) + 3
+
+
+# === Backbone and classifier ===
+
+
+def np_layer_norm(x, gamma, beta, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * gamma + beta
+
+
+def test_forward_shapes_and_dtypes():
+    backbone = ViTBackbone(**TINY)
+    out = backbone(images())
+    assert tuple(out.shape) == (2, 17, 32)
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    model = ViTClassifier(backbone, num_classes=5)
+    logits = model(images())
+    assert tuple(logits.shape) == (2, 5)
+    # Other sizes and a non-square configuration.
+    assert tuple(backbone(images(1, 48, 24)).shape) == (1, 1 + 6 * 3, 32)
+    rect = ViTBackbone(**{**TINY, "image_size": (16, 40)}, use_class_token=False)
+    assert tuple(rect(images(1, 16, 40)).shape) == (1, 10, 32)
+    mixed = ViTClassifier(ViTBackbone(**TINY, dtype="mixed_bfloat16"), num_classes=3)
+    features = mixed.backbone(images())
+    assert keras.backend.standardize_dtype(features.dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(mixed(images()).dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(mixed.backbone.weights[0].dtype) == "float32"
+
+
+def test_classifier_pooling_matches_numpy():
+    backbone = ViTBackbone(**TINY)
+    x = images()
+    features = to_numpy(backbone(x))
+    for pooling, pooled in (("token", features[:, 0]), ("mean", features[:, 1:].mean(1))):
+        model = ViTClassifier(backbone, num_classes=4, pooling=pooling)
+        kernel = np.random.default_rng(5).normal(size=(32, 4)).astype("float32")
+        model.head.kernel.assign(kernel)
+        model.head.bias.assign(np.arange(4, dtype="float32"))
+        assert_close(model(x), pooled @ kernel + np.arange(4), atol=1e-4)
+
+
+def test_final_norm_and_block_structure_match_numpy():
+    """One-layer backbone against a NumPy pre-LN encoder written here."""
+    backbone = ViTBackbone(**{**TINY, "num_layers": 1, "layer_norm_epsilon": 1e-3})
+    rng = np.random.default_rng(7)
+    for w in backbone.weights:
+        w.assign(rng.normal(scale=0.2, size=w.shape).astype("float32"))
+    x = images()
+    h = np_embedding(backbone.embedding, x)
+    layer = backbone.encoder_layers[0]
+    att = layer.self_attention
+    g = lambda v: to_numpy(v)  # noqa: E731
+
+    y = np_layer_norm(h, g(layer.self_attention_norm.gamma), g(layer.self_attention_norm.beta),
+                      1e-3)
+    proj = lambda d, v: v @ g(d.kernel) + g(d.bias)  # noqa: E731
+    q, k, v = (proj(d, y).reshape(2, 17, 4, 8) for d in (att.query_dense, att.key_dense,
+                                                           att.value_dense))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhd->bqhd", p, v).reshape(2, 17, 32)
+    h = h + proj(att.output_dense, o)
+    y = np_layer_norm(h, g(layer.feedforward_norm.gamma), g(layer.feedforward_norm.beta), 1e-3)
+    ff = layer.feedforward_layer
+    from scipy.special import erf
+
+    a = proj(ff.intermediate_dense, y)
+    a = 0.5 * a * (1 + erf(a / np.sqrt(2)))
+    h = h + proj(ff.output_dense, a)
+    ref = np_layer_norm(h, g(backbone.final_norm.gamma), g(backbone.final_norm.beta), 1e-3)
+    assert_close(backbone(x), ref, atol=1e-4)
+
+
+def test_batch_independence():
+    """Images never influence each other (the ViT analogue of padding invariance)."""
+    model = ViTClassifier(ViTBackbone(**TINY), num_classes=3)
+    model.head.kernel.assign(np.random.default_rng(0).normal(size=(32, 3)).astype("float32"))
+    x = images(3)
+    full = to_numpy(model.backbone(x))
+    for i in range(3):
+        alone = to_numpy(model.backbone(x[i:i + 1]))
+        np.testing.assert_allclose(alone[0], full[i], atol=1e-5)
+    other = x.copy()
+    other[1:] = images(2, seed=9)
+    np.testing.assert_allclose(to_numpy(model(other))[0], to_numpy(model(x))[0], atol=1e-5)
+
+
+def test_keras_file_and_preset_dir_roundtrip(tmp_path):
+    model = ViTClassifier(ViTBackbone(**TINY, qkv_bias=False), num_classes=3, pooling="mean")
+    model.head.kernel.assign(np.random.default_rng(0).normal(size=(32, 3)).astype("float32"))
+    x = images()
+    expected = to_numpy(model(x))
+    path = str(tmp_path / "vit.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    np.testing.assert_array_equal(to_numpy(restored(x)), expected)
+    kzoo.presets.save(model, str(tmp_path / "dir"))
+    loaded = kzoo.presets.load(str(tmp_path / "dir"))
+    assert isinstance(loaded, ViTClassifier) and loaded.pooling == "mean"
+    np.testing.assert_array_equal(to_numpy(loaded(x)), expected)
+    backbone = kzoo.presets.load(str(tmp_path / "dir"), task="backbone")
+    np.testing.assert_array_equal(to_numpy(backbone(x)), to_numpy(model.backbone(x)))
+
+
+def test_loading_into_another_image_size_resamples_the_table(tmp_path):
+    model = ViTClassifier(ViTBackbone(**TINY), num_classes=3)
+    table = np.random.default_rng(2).normal(size=(17, 32)).astype("float32")
+    model.backbone.embedding.position_embedding.assign(table)
+    kzoo.presets.save(model, str(tmp_path / "dir"))
+    big = kzoo.presets.load(str(tmp_path / "dir"), image_size=48)
+    assert big.backbone.image_size == 48
+    new_table = to_numpy(big.backbone.embedding.position_embedding)
+    assert new_table.shape == (37, 32)
+    np.testing.assert_array_equal(new_table[0], table[0])
+    ref = torch_bicubic(table[1:].reshape(4, 4, 32), (6, 6)).reshape(36, 32)
+    np.testing.assert_allclose(new_table[1:], ref, atol=1e-5)
+    # The 32-model run on 48-pixel images interpolates the same way at run time.
+    x = images(2, 48, 48)
+    np.testing.assert_allclose(to_numpy(big(x)), to_numpy(model(x)), atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["token", "mean"])
+def test_fit_lowers_loss(pooling):
+    model = ViTClassifier(ViTBackbone(**{**TINY, "num_layers": 1}), num_classes=3,
+                          pooling=pooling)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile="auto",  # XLA on JAX and TensorFlow; torch.compile would take minutes
+    )
+    x = images(8)
+    y = np.arange(8) % 3
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, epochs=8, batch_size=8, verbose=0)
+    after = model.evaluate(x, y, verbose=0)
+    assert after < before - 0.05, (before, after)
+
+
+def test_backbone_fit_lowers_loss():
+    backbone = ViTBackbone(**{**TINY, "num_layers": 1})
+    backbone.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x = images(4)
+    target = np.zeros((4, 17, 32), "float32") + 0.5
+    before = backbone.evaluate(x, target, verbose=0)
+    backbone.fit(x, target, epochs=5, batch_size=4, verbose=0)
+    assert backbone.evaluate(x, target, verbose=0) < before
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ({"image_size": 30}, "patch_size"),
+        ({"image_size": 0}, "image_size"),
+        ({"image_size": (32, 32, 3)}, "image_size"),
+        ({"patch_size": 0}, "patch_size"),
+        ({"num_heads": 5}, "num_heads"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"num_channels": 0}, "num_channels"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"attention_dropout": -0.1}, "attention_dropout"),
+        ({"layer_norm_epsilon": 0.0}, "layer_norm_epsilon"),
+        ({"activation": "gelu_fast"}, "activation"),
+        ({"use_class_token": 1}, "use_class_token"),
+        ({"qkv_bias": "no"}, "qkv_bias"),
+    ],
+)
+def test_backbone_config_validation(override, field):
+    with pytest.raises(ValueError, match=field):
+        ViTBackbone(**{**TINY, **override})
+
+
+def test_classifier_config_validation():
+    backbone = ViTBackbone(**TINY)
+    with pytest.raises(ValueError, match="num_classes"):
+        ViTClassifier(backbone, num_classes=0)
+    with pytest.raises(ValueError, match="pooling"):
+        ViTClassifier(backbone, pooling="max")
+    with pytest.raises(ValueError, match="dropout"):
+        ViTClassifier(backbone, dropout=2.0)
+    with pytest.raises(ValueError, match="pooling"):
+        ViTClassifier(ViTBackbone(**TINY, use_class_token=False), pooling="token")
+    with pytest.raises(ValueError, match="not divisible|multiple"):
+        backbone(images(1, 36, 32))
+    with pytest.raises(ValueError, match="channels|incompatible"):
+        backbone(images(1, 32, 32, 4))
+
+
+def test_get_config_roundtrip():
+    backbone = ViTBackbone(**TINY)
+    config = backbone.get_config()
+    clone = ViTBackbone.from_config(config)
+    assert clone.get_config() == config
+    model = ViTClassifier(backbone, num_classes=7, pooling="mean", dropout=0.1)
+    clone = ViTClassifier.from_config(json.loads(json.dumps(model.get_config())))
+    assert clone.num_classes == 7 and clone.pooling == "mean" and clone.dropout == 0.1
+    assert clone.count_params() == model.count_params()
+
+
+def test_preset_load_with_overrides():
+    model = kzoo.presets.load("vit_tiny_patch16_224", num_classes=10, image_size=32,
+                             num_layers=1)
+    assert isinstance(model, ViTClassifier) and model.num_classes == 10
+    assert tuple(model(images(1)).shape) == (1, 10)
+    assert "vit_base_patch16_224" in kzoo.presets.list()
+
+
+def _check_preset_params(name):
+    spec = kzoo.presets.info(name)
+    model = kzoo.presets.load(name)
+    assert isinstance(model, ViTClassifier)
+    assert model.count_params() == spec["params"]
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_small_patch16_224"])
+def test_small_preset_params(name):
+    _check_preset_params(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit_base_patch16_224", "vit_large_patch16_224"])
+def test_large_preset_params(name):
+    _check_preset_params(name)
+    published = {"vit_base_patch16_224": 86_567_656, "vit_large_patch16_224": 304_326_632}
+    assert kzoo.presets.info(name)["params"] == published[name]
