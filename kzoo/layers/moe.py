@@ -1,0 +1,565 @@
+"""Sparse mixture-of-experts feed-forward layer (Shazeer et al. 2017; GShard; Switch; Mixtral).
+
+How tokens reach their experts (no Python loop over experts, static shapes, `jit`-safe):
+
+1. The router (a float32 `Dense(num_experts, use_bias=False)`) scores every token; softmax
+   probabilities; `top_k` experts per token.
+2. The `tokens * top_k` (token, expert) assignments are laid out "choice-major": all top-1
+   choices in token order, then all top-2 choices, ... A running count per expert (a cumsum
+   over the one-hot expert ids) gives every assignment its position inside its expert, so
+   earlier choices and earlier tokens are served first (GShard's priority rule).
+3. Assignments with `position < capacity` are gathered into a buffer
+   `(num_experts, capacity, dim)`; the experts run as batched matmuls against the stacked
+   weights `(num_experts, dim, intermediate_dim)`; the results are gathered back per
+   assignment, weighted by the router and summed over the `top_k` choices.
+
+Compute is therefore `num_experts * capacity` rows, i.e. proportional to
+`tokens * top_k * capacity_factor`, not to `tokens * num_experts`.
+
+Capacity:
+
+- `capacity_factor=c`: `capacity = ceil(c * tokens * top_k / num_experts)` (capped at
+  `tokens`). Assignments past an expert's capacity are dropped: that expert contributes zero
+  to that token (the residual connection around the layer is the caller's job).
+- `capacity_factor=None` (default): nothing is ever dropped. The layer picks, at run time,
+  the smallest of a few static capacities (`NO_DROP_CAPACITY_FACTORS` times the balanced
+  load, rounded up to a multiple of 8, and finally `tokens`, which always suffices) that holds
+  the busiest expert, with `keras.ops.switch` (eagerly: a Python branch). Each branch has static shapes; only the
+  chosen one runs. A balanced router costs ~1.25x the ideal `top_k` FLOPs; a collapsed router
+  (every token to the same expert) falls back to capacity = tokens, i.e.
+  `num_experts / top_k` times the ideal, and is still exact.
+"""
+
+import functools
+import math
+
+import keras
+from keras import ops
+
+from kzoo.layers.feedforward import get_activation
+from kzoo.layers.utils import check_choice
+from kzoo.layers.utils import check_positive_float
+from kzoo.layers.utils import check_positive_int
+from kzoo.layers.utils import check_rate
+from kzoo.layers.utils import serialize_initializer
+
+# Capacities tried, in order, when `capacity_factor is None` (multiples of the balanced load
+# tokens * top_k / num_experts); the last resort is capacity = tokens.
+NO_DROP_CAPACITY_FACTORS = (1.25, 1.5, 2.0, 3.0)
+
+
+def _TRACKERS_SUPPORTED():
+    return keras.backend.backend() != "jax"
+
+
+def _concrete_int(value):
+    """`int(value)` for an eager tensor, None for a traced/symbolic one (jit, tf.function)."""
+    try:
+        return int(value)
+    except Exception:  # tracers and graph tensors refuse conversion to a Python int
+        return None
+
+
+def _check_bool(name, value, allow_none=False):
+    if value is None and allow_none:
+        return value
+    if not isinstance(value, bool):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise ValueError(f"`{name}` must be {allowed}; got {name}={value!r}.")
+    return value
+
+
+def _check_non_negative_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"`{name}` must be a non-negative number; got {name}={value!r}.")
+    return float(value)
+
+
+def _stacked_initializer(initializer, num_experts):
+    """An initializer for a `(num_experts, fan_in, fan_out)` stack of expert kernels.
+
+    Keras' variance-scaling initializers count the leading axis as a receptive field and
+    would shrink the variance by `num_experts`; scaling `scale` by `num_experts` gives each
+    expert exactly the variance of a `(fan_in, fan_out)` kernel. Shape-free initializers
+    (normal, uniform, constants) are used unchanged.
+    """
+    init = keras.initializers.get(initializer)
+    if isinstance(init, keras.initializers.VarianceScaling):
+        return keras.initializers.VarianceScaling(
+            scale=init.scale * num_experts,
+            mode=init.mode,
+            distribution=init.distribution,
+            seed=init.seed,
+        )
+    return init
+
+
+# --- gather-only dispatch and combine ---------------------------------------------------
+# Moving rows between token order and the (experts * capacity) slot grid is a gather in
+# both directions: the gradient of "gather by slot_token" is "gather by slot" summed over
+# the top-k choices, and vice versa. Writing these gradients by hand keeps scatter-adds
+# (slow on CPU, and IndexedSlices that TensorFlow's XLA cannot densify inside a `cond`
+# branch when the batch size is dynamic) out of the backward pass.
+
+
+def _upstream(args, upstream):
+    # TF/JAX call grad(upstream); Keras' torch backend calls grad(*inputs, upstream=...).
+    return args[0] if upstream is None else upstream
+
+
+def _sum_choices(rows, num_tokens):
+    """(k * tokens, dim), choice-major -> (tokens, dim) summed over the k choices."""
+    return ops.sum(ops.reshape(rows, (-1, num_tokens, ops.shape(rows)[-1])), axis=0)
+
+
+@ops.custom_gradient
+def _dispatch(x, slot_token, slot):
+    """x (tokens, dim) -> (slots, dim); slot_token holds 1 + token id, 0 = empty slot."""
+    dim = ops.shape(x)[1]
+    x_pad = ops.concatenate([ops.zeros((1, dim), x.dtype), x], axis=0)
+    out = ops.take(x_pad, slot_token, axis=0)
+
+    def grad(*args, upstream=None):
+        g = _upstream(args, upstream)
+        g_pad = ops.concatenate([g, ops.zeros((1, dim), g.dtype)], axis=0)
+        per_assignment = ops.take(g_pad, slot, axis=0)  # (k * tokens, dim)
+        g_x = _sum_choices(per_assignment, ops.shape(x)[0])
+        return g_x, None, None
+
+    return out, grad
+
+
+@ops.custom_gradient
+def _combine(ye, slot, slot_assignment):
+    """ye (slots, dim) -> (k * tokens, dim); slot == slots (one past the end) reads zeros."""
+    dim = ops.shape(ye)[1]
+    y_pad = ops.concatenate([ye, ops.zeros((1, dim), ye.dtype)], axis=0)
+    out = ops.take(y_pad, slot, axis=0)
+
+    def grad(*args, upstream=None):
+        g = _upstream(args, upstream)
+        g_pad = ops.concatenate([ops.zeros((1, dim), g.dtype), g], axis=0)
+        return ops.take(g_pad, slot_assignment, axis=0), None, None
+
+    return out, grad
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class MixtureOfExperts(keras.layers.Layer):
+    """Top-k routed mixture of feed-forward experts.
+
+    Each token is routed to its `top_k` most probable experts (Shazeer et al., 2017) and the
+    output is the router-weighted sum of those experts' feed-forward outputs. With
+    `top_k=1, normalize_top_k=False` this is the Switch Transformer layer (Fedus et al.,
+    2021); with `top_k=2, expert_type="gated", normalize_top_k=True` it is Mixtral's sparse
+    MoE block. See the module docstring for the dispatch and the capacity rule.
+
+    Experts: `expert_type="plain"` is `act(x W_in + b_in) W_out + b_out` (like
+    `FeedForward`); `"gated"` is `(act(x W_gate) * (x W_up)) W_out` (like
+    `GatedFeedForward`). Weights are stacked per expert: variables `intermediate_kernel`
+    `(num_experts, dim, intermediate_dim)`, `intermediate_bias` `(num_experts,
+    intermediate_dim)`, `output_kernel` `(num_experts, intermediate_dim, dim)`, `output_bias`
+    `(num_experts, dim)` for plain experts; `gate_kernel`, `up_kernel` (+ `gate_bias`,
+    `up_bias`) and `output_kernel` (+ `output_bias`) for gated ones. The router is the
+    sublayer `router` (a `Dense` with kernel `(dim, num_experts)`, no bias) whose weights
+    and arithmetic are always float32 (Switch's "selective precision"), whatever the layer's
+    dtype policy.
+
+    Auxiliary losses (computed over non-padded tokens, before any capacity dropping):
+
+    - load balancing (Switch, eq. 4): `num_experts * sum_e f_e * P_e`, where `f_e` is the
+      fraction of tokens whose top-1 choice is expert `e` (the Switch/GShard convention,
+      also for `top_k > 1`; Hugging Face's Mixtral loss counts every top-k choice instead,
+      which is `top_k` times larger at balance) and `P_e` the mean router probability of
+      `e`. Equals 1 for a perfectly balanced router.
+    - router z-loss (ST-MoE, Zoph et al., 2022): mean over tokens of
+      `logsumexp(router_logits)^2`.
+
+    When called with `training=True` the layer adds `load_balance_loss_weight * lb` and
+    `router_z_loss_weight * z` to `layer.losses` / `model.losses` (a weight of 0 adds
+    nothing) and updates two `keras.metrics.Mean` trackers with the *unweighted* values, so
+    `model.fit` logs show them as `"<layer name>_load_balance_loss"` and
+    `"<layer name>_router_z_loss"`. The unweighted values of the latest call are also kept
+    in `layer.last_load_balance_loss` / `layer.last_router_z_loss` (meaningful after an
+    eager call; under `jit` they are the traced values), and `call(...,
+    return_aux_losses=True)` returns them functionally.
+
+    Args:
+        num_experts: number of experts (positive int).
+        intermediate_dim: hidden width of each expert.
+        top_k: experts per token, `1 <= top_k <= num_experts`.
+        expert_type: `"plain"` or `"gated"`.
+        activation: a `get_activation` name; `None` means `"gelu"` (plain) / `"silu"`
+            (gated, i.e. SwiGLU experts).
+        use_bias: biases in the experts; `None` means True (plain) / False (gated).
+        capacity_factor: `None` (never drop; see the module docstring) or a positive float.
+        normalize_top_k: renormalise the top-k probabilities to sum to 1 (Mixtral); False
+            keeps the raw softmax probabilities (Switch, GShard).
+        load_balance_loss_weight: non-negative weight of the load-balancing loss.
+        router_z_loss_weight: non-negative weight of the router z-loss.
+        dropout: dropout rate on the experts' hidden activations, in [0, 1).
+        kernel_initializer: initializer of every expert kernel, applied per expert.
+        bias_initializer: initializer of the expert biases.
+        router_initializer: initializer of the router kernel.
+        seed: `None` or an int seeding the dropout.
+        **kwargs: base `keras.layers.Layer` arguments.
+
+    Call args:
+        inputs: `(batch, seq, dim)` (or any `(..., dim)`).
+        padding_mask: optional boolean `(batch, seq)` (i.e. `inputs.shape[:-1]`); False
+            tokens are not routed (their output is zero), take no capacity and are left out
+            of the auxiliary losses.
+        training: adds the losses, updates the trackers, enables dropout.
+        return_aux_losses: also return `{"load_balance_loss", "router_z_loss"}` (unweighted
+            float32 scalars).
+
+    Returns:
+        `(..., dim)`, or `(outputs, aux_losses)` with `return_aux_losses=True`.
+
+    Example:
+
+    ```python
+    moe = kzoo.layers.moe.MixtureOfExperts(
+        num_experts=8, intermediate_dim=1024, top_k=2, expert_type="gated"
+    )
+    y = moe(keras.random.normal((2, 16, 256)), training=True)  # (2, 16, 256)
+    aux = moe.losses  # [0.01 * load balance loss, 0.001 * router z-loss]
+    ```
+    """
+
+    def __init__(
+        self,
+        num_experts,
+        intermediate_dim,
+        top_k=2,
+        expert_type="plain",
+        activation=None,
+        use_bias=None,
+        capacity_factor=None,
+        normalize_top_k=True,
+        load_balance_loss_weight=0.01,
+        router_z_loss_weight=0.001,
+        dropout=0.0,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        router_initializer="glorot_uniform",
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_experts = check_positive_int("num_experts", num_experts)
+        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
+        self.top_k = check_positive_int("top_k", top_k)
+        if top_k > num_experts:
+            raise ValueError(
+                f"`top_k` must be at most num_experts={num_experts}; got top_k={top_k}."
+            )
+        self.expert_type = check_choice("expert_type", expert_type, ("plain", "gated"))
+        if activation is not None:
+            get_activation(activation)
+        self.activation = activation
+        self.use_bias = _check_bool("use_bias", use_bias, allow_none=True)
+        if capacity_factor is not None:
+            capacity_factor = check_positive_float("capacity_factor", capacity_factor)
+        self.capacity_factor = capacity_factor
+        self.normalize_top_k = _check_bool("normalize_top_k", normalize_top_k)
+        self.load_balance_loss_weight = _check_non_negative_float(
+            "load_balance_loss_weight", load_balance_loss_weight
+        )
+        self.router_z_loss_weight = _check_non_negative_float(
+            "router_z_loss_weight", router_z_loss_weight
+        )
+        self.dropout = check_rate("dropout", dropout)
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self.bias_initializer = serialize_initializer(bias_initializer)
+        self.router_initializer = serialize_initializer(router_initializer)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"`seed` must be None or an int; got seed={seed!r}.")
+        self.seed = seed
+
+        gated = expert_type == "gated"
+        self._activation_name = activation or ("silu" if gated else "gelu")
+        self._activation_fn = get_activation(self._activation_name)
+        self._use_bias = (not gated) if use_bias is None else use_bias
+
+        # === Layers ===
+        self.router = keras.layers.Dense(
+            num_experts,
+            use_bias=False,
+            kernel_initializer=keras.initializers.get(self.router_initializer),
+            dtype="float32",
+            name="router",
+        )
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.load_balance_loss_tracker = keras.metrics.Mean(
+            name=f"{self.name}_load_balance_loss"
+        )
+        self.router_z_loss_tracker = keras.metrics.Mean(name=f"{self.name}_router_z_loss")
+        self.last_load_balance_loss = None
+        self.last_router_z_loss = None
+
+    # === Weights ===
+
+    def _kernel(self, name, shape):
+        return self.add_weight(
+            name=name,
+            shape=shape,
+            initializer=_stacked_initializer(self.kernel_initializer, self.num_experts),
+        )
+
+    def _bias(self, name, shape):
+        if not self._use_bias:
+            return None
+        return self.add_weight(
+            name=name, shape=shape, initializer=keras.initializers.get(self.bias_initializer)
+        )
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        if dim is None:
+            raise ValueError(
+                f"The last axis of the input to MixtureOfExperts must be known; got input "
+                f"shape {tuple(input_shape)}."
+            )
+        e, i = self.num_experts, self.intermediate_dim
+        self.router.build((None, dim))
+        if self.expert_type == "gated":
+            self.gate_kernel = self._kernel("gate_kernel", (e, dim, i))
+            self.gate_bias = self._bias("gate_bias", (e, i))
+            self.up_kernel = self._kernel("up_kernel", (e, dim, i))
+            self.up_bias = self._bias("up_bias", (e, i))
+        else:
+            self.intermediate_kernel = self._kernel("intermediate_kernel", (e, dim, i))
+            self.intermediate_bias = self._bias("intermediate_bias", (e, i))
+        self.output_kernel = self._kernel("output_kernel", (e, i, dim))
+        self.output_bias = self._bias("output_bias", (e, dim))
+        self.built = True
+
+    # === Routing ===
+
+    def _capacities(self, num_tokens):
+        """The static capacities to try, ascending; the last one never drops."""
+        e, k = self.num_experts, self.top_k
+        if self.capacity_factor is not None:
+            factors, round_to, exact = (self.capacity_factor,), 1, False
+        else:
+            factors, round_to, exact = NO_DROP_CAPACITY_FACTORS, 8, True
+        if isinstance(num_tokens, int):
+            caps = []
+            for f in factors:
+                c = max(1, math.ceil(f * num_tokens * k / e))
+                c = min(num_tokens, -(-c // round_to) * round_to)
+                if c not in caps:
+                    caps.append(c)
+            if exact and caps[-1] != num_tokens:
+                caps.append(num_tokens)
+            return caps
+        # Dynamic token count (TensorFlow graphs with an unknown batch size).
+        n = ops.cast(num_tokens, "float32")
+        caps = []
+        for f in factors:
+            c = ops.ceil(f * n * k / e / round_to) * round_to
+            caps.append(ops.cast(ops.clip(c, 1.0, n), "int32"))
+        if exact:
+            caps.append(ops.cast(num_tokens, "int32"))
+        return caps
+
+    def _expert_weights(self):
+        if self.expert_type == "gated":
+            first = (self.gate_kernel, self.gate_bias, self.up_kernel, self.up_bias)
+        else:
+            first = (self.intermediate_kernel, self.intermediate_bias)
+        # Reading the variables here (outside any `cond` branch) gives plain tensors,
+        # autocast to the compute dtype under mixed precision.
+        first = tuple(None if w is None else ops.convert_to_tensor(w) for w in first)
+        out_k = ops.convert_to_tensor(self.output_kernel)
+        out_b = None if self.output_bias is None else ops.convert_to_tensor(self.output_bias)
+        return first, out_k, out_b
+
+    def _experts(self, xe, weights, hidden_mask):
+        """Batched expert FFNs: xe (E, C, dim) -> (E, C, dim)."""
+        first, out_k, out_b = weights
+        if self.expert_type == "gated":
+            gate_k, gate_b, up_k, up_b = first
+            gate = ops.matmul(xe, gate_k)
+            up = ops.matmul(xe, up_k)
+            if gate_b is not None:
+                gate = gate + gate_b[:, None, :]
+                up = up + up_b[:, None, :]
+            h = self._activation_fn(gate) * up
+        else:
+            in_k, in_b = first
+            h = ops.matmul(xe, in_k)
+            if in_b is not None:
+                h = h + in_b[:, None, :]
+            h = self._activation_fn(h)
+        if hidden_mask is not None:
+            h = h * hidden_mask
+        y = ops.matmul(h, out_k)
+        if out_b is not None:
+            y = y + out_b[:, None, :]
+        return y
+
+    def _dispatch_and_run(self, capacity, x, expert_flat, token_flat, position, weight_flat,
+                          weights, dropout_mask):
+        e, k = self.num_experts, self.top_k
+        num_tokens = ops.shape(x)[0]
+        slots = e * capacity
+        keep = ops.logical_and(position >= 0, position < capacity)
+        # assignment -> slot (dropped and padded ones -> the extra, discarded slot `slots`)
+        slot = ops.where(keep, expert_flat * capacity + position, slots)
+        # slot -> 1 + assignment index (0 = empty slot). Kept slots are unique, so a scatter
+        # *update* is exact; all dropped assignments land on the extra slot, cut off here.
+        slot_assignment = ops.scatter_update(
+            ops.zeros((slots + 1,), "int32"),
+            ops.expand_dims(slot, -1),
+            ops.arange(1, k * num_tokens + 1, dtype="int32"),
+        )[:slots]
+        slot_token = ops.take(
+            ops.concatenate([ops.zeros((1,), "int32"), token_flat + 1], axis=0),
+            slot_assignment,
+            axis=0,
+        )
+        xe = _dispatch(x, slot_token, slot)
+        xe = ops.reshape(xe, (e, capacity, ops.shape(x)[1]))
+        hidden_mask = None
+        if dropout_mask is not None:
+            # Each (token, expert) assignment has its own mask row; route it like the token.
+            mask_pad = ops.concatenate(
+                [ops.ones((1, self.intermediate_dim), dropout_mask.dtype), dropout_mask], axis=0
+            )
+            hidden_mask = ops.reshape(
+                ops.take(mask_pad, slot_assignment, axis=0),
+                (e, capacity, self.intermediate_dim),
+            )
+        ye = self._experts(xe, weights, hidden_mask)
+        out_dim = ops.shape(ye)[-1]
+        y = _combine(ops.reshape(ye, (slots, out_dim)), slot, slot_assignment)
+        y = y * ops.expand_dims(ops.cast(weight_flat, ye.dtype), -1)
+        return _sum_choices(y, num_tokens)
+
+    def call(self, inputs, padding_mask=None, training=None, return_aux_losses=False):
+        e, k = self.num_experts, self.top_k
+        in_shape = ops.shape(inputs)
+        dim = in_shape[-1]
+        x = ops.reshape(inputs, (-1, dim))
+        num_tokens = ops.shape(x)[0]
+
+        # --- router (float32) ---
+        logits = ops.cast(self.router(x), "float32")
+        probs = ops.softmax(logits, axis=-1)
+        top_p, top_idx = ops.top_k(probs, k)
+        top_idx = ops.cast(top_idx, "int32")
+        if self.normalize_top_k:
+            top_p = top_p / ops.sum(top_p, axis=-1, keepdims=True)
+
+        if padding_mask is not None:
+            valid = ops.reshape(ops.cast(padding_mask, "bool"), (-1,))
+            valid_f = ops.cast(valid, "float32")
+        else:
+            valid = None
+            valid_f = ops.ones((num_tokens,), "float32")
+
+        # --- auxiliary losses (valid tokens only, before dropping) ---
+        n_valid = ops.maximum(ops.sum(valid_f), 1.0)
+        top1 = ops.one_hot(top_idx[:, 0], e, dtype="float32")
+        frac = ops.sum(top1 * valid_f[:, None], axis=0) / n_valid
+        mean_prob = ops.sum(probs * valid_f[:, None], axis=0) / n_valid
+        load_balance = e * ops.sum(frac * mean_prob)
+        lse = ops.logsumexp(logits, axis=-1)
+        z_loss = ops.sum(ops.square(lse) * valid_f) / n_valid
+        self.last_load_balance_loss = load_balance
+        self.last_router_z_loss = z_loss
+        if training:
+            if self.load_balance_loss_weight > 0:
+                self.add_loss(self.load_balance_loss_weight * load_balance)
+            if self.router_z_loss_weight > 0:
+                self.add_loss(self.router_z_loss_weight * z_loss)
+        if training is not None and _TRACKERS_SUPPORTED():
+            self.load_balance_loss_tracker.update_state(load_balance)
+            self.router_z_loss_tracker.update_state(z_loss)
+
+        # --- assignments in priority order: choice-major, then token order ---
+        expert_flat = ops.reshape(ops.transpose(top_idx), (-1,))
+        weight_flat = ops.reshape(ops.transpose(top_p), (-1,))
+        token_flat = ops.tile(ops.arange(num_tokens, dtype="int32"), (k,))
+        onehot = ops.one_hot(expert_flat, e, dtype="int32")
+        if valid is not None:
+            onehot = onehot * ops.cast(ops.tile(valid, (k,)), "int32")[:, None]
+        # position of each assignment inside its expert; -1 for padded tokens
+        position = ops.sum(ops.cumsum(onehot, axis=0) * onehot, axis=-1) - 1
+        max_count = ops.max(ops.sum(onehot, axis=0))
+
+        dropout_mask = None
+        if training and self.dropout > 0:
+            dropout_mask = keras.random.dropout(
+                ops.ones((k * num_tokens, self.intermediate_dim), x.dtype),
+                self.dropout,
+                seed=self.seed_generator,
+            )
+        weights = self._expert_weights()
+
+        def run(tier):
+            # The capacity is recomputed from the token count inside the branch so that it
+            # stays a compile-time constant for XLA when the batch size is dynamic (TF).
+            capacity = self._capacities(ops.shape(x)[0])[tier]
+            return self._dispatch_and_run(
+                capacity, x, expert_flat, token_flat, position, weight_flat, weights,
+                dropout_mask,
+            )
+
+        capacities = self._capacities(num_tokens)
+        if len(capacities) == 1:
+            y = run(0)
+        else:
+            # index of the smallest capacity that holds the busiest expert
+            tier = ops.sum(
+                ops.stack([ops.cast(max_count > c, "int32") for c in capacities[:-1]])
+            )
+            concrete = _concrete_int(tier)
+            if concrete is not None:  # eager: pick the branch in Python
+                y = run(concrete)
+            else:
+                y = ops.switch(tier, [functools.partial(run, t) for t in range(len(capacities))])
+        outputs = ops.reshape(y, tuple(in_shape[:-1]) + (ops.shape(y)[-1],))
+        if return_aux_losses:
+            return outputs, {"load_balance_loss": load_balance, "router_z_loss": z_loss}
+        return outputs
+
+    @property
+    def metrics(self):
+        # Keras' JAX trainer runs the forward pass in a stateless scope that carries only
+        # trainable and non-trainable variables, so metric state updated inside `call`
+        # cannot reach `fit` logs there: the trackers are reported on TF and torch only.
+        return super().metrics if _TRACKERS_SUPPORTED() else []
+
+    def compute_output_spec(self, inputs, padding_mask=None, training=None,
+                            return_aux_losses=False):
+        out = keras.KerasTensor(tuple(inputs.shape), dtype=self.compute_dtype)
+        if return_aux_losses:
+            scalar = keras.KerasTensor((), dtype="float32")
+            return out, {"load_balance_loss": scalar, "router_z_loss": scalar}
+        return out
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_experts": self.num_experts,
+                "intermediate_dim": self.intermediate_dim,
+                "top_k": self.top_k,
+                "expert_type": self.expert_type,
+                "activation": self.activation,
+                "use_bias": self.use_bias,
+                "capacity_factor": self.capacity_factor,
+                "normalize_top_k": self.normalize_top_k,
+                "load_balance_loss_weight": self.load_balance_loss_weight,
+                "router_z_loss_weight": self.router_z_loss_weight,
+                "dropout": self.dropout,
+                "kernel_initializer": self.kernel_initializer,
+                "bias_initializer": self.bias_initializer,
+                "router_initializer": self.router_initializer,
+                "seed": self.seed,
+            }
+        )
+        return config

@@ -1,0 +1,433 @@
+"""MixtureOfExperts against a per-token NumPy loop, capacity dropping, aux losses, fit."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo.layers.moe import MixtureOfExperts
+from tests.helpers import assert_close
+from tests.helpers import backend
+from tests.helpers import rng
+from tests.helpers import roundtrip_layer
+from tests.helpers import to_numpy
+
+_erf = np.vectorize(math.erf)
+
+
+def np_act(name, x):
+    if name == "gelu":
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    if name == "silu":
+        return x / (1.0 + np.exp(-x))
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    raise AssertionError(name)
+
+
+def np_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def weights_of(layer):
+    """All variables of the layer as float64 NumPy arrays, by variable name."""
+    return {v.name: to_numpy(v).astype(np.float64) for v in layer.weights}
+
+
+def np_expert(w, e, x, expert_type, act):
+    if expert_type == "gated":
+        g = x @ w["gate_kernel"][e] + w.get("gate_bias", np.zeros((1, 1)))[e if "gate_bias" in w else 0]
+        u = x @ w["up_kernel"][e] + w.get("up_bias", np.zeros((1, 1)))[e if "up_bias" in w else 0]
+        h = np_act(act, g) * u
+        y = h @ w["output_kernel"][e]
+        return y + (w["output_bias"][e] if "output_bias" in w else 0.0)
+    h = np_act(act, x @ w["intermediate_kernel"][e] + w["intermediate_bias"][e])
+    return h @ w["output_kernel"][e] + w["output_bias"][e]
+
+
+def np_moe(w, x, top_k, expert_type, act, normalize, capacity=None, valid=None):
+    """Per-token reference: route, serve choice-major / token order up to `capacity`, mix."""
+    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    n, e_count = x.shape[0], w["kernel"].shape[1]
+    valid = np.ones(n, bool) if valid is None else valid.reshape(-1)
+    probs = np_softmax(x @ w["kernel"])
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    gates = np.take_along_axis(probs, chosen, axis=-1)
+    if normalize:
+        gates = gates / gates.sum(-1, keepdims=True)
+    kept = np.zeros((n, top_k), bool)
+    load = np.zeros(e_count, int)
+    for j in range(top_k):  # top-1 choices of all tokens first, then top-2 choices, ...
+        for t in range(n):
+            if not valid[t]:
+                continue
+            e = chosen[t, j]
+            if capacity is None or load[e] < capacity:
+                kept[t, j] = True
+                load[e] += 1
+    out = np.zeros((n, w["output_kernel"].shape[-1]))
+    for t in range(n):
+        for j in range(top_k):
+            if kept[t, j]:
+                out[t] += gates[t, j] * np_expert(w, chosen[t, j], x[t], expert_type, act)
+    return out, kept
+
+
+def np_aux(w, x, valid=None):
+    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    valid = np.ones(x.shape[0], bool) if valid is None else valid.reshape(-1)
+    logits = (x @ w["kernel"])[valid]
+    probs = np_softmax(logits)
+    e_count = probs.shape[-1]
+    f = np.bincount(probs.argmax(-1), minlength=e_count) / len(probs)
+    p = probs.mean(0)
+    lb = e_count * np.sum(f * p)
+    m = logits.max(-1)
+    lse = m + np.log(np.exp(logits - m[:, None]).sum(-1))
+    return lb, np.mean(lse**2)
+
+
+def make_layer(x, randomize_biases=True, **kwargs):
+    layer = MixtureOfExperts(**kwargs)
+    layer.build(x.shape)
+    if randomize_biases:
+        r = rng(7)
+        for v in layer.weights:
+            if v.name.endswith("bias"):
+                v.assign(r.normal(scale=0.5, size=v.shape).astype("float32"))
+    return layer
+
+
+def inputs(shape=(2, 12, 8), seed=1):
+    return rng(seed).normal(size=shape).astype("float32")
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("expert_type", ["plain", "gated"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_matches_numpy_per_token_loop(top_k, expert_type, normalize):
+    x = inputs()
+    layer = make_layer(
+        x, num_experts=4, intermediate_dim=16, top_k=top_k, expert_type=expert_type,
+        normalize_top_k=normalize, use_bias=True,
+    )
+    expected, kept = np_moe(weights_of(layer), x, top_k, expert_type,
+                            "gelu" if expert_type == "plain" else "silu", normalize)
+    assert kept.all()
+    assert_close(layer(x), expected.reshape(2, 12, 8), atol=1e-4, rtol=1e-4)
+
+
+def test_gated_without_bias_and_relu_activation():
+    x = inputs(seed=3)
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2, expert_type="gated",
+                       activation="relu")
+    assert not any(v.name.endswith("bias") for v in layer.weights)
+    expected, _ = np_moe(weights_of(layer), x, 2, "gated", "relu", True)
+    assert_close(layer(x), expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+
+
+def test_collapsed_router_falls_back_to_full_capacity_and_stays_exact():
+    # Every token prefers expert 0: the busiest expert holds all tokens, far above any
+    # balanced-load capacity tier, and nothing may be dropped when capacity_factor is None.
+    x = inputs(seed=4)
+    x[..., 0] = 3.0 + np.abs(x[..., 0])
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2)
+    kernel = rng(5).normal(scale=0.1, size=(8, 4)).astype("float32")
+    kernel[0, 0] = 10.0
+    layer.router.kernel.assign(kernel)
+    w = weights_of(layer)
+    expected, kept = np_moe(w, x, 2, "plain", "gelu", True)
+    assert kept.all()
+    assert (np_softmax(x.reshape(-1, 8) @ kernel).argmax(-1) == 0).all()
+    assert_close(layer(x), expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("top_k,factor", [(1, 1.0), (2, 0.5), (2, 1.25)])
+def test_capacity_dropping_matches_numpy_priority_rule(top_k, factor):
+    x = inputs((2, 12, 8), seed=6)
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=top_k,
+                       capacity_factor=factor, normalize_top_k=False)
+    # Skew the router so that some experts overflow.
+    kernel = to_numpy(layer.router.kernel).copy()
+    kernel[:, 0] += 0.8 * np.sign(x.reshape(-1, 8).mean(0))
+    layer.router.kernel.assign(kernel)
+    capacity = math.ceil(factor * 24 * top_k / 4)
+    expected, kept = np_moe(weights_of(layer), x, top_k, "plain", "gelu", False, capacity)
+    assert not kept.all(), "the test must exercise dropping"
+    assert_close(layer(x), expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+
+
+def test_padding_mask_tokens_are_not_routed_and_take_no_capacity():
+    x = inputs((2, 12, 8), seed=8)
+    valid = np.ones((2, 12), bool)
+    valid[0, 7:] = False
+    valid[1, :3] = False
+    for factor in (None, 0.75):
+        layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2, capacity_factor=factor)
+        capacity = None if factor is None else math.ceil(factor * 24 * 2 / 4)
+        expected, kept = np_moe(weights_of(layer), x, 2, "plain", "gelu", True, capacity, valid)
+        out = to_numpy(layer(x, padding_mask=valid))
+        assert_close(out, expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+        assert np.all(out[~valid] == 0.0)
+
+
+def test_aux_losses_match_numpy_and_are_added_in_training():
+    x = inputs(seed=9)
+    valid = rng(10).random((2, 12)) > 0.3
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2,
+                       load_balance_loss_weight=0.1, router_z_loss_weight=0.01)
+    w = weights_of(layer)
+    lb, z = np_aux(w, x)
+    _, aux = layer(x, return_aux_losses=True)
+    assert_close(aux["load_balance_loss"], lb, atol=1e-5)
+    assert_close(aux["router_z_loss"], z, atol=1e-5)
+    assert layer.losses == []  # inference adds nothing
+
+    lb_m, z_m = np_aux(w, x, valid)
+    assert abs(lb_m - lb) > 1e-3  # the mask must matter for the check below to mean anything
+    layer(x, padding_mask=valid, training=True)
+    losses = sorted(float(to_numpy(v)) for v in layer.losses)
+    np.testing.assert_allclose(losses, sorted([0.1 * lb_m, 0.01 * z_m]), rtol=1e-5)
+    assert_close(layer.last_load_balance_loss, lb_m, atol=1e-5)
+    assert_close(layer.last_router_z_loss, z_m, atol=1e-5)
+
+    quiet = make_layer(x, num_experts=4, intermediate_dim=16, load_balance_loss_weight=0.0,
+                       router_z_loss_weight=0.0)
+    quiet(x, training=True)
+    assert quiet.losses == []
+
+
+def test_load_balance_loss_is_one_for_a_uniform_router():
+    # All router logits equal -> P_e = 1/E and E * sum f_e / E = 1 whatever f is.
+    x = inputs(seed=11)
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=1)
+    layer.router.kernel.assign(np.zeros((8, 4), "float32"))
+    _, aux = layer(x, return_aux_losses=True)
+    assert_close(aux["load_balance_loss"], 1.0, atol=1e-6)
+    assert_close(aux["router_z_loss"], math.log(4) ** 2, atol=1e-5)
+
+
+def test_stacked_initializer_gives_each_expert_a_glorot_variance():
+    layer = MixtureOfExperts(num_experts=8, intermediate_dim=96, top_k=2,
+                             kernel_initializer="glorot_normal")
+    layer.build((None, 32))
+    kernel = to_numpy(layer.intermediate_kernel)
+    assert kernel.shape == (8, 32, 96)
+    target = math.sqrt(2.0 / (32 + 96))
+    assert abs(kernel.std() / target - 1.0) < 0.1
+    assert not np.allclose(kernel[0], kernel[1])
+    assert to_numpy(layer.router.kernel).shape == (32, 8)
+    assert layer.router.kernel.dtype == "float32"
+
+
+def test_dropout_only_in_training():
+    x = inputs(seed=12)
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2, dropout=0.5, seed=3)
+    expected, _ = np_moe(weights_of(layer), x, 2, "plain", "gelu", True)
+    assert_close(layer(x, training=False), expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+    dropped = to_numpy(layer(x, training=True))
+    assert np.isfinite(dropped).all()
+    assert not np.allclose(dropped, expected.reshape(x.shape), atol=1e-3)
+
+
+def test_mixed_bfloat16_router_in_float32():
+    x = inputs(seed=13)
+    ref = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2)
+    w = weights_of(ref)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    layer = MixtureOfExperts(num_experts=4, intermediate_dim=16, top_k=2)
+    layer.build(x.shape)
+    layer.set_weights(ref.get_weights())
+    out = layer(x)
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+    assert layer.router.compute_dtype == "float32"
+    # Keras casts the inputs to bfloat16 before `call`; the router then works in float32
+    # on those values, so the reference routes the same bf16-rounded inputs.
+    x_bf16 = to_numpy(keras.ops.cast(keras.ops.cast(x, "bfloat16"), "float32"))
+    expected, _ = np_moe(w, x_bf16, 2, "plain", "gelu", True)
+    assert_close(out, expected.reshape(x.shape), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(num_experts=4, intermediate_dim=8, top_k=5), "top_k"),
+        (dict(num_experts=0, intermediate_dim=8, top_k=1), "num_experts"),
+        (dict(num_experts=4, intermediate_dim=-1), "intermediate_dim"),
+        (dict(num_experts=4, intermediate_dim=8, top_k=0), "top_k"),
+        (dict(num_experts=4, intermediate_dim=8, expert_type="sparse"), "expert_type"),
+        (dict(num_experts=4, intermediate_dim=8, activation="gelu_fast"), "activation"),
+        (dict(num_experts=4, intermediate_dim=8, capacity_factor=0.0), "capacity_factor"),
+        (dict(num_experts=4, intermediate_dim=8, capacity_factor=-1), "capacity_factor"),
+        (dict(num_experts=4, intermediate_dim=8, load_balance_loss_weight=-0.1),
+         "load_balance_loss_weight"),
+        (dict(num_experts=4, intermediate_dim=8, router_z_loss_weight="0"), "router_z_loss_weight"),
+        (dict(num_experts=4, intermediate_dim=8, dropout=1.0), "dropout"),
+        (dict(num_experts=4, intermediate_dim=8, use_bias="yes"), "use_bias"),
+        (dict(num_experts=4, intermediate_dim=8, normalize_top_k=None), "normalize_top_k"),
+        (dict(num_experts=4, intermediate_dim=8, seed=1.5), "seed"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        MixtureOfExperts(**kwargs)
+
+
+def test_serialization_roundtrip_and_keras_file(tmp_path):
+    layer = MixtureOfExperts(num_experts=4, intermediate_dim=8, top_k=2, expert_type="gated",
+                             capacity_factor=1.5, name="moe")
+    clone = roundtrip_layer(layer)
+    assert clone.capacity_factor == 1.5 and clone.expert_type == "gated"
+
+    x = inputs((2, 5, 6), seed=14)
+    inp = keras.Input((5, 6))
+    model = keras.Model(inp, MixtureOfExperts(4, 8, top_k=2, name="moe")(inp))
+    path = str(tmp_path / "moe.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    assert_close(restored(x), to_numpy(model(x)), atol=1e-6)
+    assert [v.path for v in restored.weights] == [v.path for v in model.weights]
+
+
+def _tiny_model():
+    inp = keras.Input((6, 8))
+    h = keras.layers.Dense(8)(inp)
+    out = MixtureOfExperts(4, 16, top_k=2, name="moe")(h)
+    return keras.Model(inp, keras.layers.Dense(1)(out))
+
+
+def _fit_data():
+    r = rng(15)
+    x = r.normal(size=(64, 6, 8)).astype("float32")
+    y = np.tanh(x.sum(-1, keepdims=True) / 3).astype("float32")
+    return x, y
+
+
+def test_compiled_fit_lowers_the_loss_and_logs_router_metrics():
+    # jit: jax.jit on JAX, XLA on TensorFlow; PyTorch runs Keras' default eager loop here
+    # (torch.compile of a whole fit takes about a minute on CPU; see the slow test below).
+    x, y = _fit_data()
+    model = _tiny_model()
+    model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=backend() != "torch")
+    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0).history
+    assert history["loss"][-1] < 0.8 * history["loss"][0]
+    if backend() == "jax":
+        # Documented: Keras' JAX trainer cannot carry metric state out of the forward pass.
+        assert "moe_load_balance_loss" not in history
+    else:
+        for name in ("moe_load_balance_loss", "moe_router_z_loss"):
+            assert len(history[name]) == 5 and all(v > 0 for v in history[name])
+        # balanced-ish router: the load-balancing loss stays close to its optimum of 1
+        assert 0.9 < history["moe_load_balance_loss"][-1] < 1.5
+
+
+@pytest.mark.slow
+def test_torch_compile_fit_lowers_the_loss():
+    x, y = _fit_data()
+    model = _tiny_model()
+    model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
+    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0).history
+    assert history["loss"][-1] < 0.8 * history["loss"][0]
+
+
+def test_compiled_forward_matches_numpy():
+    """Under each backend's compiler (TF with an unknown batch size), results stay exact."""
+    x = inputs((2, 12, 8), seed=16)
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2)
+    expected, _ = np_moe(weights_of(layer), x, 2, "plain", "gelu", True)
+    if backend() == "jax":
+        import jax
+
+        tv = [v.value for v in layer.trainable_variables]
+        ntv = [v.value for v in layer.non_trainable_variables]
+        out = jax.jit(lambda a, b, t: layer.stateless_call(a, b, t)[0])(tv, ntv, x)
+    elif backend() == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda t: layer(t),
+                         input_signature=[tf.TensorSpec((None, 12, 8), tf.float32)])
+        out = fn(x)
+    else:
+        out = layer(x)
+    assert_close(out, expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+
+
+def backend_grads(layer, x, probe, **call_kwargs):
+    """d sum(layer(x) * probe) / d(x, output_kernel, router kernel) on the current backend."""
+    kernels = [layer.output_kernel, layer.router.kernel]
+    if backend() == "jax":
+        import jax
+
+        names = [v.path for v in layer.trainable_variables]
+        idx = [names.index(k.path) for k in kernels]
+
+        def loss(xv, tv):
+            ntv = [v.value for v in layer.non_trainable_variables]
+            out = layer.stateless_call(tv, ntv, xv, **call_kwargs)[0]
+            return (out * probe).sum()
+
+        gx, gtv = jax.grad(loss, argnums=(0, 1))(x, [v.value for v in layer.trainable_variables])
+        return [gx] + [gtv[i] for i in idx]
+    if backend() == "tensorflow":
+        import tensorflow as tf
+
+        xv = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xv)
+            loss = tf.reduce_sum(layer(xv, **call_kwargs) * probe)
+        return tape.gradient(loss, [xv] + [k.value for k in kernels])
+    import torch
+
+    xv = torch.tensor(x, requires_grad=True)
+    loss = (layer(xv, **call_kwargs) * torch.tensor(probe)).sum()
+    loss.backward()
+    return [xv.grad] + [k.value.grad for k in kernels]
+
+
+def numeric_grad(f, a, eps=1e-5):
+    a = a.astype(np.float64)
+    g = np.zeros_like(a)
+    for i in np.ndindex(a.shape):
+        up, down = a.copy(), a.copy()
+        up[i] += eps
+        down[i] -= eps
+        g[i] = (f(up) - f(down)) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("factor", [None, 0.75])
+def test_gradients_match_numpy_finite_differences(factor):
+    # Checks the hand-written gather-only gradients of dispatch/combine, through the
+    # router gates as well, with and without capacity dropping.
+    x = inputs((1, 12, 8), seed=17)
+    valid = np.ones((1, 12), bool)
+    valid[0, -2:] = False
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2, capacity_factor=factor)
+    w = weights_of(layer)
+    capacity = None if factor is None else math.ceil(factor * 12 * 2 / 4)
+    probe = rng(18).normal(size=x.shape).astype("float32")
+    if factor is not None:
+        assert not np_moe(w, x, 2, "plain", "gelu", True, capacity, valid)[1][valid[0]].all()
+
+    def loss_with(**override):
+        def f(a):
+            ww = dict(w)
+            key = next(iter(override))
+            if key == "x":
+                xx = a
+            else:
+                xx = x
+                ww[key] = a
+            out, _ = np_moe(ww, xx, 2, "plain", "gelu", True, capacity, valid)
+            return float((out.reshape(x.shape) * probe).sum())
+        return f
+
+    gx, g_out, g_router = backend_grads(layer, x, probe, padding_mask=valid)
+    assert_close(gx, numeric_grad(loss_with(x=None), x), atol=2e-4, rtol=1e-3)
+    assert_close(g_out, numeric_grad(loss_with(output_kernel=None), w["output_kernel"]),
+                 atol=2e-4, rtol=1e-3)
+    assert_close(g_router, numeric_grad(loss_with(kernel=None), w["kernel"]),
+                 atol=2e-4, rtol=1e-3)
