@@ -1,0 +1,308 @@
+"""Position-wise feed-forward blocks: the plain two-layer MLP and the gated (GLU) variants.
+
+`get_activation(name)` is the one name -> function table of the zoo; model families look
+their activations up here so that "gelu" means the same function everywhere.
+"""
+
+import keras
+from keras import ops
+
+from kzoo.layers.utils import check_choice
+from kzoo.layers.utils import check_positive_int
+from kzoo.layers.utils import check_rate
+from kzoo.layers.utils import serialize_initializer
+
+
+def _gelu_exact(x):
+    return ops.gelu(x, approximate=False)
+
+
+def _gelu_tanh(x):
+    return ops.gelu(x, approximate=True)
+
+
+def _quick_gelu(x):
+    # x * sigmoid(1.702 x) (CLIP's QuickGELU).
+    return x * ops.sigmoid(ops.cast(1.702, x.dtype) * x)
+
+
+def _linear(x):
+    return x
+
+
+# name -> function. Aliases are listed explicitly so that Hugging Face `hidden_act`
+# strings can be passed through unchanged.
+_ACTIVATIONS = {
+    "relu": ops.relu,
+    "gelu": _gelu_exact,
+    "gelu_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
+    "silu": ops.silu,
+    "swish": ops.silu,
+    "tanh": ops.tanh,
+    "sigmoid": ops.sigmoid,
+    "linear": _linear,
+}
+
+ACTIVATION_NAMES = tuple(sorted(_ACTIVATIONS))
+
+
+def get_activation(name):
+    """Return the element-wise activation function called `name`.
+
+    Known names:
+
+    - `"relu"`: max(x, 0).
+    - `"gelu"`: exact GELU, x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2))) (BERT, ViT).
+    - `"gelu_tanh"`, `"gelu_new"`, `"gelu_pytorch_tanh"`: the tanh approximation
+      0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GPT-2's "gelu_new", T5 v1.1).
+    - `"quick_gelu"`: x * sigmoid(1.702 x) (CLIP).
+    - `"silu"`, `"swish"`: x * sigmoid(x).
+    - `"tanh"`, `"sigmoid"`, `"linear"` (identity).
+
+    Args:
+        name: one of the names above (a string).
+
+    Returns:
+        A function tensor -> tensor built from `keras.ops`.
+
+    Raises:
+        ValueError: for an unknown name.
+
+    Example:
+
+    ```python
+    act = kzoo.layers.feedforward.get_activation("gelu_new")
+    y = act(keras.ops.linspace(-3.0, 3.0, 7))
+    ```
+    """
+    if not isinstance(name, str) or name not in _ACTIVATIONS:
+        raise ValueError(
+            f"`activation` must be one of {list(ACTIVATION_NAMES)}; got activation={name!r}."
+        )
+    return _ACTIVATIONS[name]
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+    return value
+
+
+def _ffn_config(layer):
+    return {
+        "intermediate_dim": layer.intermediate_dim,
+        "activation": layer.activation,
+        "use_bias": layer.use_bias,
+        "dropout": layer.dropout,
+        "output_dim": layer.output_dim,
+        "kernel_initializer": layer.kernel_initializer,
+        "bias_initializer": layer.bias_initializer,
+    }
+
+
+def _dense(layer, units, name):
+    return keras.layers.Dense(
+        units,
+        use_bias=layer.use_bias,
+        kernel_initializer=keras.initializers.get(layer.kernel_initializer),
+        bias_initializer=keras.initializers.get(layer.bias_initializer),
+        dtype=layer.dtype_policy,
+        name=name,
+    )
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class FeedForward(keras.layers.Layer):
+    """Position-wise feed-forward network of the Transformer (Vaswani et al., 2017).
+
+    `y = W_out(dropout(act(W_in x + b_in))) + b_out`, applied to the last axis.
+
+    Args:
+        intermediate_dim: width of the hidden layer (positive int).
+        activation: activation name understood by `get_activation` (default `"gelu"`,
+            the exact erf form).
+        use_bias: whether both projections have a bias.
+        dropout: dropout rate on the hidden activations, in [0, 1).
+        output_dim: width of the output; `None` keeps the input width.
+        kernel_initializer: initializer of both kernels.
+        bias_initializer: initializer of both biases.
+        **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
+
+    Sublayers: `intermediate_dense` (kernel `(dim, intermediate_dim)`, bias) and
+    `output_dense` (kernel `(intermediate_dim, output_dim)`, bias), both `keras.layers.Dense`.
+
+    Call args:
+        inputs: tensor `(..., dim)`.
+        training: enables dropout.
+
+    Returns:
+        Tensor `(..., output_dim or dim)`.
+
+    Example:
+
+    ```python
+    ffn = kzoo.layers.feedforward.FeedForward(intermediate_dim=3072, activation="gelu")
+    y = ffn(keras.random.normal((2, 16, 768)))  # (2, 16, 768)
+    ```
+    """
+
+    def __init__(
+        self,
+        intermediate_dim,
+        activation="gelu",
+        use_bias=True,
+        dropout=0.0,
+        output_dim=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
+        get_activation(activation)
+        self.activation = activation
+        self.use_bias = _check_bool("use_bias", use_bias)
+        self.dropout = check_rate("dropout", dropout)
+        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self.bias_initializer = serialize_initializer(bias_initializer)
+        self._activation_fn = get_activation(activation)
+
+        # === Layers ===
+        self.intermediate_dense = _dense(self, intermediate_dim, "intermediate_dense")
+        self.dropout_layer = keras.layers.Dropout(
+            self.dropout, dtype=self.dtype_policy, name="dropout"
+        )
+        self.output_dense = None
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        if dim is None:
+            raise ValueError(
+                f"The last axis of the input to {self.__class__.__name__} must be known; "
+                f"got input shape {tuple(input_shape)}."
+            )
+        out_dim = self.output_dim or dim
+        self.output_dense = _dense(self, out_dim, "output_dense")
+        self.intermediate_dense.build(input_shape)
+        hidden_shape = tuple(input_shape[:-1]) + (self.intermediate_dim,)
+        self.output_dense.build(hidden_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        h = self._activation_fn(self.intermediate_dense(inputs))
+        h = self.dropout_layer(h, training=training)
+        return self.output_dense(h)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.output_dim or input_shape[-1],)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(_ffn_config(self))
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GatedFeedForward(keras.layers.Layer):
+    """Gated linear unit feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer").
+
+    `y = W_o(dropout(act(x W_gate) * (x W_up)))`. The activation picks the variant:
+
+    | activation                 | variant                                            |
+    |----------------------------|----------------------------------------------------|
+    | `"sigmoid"`                | GLU (Dauphin et al., 2017)                         |
+    | `"relu"`                   | ReGLU                                              |
+    | `"gelu"`                   | GEGLU, exact erf GELU                              |
+    | `"gelu_tanh"` / `"gelu_new"` | GEGLU with tanh GELU (T5 v1.1 "gated-gelu")      |
+    | `"silu"` / `"swish"`       | SwiGLU (LLaMA, Mixtral)                            |
+    | `"linear"`                 | bilinear                                           |
+
+    Any other name of `get_activation` is accepted as well.
+
+    Args:
+        intermediate_dim: width of the gated hidden layer (positive int).
+        activation: activation of the gate branch (default `"silu"`, SwiGLU).
+        use_bias: whether the three projections have biases (default False, as in the paper).
+        dropout: dropout rate on the gated hidden activations, in [0, 1).
+        output_dim: width of the output; `None` keeps the input width.
+        kernel_initializer: initializer of the three kernels.
+        bias_initializer: initializer of the biases.
+        **kwargs: base `keras.layers.Layer` arguments.
+
+    Sublayers: `gate_dense`, `up_dense` (kernels `(dim, intermediate_dim)`) and
+    `output_dense` (kernel `(intermediate_dim, output_dim)`), all `keras.layers.Dense`.
+
+    Call args:
+        inputs: tensor `(..., dim)`.
+        training: enables dropout.
+
+    Returns:
+        Tensor `(..., output_dim or dim)`.
+
+    Example:
+
+    ```python
+    swiglu = kzoo.layers.feedforward.GatedFeedForward(intermediate_dim=1408)
+    y = swiglu(keras.random.normal((2, 16, 512)))  # (2, 16, 512)
+    ```
+    """
+
+    def __init__(
+        self,
+        intermediate_dim,
+        activation="silu",
+        use_bias=False,
+        dropout=0.0,
+        output_dim=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
+        get_activation(activation)
+        self.activation = activation
+        self.use_bias = _check_bool("use_bias", use_bias)
+        self.dropout = check_rate("dropout", dropout)
+        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self.bias_initializer = serialize_initializer(bias_initializer)
+        self._activation_fn = get_activation(activation)
+
+        # === Layers ===
+        self.gate_dense = _dense(self, intermediate_dim, "gate_dense")
+        self.up_dense = _dense(self, intermediate_dim, "up_dense")
+        self.dropout_layer = keras.layers.Dropout(
+            self.dropout, dtype=self.dtype_policy, name="dropout"
+        )
+        self.output_dense = None
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        if dim is None:
+            raise ValueError(
+                f"The last axis of the input to {self.__class__.__name__} must be known; "
+                f"got input shape {tuple(input_shape)}."
+            )
+        self.output_dense = _dense(self, self.output_dim or dim, "output_dense")
+        self.gate_dense.build(input_shape)
+        self.up_dense.build(input_shape)
+        self.output_dense.build(tuple(input_shape[:-1]) + (self.intermediate_dim,))
+        self.built = True
+
+    def call(self, inputs, training=None):
+        h = self._activation_fn(self.gate_dense(inputs)) * self.up_dense(inputs)
+        h = self.dropout_layer(h, training=training)
+        return self.output_dense(h)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.output_dim or input_shape[-1],)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(_ffn_config(self))
+        return config

@@ -1,0 +1,192 @@
+"""FeedForward, GatedFeedForward and get_activation against NumPy formulas."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo.layers.feedforward import FeedForward
+from kzoo.layers.feedforward import GatedFeedForward
+from kzoo.layers.feedforward import get_activation
+from tests.helpers import assert_close
+from tests.helpers import rng
+from tests.helpers import roundtrip_layer
+from tests.helpers import to_numpy
+
+_erf = np.vectorize(math.erf)
+
+
+def np_sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+NP_ACTIVATIONS = {
+    "relu": lambda x: np.maximum(x, 0.0),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
+    "quick_gelu": lambda x: x * np_sigmoid(1.702 * x),
+    "silu": lambda x: x * np_sigmoid(x),
+    "tanh": np.tanh,
+    "sigmoid": np_sigmoid,
+    "linear": lambda x: x,
+}
+ALIASES = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
+
+
+def x_values():
+    return np.concatenate([np.linspace(-6, 6, 49), rng(0).normal(scale=2, size=31)]).astype(
+        "float32"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(NP_ACTIVATIONS) + sorted(ALIASES))
+def test_activation_matches_numpy(name):
+    x = x_values()
+    expected = NP_ACTIVATIONS[ALIASES.get(name, name)](x.astype(np.float64))
+    assert_close(get_activation(name)(keras.ops.convert_to_tensor(x)), expected, atol=2e-6,
+                 rtol=1e-5)
+
+
+def test_gelu_exact_and_tanh_differ():
+    # Guards against one name silently mapping to the other form.
+    x = keras.ops.convert_to_tensor(np.array([-2.5, -1.0, 1.5], "float32"))
+    diff = to_numpy(get_activation("gelu")(x)) - to_numpy(get_activation("gelu_tanh")(x))
+    assert np.abs(diff).max() > 1e-4
+
+
+def test_unknown_activation_raises():
+    with pytest.raises(ValueError, match="activation.*'gelu_fast'"):
+        get_activation("gelu_fast")
+
+
+def dense_weights(layer):
+    return {
+        v.path.split("/")[-2] + "/" + v.name: to_numpy(v).astype(np.float64) for v in layer.weights
+    }
+
+
+def randomize_biases(layer):
+    r = rng(3)
+    for v in layer.weights:
+        if v.name == "bias":
+            v.assign(r.normal(size=v.shape).astype("float32"))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "tanh"])
+def test_feedforward_matches_numpy(activation):
+    x = rng(1).normal(size=(2, 5, 6)).astype("float32")
+    layer = FeedForward(intermediate_dim=12, activation=activation)
+    layer.build(x.shape)
+    randomize_biases(layer)
+    w = dense_weights(layer)
+    assert w["intermediate_dense/kernel"].shape == (6, 12)
+    assert w["output_dense/kernel"].shape == (12, 6)
+    h = NP_ACTIVATIONS[activation](x @ w["intermediate_dense/kernel"] + w["intermediate_dense/bias"])
+    expected = h @ w["output_dense/kernel"] + w["output_dense/bias"]
+    assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_feedforward_output_dim_and_no_bias():
+    x = rng(2).normal(size=(3, 4)).astype("float32")
+    layer = FeedForward(intermediate_dim=8, output_dim=5, use_bias=False, activation="relu")
+    y = layer(x)
+    assert tuple(y.shape) == (3, 5)
+    assert [v.name for v in layer.weights] == ["kernel", "kernel"]
+    w = dense_weights(layer)
+    expected = np.maximum(x @ w["intermediate_dense/kernel"], 0) @ w["output_dense/kernel"]
+    assert_close(y, expected, atol=1e-5)
+
+
+GLU_VARIANTS = {  # activation of the gate branch for each named variant of Shazeer (2020)
+    "GLU": "sigmoid",
+    "ReGLU": "relu",
+    "GEGLU": "gelu",
+    "GEGLU-tanh (T5 v1.1)": "gelu_tanh",
+    "SwiGLU": "silu",
+    "Bilinear": "linear",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GLU_VARIANTS))
+def test_gated_feedforward_variants_match_numpy(variant):
+    activation = GLU_VARIANTS[variant]
+    x = rng(4).normal(size=(2, 5, 6)).astype("float32")
+    layer = GatedFeedForward(intermediate_dim=10, activation=activation)
+    layer.build(x.shape)
+    w = dense_weights(layer)
+    assert sorted(w) == ["gate_dense/kernel", "output_dense/kernel", "up_dense/kernel"]
+    gate = NP_ACTIVATIONS[activation](x @ w["gate_dense/kernel"])
+    expected = (gate * (x @ w["up_dense/kernel"])) @ w["output_dense/kernel"]
+    assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gated_feedforward_with_bias_and_output_dim():
+    x = rng(5).normal(size=(4, 6)).astype("float32")
+    layer = GatedFeedForward(intermediate_dim=10, activation="gelu", use_bias=True, output_dim=3)
+    layer.build(x.shape)
+    randomize_biases(layer)
+    w = dense_weights(layer)
+    gate = NP_ACTIVATIONS["gelu"](x @ w["gate_dense/kernel"] + w["gate_dense/bias"])
+    up = x @ w["up_dense/kernel"] + w["up_dense/bias"]
+    expected = (gate * up) @ w["output_dense/kernel"] + w["output_dense/bias"]
+    assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [FeedForward, GatedFeedForward])
+def test_dropout_only_in_training(cls):
+    x = rng(6).normal(size=(4, 16)).astype("float32")
+    layer = cls(intermediate_dim=64, dropout=0.5)
+    inference = to_numpy(layer(x, training=False))
+    assert_close(layer(x), inference, atol=0)
+    training = to_numpy(layer(x, training=True))
+    assert np.isfinite(training).all()
+    assert not np.allclose(training, inference, atol=1e-3)
+
+
+@pytest.mark.parametrize("cls", [FeedForward, GatedFeedForward])
+def test_mixed_precision_dtypes(cls):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    x = rng(7).normal(size=(2, 8)).astype("float32")
+    layer = cls(intermediate_dim=16)
+    y = layer(x)
+    assert keras.backend.standardize_dtype(y.dtype) == "bfloat16"
+    assert all(v.dtype == "float32" for v in layer.weights)
+    assert layer.output_dense.compute_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,fragment",
+    [
+        (FeedForward, dict(intermediate_dim=0), "intermediate_dim"),
+        (FeedForward, dict(intermediate_dim=8, activation="gelu_fast"), "activation"),
+        (FeedForward, dict(intermediate_dim=8, dropout=1.5), "dropout"),
+        (FeedForward, dict(intermediate_dim=8, output_dim=-2), "output_dim"),
+        (FeedForward, dict(intermediate_dim=8, use_bias=1), "use_bias"),
+        (GatedFeedForward, dict(intermediate_dim=8.0), "intermediate_dim"),
+        (GatedFeedForward, dict(intermediate_dim=8, activation="glu"), "activation"),
+        (GatedFeedForward, dict(intermediate_dim=8, dropout=-0.1), "dropout"),
+    ],
+)
+def test_bad_arguments_raise(cls, kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        cls(**kwargs)
+
+
+def test_serialization_and_keras_file(tmp_path):
+    for layer in (
+        FeedForward(8, activation="gelu_new", dropout=0.1, output_dim=3,
+                    kernel_initializer=keras.initializers.RandomNormal(stddev=0.02)),
+        GatedFeedForward(8, activation="gelu_tanh", use_bias=True),
+    ):
+        clone = roundtrip_layer(layer)
+        assert clone.activation == layer.activation
+    x = rng(8).normal(size=(2, 3, 4)).astype("float32")
+    inp = keras.Input((3, 4))
+    out = GatedFeedForward(8, name="glu")(FeedForward(6, name="ffn")(inp))
+    model = keras.Model(inp, out)
+    path = str(tmp_path / "ffn.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    assert_close(restored(x), to_numpy(model(x)), atol=1e-6)
+    assert [v.path for v in restored.weights] == [v.path for v in model.weights]
