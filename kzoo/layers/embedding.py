@@ -1,0 +1,299 @@
+"""Input embeddings: token ids (with a tied or untied output projection) and image patches."""
+
+import keras
+from keras import ops
+
+from kzoo.layers.utils import check_positive_float
+from kzoo.layers.utils import check_positive_int
+from kzoo.layers.utils import serialize_initializer
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+    return value
+
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class TokenEmbedding(keras.layers.Layer):
+    """Token embedding that can also project hidden states back to vocabulary logits.
+
+    `call(ids)` looks rows of the `embeddings` matrix `(vocabulary_size, embedding_dim)` up.
+    `call(hidden, reverse=True)` returns logits `hidden @ embeddings.T` when `tie_weights`
+    (Press & Wolf, 2017; BERT, GPT-2, T5 v1.0) or `hidden @ reverse_embeddings` with a
+    separate `(embedding_dim, vocabulary_size)` matrix when `tie_weights=False` (T5 v1.1).
+    With `logit_soft_cap=c` the logits are `c * tanh(logits / c)` (Gemma 2).
+
+    Ids outside `[0, vocabulary_size)`: they are clipped into the range (negative ids read
+    row 0, too-large ids the last row) on every backend, eagerly and under `jit`. The
+    backends disagree otherwise (JAX fills NaN, PyTorch raises, TensorFlow raises on CPU and
+    returns zeros on GPU), so clipping is the one behaviour that is the same everywhere;
+    check your tokenizer's vocabulary size against `vocabulary_size` when building a model.
+
+    Precision: the lookup returns the compute dtype. The reverse projection runs in the
+    compute dtype too (bfloat16 logits under `"mixed_bfloat16"`) unless `reverse_dtype` is
+    given, e.g. `reverse_dtype="float32"` casts the hidden states and the (float32) weight
+    variable to float32 so that the logits and the softmax over a large vocabulary are
+    computed in full precision.
+
+    Args:
+        vocabulary_size: number of token ids (positive int).
+        embedding_dim: width of each embedding (positive int).
+        tie_weights: reuse `embeddings` for the output projection (default True).
+        embeddings_initializer: initializer of `embeddings` (and of `reverse_embeddings`).
+        logit_soft_cap: `None` or a positive float; soft-caps the reverse logits.
+        reverse_dtype: `None` (compute dtype) or a float dtype name for the reverse logits.
+        **kwargs: base `keras.layers.Layer` arguments.
+
+    Call args:
+        inputs: integer ids `(batch, seq)` (any shape) or, with `reverse=True`, hidden
+            states `(..., embedding_dim)`.
+        reverse: project to logits instead of looking up.
+
+    Returns:
+        `(..., embedding_dim)` embeddings or `(..., vocabulary_size)` logits.
+
+    Example:
+
+    ```python
+    embed = kzoo.layers.embedding.TokenEmbedding(vocabulary_size=32000, embedding_dim=512)
+    hidden = embed(keras.ops.ones((2, 8), "int32"))  # (2, 8, 512)
+    logits = embed(hidden, reverse=True)             # (2, 8, 32000)
+    ```
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        embedding_dim,
+        tie_weights=True,
+        embeddings_initializer="uniform",
+        logit_soft_cap=None,
+        reverse_dtype=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.vocabulary_size = check_positive_int("vocabulary_size", vocabulary_size)
+        self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
+        self.tie_weights = _check_bool("tie_weights", tie_weights)
+        self.embeddings_initializer = serialize_initializer(embeddings_initializer)
+        if logit_soft_cap is not None:
+            logit_soft_cap = check_positive_float("logit_soft_cap", logit_soft_cap)
+        self.logit_soft_cap = logit_soft_cap
+        if reverse_dtype is not None and reverse_dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"`reverse_dtype` must be None or one of {list(_FLOAT_DTYPES)}; got "
+                f"reverse_dtype={reverse_dtype!r}."
+            )
+        self.reverse_dtype = reverse_dtype
+
+    def build(self, input_shape=None):
+        # The weights do not depend on the input shape; autocast is off so that the
+        # reverse projection can read the full-precision variable (see `reverse_dtype`).
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.vocabulary_size, self.embedding_dim),
+            initializer=keras.initializers.get(self.embeddings_initializer),
+            autocast=False,
+        )
+        if not self.tie_weights:
+            self.reverse_embeddings = self.add_weight(
+                name="reverse_embeddings",
+                shape=(self.embedding_dim, self.vocabulary_size),
+                initializer=keras.initializers.get(self.embeddings_initializer),
+                autocast=False,
+            )
+        else:
+            self.reverse_embeddings = None
+        self.built = True
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            return self._reverse(inputs)
+        ids = inputs
+        if "int" not in keras.backend.standardize_dtype(ids.dtype):
+            ids = ops.cast(ids, "int32")
+        ids = ops.clip(ids, 0, self.vocabulary_size - 1)
+        table = ops.cast(self.embeddings, self.compute_dtype)
+        return ops.take(table, ids, axis=0)
+
+    def _reverse(self, hidden):
+        dtype = self.reverse_dtype or self.compute_dtype
+        hidden = ops.cast(hidden, dtype)
+        if self.tie_weights:
+            kernel = ops.transpose(ops.cast(self.embeddings, dtype))
+        else:
+            kernel = ops.cast(self.reverse_embeddings, dtype)
+        logits = ops.matmul(hidden, kernel)
+        if self.logit_soft_cap is not None:
+            cap = ops.cast(self.logit_soft_cap, dtype)
+            logits = cap * ops.tanh(logits / cap)
+        return logits
+
+    def compute_output_spec(self, inputs, reverse=False):
+        shape = tuple(inputs.shape)
+        if reverse:
+            return keras.KerasTensor(
+                shape[:-1] + (self.vocabulary_size,),
+                dtype=self.reverse_dtype or self.compute_dtype,
+            )
+        return keras.KerasTensor(shape + (self.embedding_dim,), dtype=self.compute_dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "vocabulary_size": self.vocabulary_size,
+                "embedding_dim": self.embedding_dim,
+                "tie_weights": self.tie_weights,
+                "embeddings_initializer": self.embeddings_initializer,
+                "logit_soft_cap": self.logit_soft_cap,
+                "reverse_dtype": self.reverse_dtype,
+            }
+        )
+        return config
+
+
+def _patch_pair(patch_size):
+    if isinstance(patch_size, (list, tuple)):
+        if len(patch_size) != 2:
+            raise ValueError(
+                "`patch_size` must be a positive int or a pair (height, width) of positive "
+                f"ints; got patch_size={patch_size!r}."
+            )
+        pair = tuple(patch_size)
+    else:
+        pair = (patch_size, patch_size)
+    for p in pair:
+        if isinstance(p, bool) or not isinstance(p, int) or p <= 0:
+            raise ValueError(
+                "`patch_size` must be a positive int or a pair (height, width) of positive "
+                f"ints; got patch_size={patch_size!r}."
+            )
+    return pair
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class PatchEmbedding(keras.layers.Layer):
+    """Split images into non-overlapping patches and embed each (ViT, Dosovitskiy et al., 2021).
+
+    A `Conv2D` with kernel = stride = `patch_size` and valid padding (sublayer `projection`,
+    kernel `(patch_h, patch_w, channels, hidden_dim)`), i.e. a linear map of each flattened
+    patch, then reshaped to a sequence of `(H / patch_h) * (W / patch_w)` patch tokens in
+    row-major (top-left first) order.
+
+    Args:
+        patch_size: int or `(patch_h, patch_w)`.
+        hidden_dim: width of each patch embedding.
+        num_channels: expected number of input channels (`None` takes it from the input).
+        use_bias: whether the projection has a bias.
+        kernel_initializer, bias_initializer: initializers of the projection.
+        **kwargs: base `keras.layers.Layer` arguments.
+
+    Call args:
+        inputs: images `(batch, height, width, channels)` (channels last). Height and width
+            must be multiples of the patch size; when they are known statically a
+            `ValueError` says so, otherwise the conv's valid padding drops the remainder.
+
+    Returns:
+        `(batch, num_patches, hidden_dim)`.
+
+    Example:
+
+    ```python
+    patches = kzoo.layers.embedding.PatchEmbedding(patch_size=16, hidden_dim=768)
+    tokens = patches(keras.random.normal((2, 224, 224, 3)))  # (2, 196, 768)
+    ```
+    """
+
+    def __init__(
+        self,
+        patch_size,
+        hidden_dim,
+        num_channels=None,
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self._patch = _patch_pair(patch_size)
+        self.patch_size = patch_size if isinstance(patch_size, int) else list(patch_size)
+        self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
+        self.num_channels = check_positive_int("num_channels", num_channels, allow_none=True)
+        self.use_bias = _check_bool("use_bias", use_bias)
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self.bias_initializer = serialize_initializer(bias_initializer)
+
+        # === Layers ===
+        self.projection = keras.layers.Conv2D(
+            filters=hidden_dim,
+            kernel_size=self._patch,
+            strides=self._patch,
+            padding="valid",
+            data_format="channels_last",
+            use_bias=use_bias,
+            kernel_initializer=keras.initializers.get(self.kernel_initializer),
+            bias_initializer=keras.initializers.get(self.bias_initializer),
+            dtype=self.dtype_policy,
+            name="projection",
+        )
+
+    def _check_shape(self, shape):
+        if len(shape) != 4:
+            raise ValueError(
+                "PatchEmbedding expects images of shape (batch, height, width, channels); "
+                f"got shape {tuple(shape)}."
+            )
+        for axis, size, p in (("height", shape[1], self._patch[0]), ("width", shape[2], self._patch[1])):
+            if size is not None and size % p != 0:
+                raise ValueError(
+                    f"Image {axis}={size} is not divisible by the patch {axis} {p} "
+                    f"(patch_size={self.patch_size!r}); got image shape {tuple(shape)}."
+                )
+        channels = shape[3]
+        if self.num_channels is not None and channels is not None and channels != self.num_channels:
+            raise ValueError(
+                f"PatchEmbedding was configured with num_channels={self.num_channels} but got "
+                f"images with {channels} channels (shape {tuple(shape)})."
+            )
+
+    def build(self, input_shape):
+        input_shape = tuple(input_shape)
+        self._check_shape(input_shape)
+        channels = input_shape[3] if input_shape[3] is not None else self.num_channels
+        if channels is None:
+            raise ValueError(
+                "The channel axis of the images must be known or `num_channels` given; got "
+                f"input shape {input_shape}."
+            )
+        self.projection.build(input_shape[:3] + (channels,))
+        self.built = True
+
+    def call(self, inputs):
+        self._check_shape(tuple(inputs.shape))
+        x = self.projection(inputs)
+        shape = ops.shape(x)
+        return ops.reshape(x, (shape[0], shape[1] * shape[2], self.hidden_dim))
+
+    def compute_output_shape(self, input_shape):
+        h, w = input_shape[1], input_shape[2]
+        n = None if h is None or w is None else (h // self._patch[0]) * (w // self._patch[1])
+        return (input_shape[0], n, self.hidden_dim)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "patch_size": self.patch_size,
+                "hidden_dim": self.hidden_dim,
+                "num_channels": self.num_channels,
+                "use_bias": self.use_bias,
+                "kernel_initializer": self.kernel_initializer,
+                "bias_initializer": self.bias_initializer,
+            }
+        )
+        return config

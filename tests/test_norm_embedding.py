@@ -1,0 +1,226 @@
+"""RMSNorm, TokenEmbedding and PatchEmbedding against NumPy formulas."""
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo.layers.embedding import PatchEmbedding
+from kzoo.layers.embedding import TokenEmbedding
+from kzoo.layers.norm import RMSNorm
+from tests.helpers import assert_close
+from tests.helpers import rng
+from tests.helpers import roundtrip_layer
+from tests.helpers import to_numpy
+
+
+# === RMSNorm ===
+
+
+def np_rms_norm(x, scale, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+
+
+def test_rms_norm_matches_numpy():
+    x = rng(0).normal(loc=0.5, scale=3.0, size=(2, 5, 16)).astype("float32")
+    norm = RMSNorm(epsilon=1e-5)
+    norm.build(x.shape)
+    scale = rng(1).normal(size=(16,)).astype("float32")
+    norm.scale.assign(scale)
+    assert norm.scale.path.endswith("scale") and tuple(norm.scale.shape) == (16,)
+    assert_close(norm(x), np_rms_norm(x, scale, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_without_scale_and_epsilon_matters():
+    x = np.array([[1e-3, -2e-3, 0.0, 5e-4]], "float32")
+    norm = RMSNorm(epsilon=1e-6, use_scale=False)
+    assert norm.weights == []
+    assert_close(norm(x), np_rms_norm(x, 1.0, 1e-6), atol=1e-5, rtol=1e-5)
+    # with a large epsilon the output shrinks as the formula says
+    assert_close(RMSNorm(epsilon=1.0, use_scale=False)(x), np_rms_norm(x, 1.0, 1.0), atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_rms_norm_mixed_precision_statistics_in_float32(policy):
+    # x ~ 300: x^2 ~ 9e4 overflows float16 (max 65504), so half-precision statistics would
+    # give inf/0 here; bfloat16 statistics would lose the 1e-2 accuracy asserted below.
+    x = (rng(2).normal(size=(4, 512)) * 50.0 + 300.0).astype("float32")
+    reference = np_rms_norm(x, 1.0, 1e-6)
+    keras.config.set_dtype_policy(policy)
+    norm = RMSNorm()
+    y = norm(x)
+    assert keras.backend.standardize_dtype(y.dtype) == policy.split("_")[1]
+    assert norm.scale.dtype == "float32"
+    y = to_numpy(keras.ops.cast(y, "float32"))
+    assert np.isfinite(y).all()
+    # inputs are rounded to bf16 before the layer (Keras autocast) and the result once more
+    np.testing.assert_allclose(y, reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(epsilon=0.0), "epsilon"),
+        (dict(epsilon=-1e-6), "epsilon"),
+        (dict(epsilon="1e-6"), "epsilon"),
+        (dict(use_scale="yes"), "use_scale"),
+    ],
+)
+def test_rms_norm_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        RMSNorm(**kwargs)
+
+
+# === TokenEmbedding ===
+
+
+def test_token_embedding_lookup_and_tied_logits():
+    layer = TokenEmbedding(vocabulary_size=11, embedding_dim=4)
+    ids = np.array([[0, 3, 10], [7, 7, 1]], "int32")
+    hidden = layer(ids)
+    table = to_numpy(layer.embeddings).astype(np.float64)
+    assert table.shape == (11, 4) and layer.embeddings.path.endswith("embeddings")
+    assert_close(hidden, table[ids], atol=0)
+    h = rng(3).normal(size=(2, 3, 4)).astype("float32")
+    assert_close(layer(h, reverse=True), h @ table.T, atol=1e-5)
+    assert len(layer.weights) == 1
+
+
+def test_token_embedding_untied_logits_and_soft_cap():
+    layer = TokenEmbedding(11, 4, tie_weights=False, logit_soft_cap=2.0,
+                           embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0))
+    layer.build()
+    reverse = to_numpy(layer.reverse_embeddings).astype(np.float64)
+    assert reverse.shape == (4, 11)
+    h = rng(4).normal(size=(3, 4)).astype("float32")
+    logits = h @ reverse
+    assert np.abs(logits).max() > 2.0  # the cap must bite
+    assert_close(layer(h, reverse=True), 2.0 * np.tanh(logits / 2.0), atol=1e-5)
+    assert not np.allclose(to_numpy(layer.embeddings).T, reverse)
+
+
+def test_token_embedding_out_of_range_ids_are_clipped():
+    layer = TokenEmbedding(5, 3)
+    table = to_numpy(layer(np.arange(5)))
+    out = to_numpy(layer(np.array([-3, 0, 4, 5, 99])))
+    assert_close(out, table[[0, 0, 4, 4, 4]], atol=0)
+
+
+def test_token_embedding_reverse_dtype_under_mixed_precision():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    layer = TokenEmbedding(64, 8, reverse_dtype="float32")
+    hidden = layer(np.array([[1, 2]]))
+    assert keras.backend.standardize_dtype(hidden.dtype) == "bfloat16"
+    assert layer.embeddings.dtype == "float32"
+    logits = layer(hidden, reverse=True)
+    assert keras.backend.standardize_dtype(logits.dtype) == "float32"
+    table = to_numpy(layer.embeddings).astype(np.float64)
+    h = to_numpy(keras.ops.cast(hidden, "float32")).astype(np.float64)
+    assert_close(logits, h @ table.T, atol=1e-5, rtol=1e-5)
+    plain = TokenEmbedding(64, 8)
+    plain.build()
+    assert keras.backend.standardize_dtype(plain(hidden, reverse=True).dtype) == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(vocabulary_size=0, embedding_dim=4), "vocabulary_size"),
+        (dict(vocabulary_size=10, embedding_dim=2.5), "embedding_dim"),
+        (dict(vocabulary_size=10, embedding_dim=4, tie_weights="no"), "tie_weights"),
+        (dict(vocabulary_size=10, embedding_dim=4, logit_soft_cap=0), "logit_soft_cap"),
+        (dict(vocabulary_size=10, embedding_dim=4, reverse_dtype="int32"), "reverse_dtype"),
+    ],
+)
+def test_token_embedding_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        TokenEmbedding(**kwargs)
+
+
+# === PatchEmbedding ===
+
+
+def np_patch_embed(images, kernel, bias, ph, pw):
+    b, h, w, c = images.shape
+    patches = images.reshape(b, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 2, 4, 5)
+    patches = patches.reshape(b, (h // ph) * (w // pw), ph * pw * c).astype(np.float64)
+    return patches @ kernel.reshape(ph * pw * c, -1) + bias
+
+
+@pytest.mark.parametrize("channels", [1, 3, 5])
+@pytest.mark.parametrize("patch", [4, (2, 3)])
+def test_patch_embedding_matches_numpy(channels, patch):
+    ph, pw = (patch, patch) if isinstance(patch, int) else patch
+    images = rng(5).normal(size=(2, 8, 12, channels)).astype("float32")
+    layer = PatchEmbedding(patch_size=patch, hidden_dim=7)
+    layer.build(images.shape)
+    layer.projection.bias.assign(rng(6).normal(size=(7,)).astype("float32"))
+    kernel = to_numpy(layer.projection.kernel).astype(np.float64)
+    assert kernel.shape == (ph, pw, channels, 7)
+    expected = np_patch_embed(images, kernel, to_numpy(layer.projection.bias), ph, pw)
+    out = layer(images)
+    assert tuple(out.shape) == (2, (8 // ph) * (12 // pw), 7)
+    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_patch_embedding_shape_errors():
+    with pytest.raises(ValueError, match="height=10 is not divisible by the patch height 4"):
+        PatchEmbedding(4, 8)(np.zeros((1, 10, 8, 3), "float32"))
+    with pytest.raises(ValueError, match="width=8 is not divisible by the patch width 3"):
+        PatchEmbedding((2, 3), 8)(np.zeros((1, 4, 8, 3), "float32"))
+    # a layer built on one size checks every call
+    built = PatchEmbedding(4, 8)
+    built(np.zeros((1, 8, 8, 3), "float32"))
+    with pytest.raises(ValueError, match="height=10"):
+        built(np.zeros((1, 10, 8, 3), "float32"))
+    with pytest.raises(ValueError, match="num_channels=3"):
+        PatchEmbedding(2, 8, num_channels=3)(np.zeros((1, 4, 4, 1), "float32"))
+    with pytest.raises(ValueError, match="height"):
+        PatchEmbedding(4, 8)(keras.Input((10, 8, 3)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(patch_size=0, hidden_dim=8), "patch_size"),
+        (dict(patch_size=(2, 2, 2), hidden_dim=8), "patch_size"),
+        (dict(patch_size=(2, "2"), hidden_dim=8), "patch_size"),
+        (dict(patch_size=2, hidden_dim=-8), "hidden_dim"),
+        (dict(patch_size=2, hidden_dim=8, num_channels=0), "num_channels"),
+        (dict(patch_size=2, hidden_dim=8, use_bias=None), "use_bias"),
+    ],
+)
+def test_patch_embedding_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        PatchEmbedding(**kwargs)
+
+
+# === Serialization ===
+
+
+def test_serialization_roundtrips():
+    for layer in (
+        RMSNorm(epsilon=1e-5, use_scale=False),
+        TokenEmbedding(10, 4, tie_weights=False, logit_soft_cap=30.0, reverse_dtype="float32"),
+        PatchEmbedding((2, 3), 8, num_channels=3, use_bias=False),
+        PatchEmbedding(4, 8),
+    ):
+        roundtrip_layer(layer)
+
+
+def test_keras_file_roundtrip(tmp_path):
+    ids_in = keras.Input((5,), dtype="int32")
+    embed = TokenEmbedding(13, 6, tie_weights=False, name="embed")
+    hidden = RMSNorm(name="norm")(embed(ids_in))
+    logits = embed(hidden, reverse=True)
+    image_in = keras.Input((4, 6, 2))
+    patches = PatchEmbedding((2, 3), 6, name="patches")(image_in)
+    model = keras.Model([ids_in, image_in], [logits, patches])
+    ids = rng(7).integers(0, 13, size=(2, 5)).astype("int32")
+    images = rng(8).normal(size=(2, 4, 6, 2)).astype("float32")
+    path = str(tmp_path / "embed.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    for a, b in zip(restored([ids, images]), model([ids, images])):
+        assert_close(a, to_numpy(b), atol=1e-6)
+    assert [v.path for v in restored.weights] == [v.path for v in model.weights]
