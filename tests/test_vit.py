@@ -335,3 +335,178 @@ def test_large_preset_params(name):
     _check_preset_params(name)
     published = {"vit_base_patch16_224": 86_567_656, "vit_large_patch16_224": 304_326_632}
     assert kzoo.presets.info(name)["params"] == published[name]
+
+
+# === Hugging Face conversion ===
+
+HF_TINY = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=32,
+               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def hf_checkpoint(path, task="classifier", seed=0, **overrides):
+    """A randomly initialised (and perturbed) transformers ViT saved to `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.ViTConfig(**{**HF_TINY, **overrides})
+    if task == "classifier":
+        model = transformers.ViTForImageClassification(config)
+    else:
+        model = transformers.ViTModel(config)  # with its (dense + tanh) pooler
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.2))
+    model.eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+def hf_output(model, pixels_nhwc, interpolate=False):
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor(pixels_nhwc.transpose(0, 3, 1, 2)),
+                    interpolate_pos_encoding=interpolate)
+    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+
+
+def check_parity(label, actual, expected, atol=1e-5):
+    diff = float(np.abs(to_numpy(actual) - expected).max())
+    print(f"[{keras.backend.backend()}] {label}: max |diff| vs transformers = {diff:.3g}")
+    assert diff <= atol, (label, diff)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # layer_norm_eps=1e-12, the transformers default
+        {"layer_norm_eps": 1e-3, "num_labels": 7},
+        {"qkv_bias": False, "hidden_act": "gelu_new"},
+        {"num_channels": 1},
+        {"num_channels": 5, "image_size": [32, 24]},
+    ],
+    ids=["default", "eps1e-3", "no_qkv_bias", "1ch", "5ch_rect"],
+)
+def test_hf_classifier_parity(tmp_path, overrides):
+    hf = hf_checkpoint(tmp_path, **overrides)
+    model = kzoo.presets.load(str(tmp_path))
+    assert isinstance(model, ViTClassifier)
+    cfg = hf.config
+    assert model.backbone.layer_norm_epsilon == cfg.layer_norm_eps
+    assert model.num_classes == cfg.num_labels
+    size = overrides.get("image_size", [32, 32])
+    x = images(3, size[0], size[1], cfg.num_channels, seed=1)
+    check_parity(f"classifier {overrides}", model(x), hf_output(hf, x))
+
+
+def test_hf_backbone_parity_ignores_pooler(tmp_path):
+    hf = hf_checkpoint(tmp_path, task="backbone", layer_norm_eps=1e-5)
+    assert "pooler.dense.weight" in dict(hf.named_parameters())
+    backbone = kzoo.presets.load(str(tmp_path))
+    assert isinstance(backbone, ViTBackbone)
+    x = images(2, seed=2)
+    check_parity("ViTModel last_hidden_state", backbone(x), hf_output(hf, x))
+
+
+@pytest.mark.parametrize("size", [(48, 48), (48, 40), (24, 24)])
+def test_hf_larger_images_interpolate_like_transformers(tmp_path, size):
+    hf = hf_checkpoint(tmp_path)
+    x = images(2, *size, seed=3)
+    expected = hf_output(hf, x, interpolate=True)
+    model = kzoo.presets.load(str(tmp_path))  # table for 32x32, interpolated at run time
+    check_parity(f"interpolated positions at {size}", model(x), expected)
+    if size[0] == size[1]:  # built for the new size: the table is resampled on load
+        resized = kzoo.presets.load(str(tmp_path), image_size=size[0])
+        assert tuple(resized.backbone.embedding.position_embedding.shape) == (
+            1 + (size[0] // 8) ** 2, 32)
+        check_parity(f"image_size={size[0]} resampled on load", resized(x), expected)
+
+
+def _state(path):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(str(path), "model.safetensors"))
+
+
+@pytest.mark.parametrize("task", ["classifier", "backbone"])
+def test_hf_export_roundtrip(tmp_path, task):
+    import transformers
+
+    hf = hf_checkpoint(tmp_path / "hf", task=task, qkv_bias=False)
+    model = kzoo.presets.load(str(tmp_path / "hf"))
+    kzoo.presets.save(model, str(tmp_path / "out"), format="hf")
+    original, exported = _state(tmp_path / "hf"), _state(tmp_path / "out")
+    if task == "backbone":  # kzoo has no pooler: everything else is exported
+        original = {k: v for k, v in original.items() if not k.startswith("pooler.")}
+    assert sorted(original) == sorted(exported)
+    for name in original:
+        np.testing.assert_array_equal(exported[name], original[name], err_msg=name)
+    cls = transformers.ViTForImageClassification if task == "classifier" else \
+        transformers.ViTModel
+    reloaded = cls.from_pretrained(str(tmp_path / "out")).eval()
+    x = images(2, seed=4)
+    check_parity(f"exported {task} reloaded by transformers", model(x), hf_output(reloaded, x))
+
+
+def test_kzoo_model_exports_to_transformers(tmp_path):
+    import transformers
+
+    model = ViTClassifier(
+        ViTBackbone(**TINY, num_channels=2, layer_norm_epsilon=1e-5, qkv_bias=False,
+                    activation="gelu_tanh"),
+        num_classes=4,
+    )
+    rng = np.random.default_rng(0)
+    for w in model.weights:
+        w.assign(rng.normal(scale=0.1, size=w.shape).astype("float32"))
+    kzoo.presets.save(model, str(tmp_path), format="hf")
+    hf = transformers.ViTForImageClassification.from_pretrained(str(tmp_path)).eval()
+    assert hf.config.layer_norm_eps == 1e-5 and hf.config.qkv_bias is False
+    x = images(2, channels=2, seed=5)
+    check_parity("kzoo-built classifier exported", model(x), hf_output(hf, x))
+
+
+def test_hf_errors(tmp_path):
+    from safetensors.numpy import save_file
+
+    from kzoo.convert import vit as conv
+
+    hf_checkpoint(tmp_path / "ok")
+    config = json.load(open(tmp_path / "ok" / "config.json"))
+    with pytest.raises(ValueError, match="hidden_act"):
+        conv.config_from_hf({**config, "hidden_act": "gelu_fast"})
+    with pytest.raises(ValueError, match="architectures"):
+        conv.config_from_hf({**config, "architectures": ["ViTForMaskedImageModeling"]})
+    with pytest.raises(ValueError, match="pruned_heads"):
+        conv.config_from_hf({**config, "pruned_heads": {"0": [1]}})
+    # encoder_stride is irrelevant to classification: accepted.
+    assert conv.config_from_hf({**config, "encoder_stride": 4})[1]["patch_size"] == 8
+
+    def variant(name, config_change=None, state_change=None):
+        d = tmp_path / name
+        d.mkdir()
+        json.dump({**config, **(config_change or {})}, open(d / "config.json", "w"))
+        state = _state(tmp_path / "ok")
+        if state_change:
+            state_change(state)
+        save_file(state, str(d / "model.safetensors"))
+        return str(d)
+
+    with pytest.raises(ValueError, match=r"intermediate.dense.weight.*\(32, 64\).*\(32, 48\)"):
+        kzoo.presets.load(variant("shape", {"intermediate_size": 48}))
+    missing = variant("missing", state_change=lambda s: s.pop("vit.layernorm.bias"))
+    with pytest.raises(ValueError, match="missing weights.*vit.layernorm.bias"):
+        kzoo.presets.load(missing)
+    extra = variant("extra", state_change=lambda s: s.update(extra_tensor=np.zeros(2, "f4")))
+    with pytest.raises(ValueError, match="unexpected weights.*extra_tensor"):
+        kzoo.presets.load(extra)
+    with pytest.raises(ValueError, match="num_classes"):
+        kzoo.presets.load(str(tmp_path / "ok"), num_classes=3)
+
+    mean = ViTClassifier(ViTBackbone(**TINY), num_classes=2, pooling="mean")
+    with pytest.raises(ValueError, match="pooling"):
+        kzoo.presets.save(mean, str(tmp_path / "mean"), format="hf")
+    no_cls = ViTBackbone(**TINY, use_class_token=False)
+    with pytest.raises(ValueError, match="use_class_token"):
+        kzoo.presets.save(no_cls, str(tmp_path / "nocls"), format="hf")
