@@ -8,6 +8,9 @@ import keras
 import numpy as np
 import pytest
 
+# transformers would otherwise import TensorFlow too (seconds); only its torch models are used.
+os.environ.setdefault("USE_TF", "0")
+
 import kzoo.presets
 from kzoo.models import bert as bert_module
 from kzoo.models.bert import BertBackbone, BertClassifier, BertMaskedLM
@@ -103,6 +106,13 @@ def np_bert(backbone, inputs):
     return x, pooled
 
 
+def strip_names(config):
+    """A config without its (auto-numbered) layer names, recursively."""
+    if isinstance(config, dict):
+        return {k: strip_names(v) for k, v in config.items() if k != "name"}
+    return config
+
+
 def real(mask):
     return np.asarray(mask).astype(bool)
 
@@ -173,19 +183,19 @@ def test_padding_invariance():
     randomize(mlm, seed=3)
     inputs = make_inputs(lengths=(9, 5, 2))
     full = to_numpy(mlm(inputs))
-    # Garbage in the padded positions changes nothing at real positions.
+    # Garbage in the padded positions changes nothing at real positions (nor the pooler).
     noisy = dict(inputs)
     pad = inputs["padding_mask"] == 0
     noisy["token_ids"] = np.where(pad, 7, inputs["token_ids"]).astype("int32")
     noisy["segment_ids"] = np.where(pad, 1, inputs["segment_ids"]).astype("int32")
-    np.testing.assert_allclose(to_numpy(mlm(noisy))[~pad], full[~pad], atol=1e-5)
-    # Each example alone, unpadded, gives the same outputs as in the padded batch.
-    for i, n in enumerate((9, 5, 2)):
-        alone = {k: v[i:i + 1, :n] for k, v in inputs.items()}
-        np.testing.assert_allclose(to_numpy(mlm(alone))[0], full[i, :n], atol=1e-5)
-        pooled = to_numpy(mlm.backbone(alone)["pooled_output"])[0]
-        np.testing.assert_allclose(
-            pooled, to_numpy(mlm.backbone(inputs)["pooled_output"])[i], atol=1e-5)
+    clean_out, noisy_out = mlm.backbone(inputs), mlm.backbone(noisy)
+    np.testing.assert_allclose(to_numpy(noisy_out["sequence_output"])[~pad],
+                               to_numpy(clean_out["sequence_output"])[~pad], atol=1e-5)
+    np.testing.assert_allclose(to_numpy(noisy_out["pooled_output"]),
+                               to_numpy(clean_out["pooled_output"]), atol=1e-5)
+    # An example alone, unpadded, gives the same logits as in the padded batch.
+    alone = {k: v[1:2, :5] for k, v in inputs.items()}
+    np.testing.assert_allclose(to_numpy(mlm(alone))[0], full[1, :5], atol=1e-5)
 
 
 def test_encoder_is_bidirectional_and_uses_segments():
@@ -252,7 +262,7 @@ def test_keras_file_round_trip(task, tmp_path):
     model.save(path)
     restored = keras.saving.load_model(path)
     assert type(restored) is type(model)
-    assert restored.get_config() == model.get_config()
+    assert strip_names(restored.get_config()) == strip_names(model.get_config())
     _assert_same_outputs(model, restored, make_inputs())
 
 
@@ -273,32 +283,40 @@ def test_get_config_is_exactly_the_arguments():
 
 @pytest.mark.parametrize("task", ["masked_lm", "classifier", "backbone"])
 def test_presets_save_load_directory(task, tmp_path):
-    model = kzoo.presets.load("bert_tiny_uncased", task=task, max_sequence_length=32,
-                              **({"num_classes": 3} if task == "classifier" else {}))
-    randomize(model, seed=6, scale=0.05)
+    backbone = tiny_backbone(activation="relu")
+    model = {"backbone": lambda: backbone, "masked_lm": lambda: BertMaskedLM(backbone),
+             "classifier": lambda: BertClassifier(backbone, num_classes=3)}[task]()
+    randomize(model, seed=6)
     kzoo.presets.save(model, tmp_path)
     restored = kzoo.presets.load(tmp_path)
     assert type(restored) is type(model)
-    _assert_same_outputs(model, restored, make_inputs(vocab=30522))
+    assert strip_names(restored.get_config()) == strip_names(model.get_config())
+    _assert_same_outputs(model, restored, make_inputs())
 
 
 def test_preset_load_overrides_and_task_switch(tmp_path):
-    mlm = kzoo.presets.load("bert_tiny_uncased")
+    mlm = kzoo.presets.load("bert_tiny_uncased", vocabulary_size=61, max_sequence_length=16)
     assert isinstance(mlm, BertMaskedLM)
     assert mlm.backbone.num_layers == 2 and mlm.backbone.hidden_dim == 128
+    assert mlm.backbone.vocabulary_size == 61
+    clf = kzoo.presets.load("bert_tiny_uncased", task="classifier", num_classes=3,
+                            vocabulary_size=61, max_sequence_length=16)
+    assert isinstance(clf, BertClassifier) and clf.num_classes == 3
     randomize(mlm, seed=7, scale=0.05)
     kzoo.presets.save(mlm, tmp_path)
     clf = kzoo.presets.load(tmp_path, task="classifier", num_classes=3)
     assert isinstance(clf, BertClassifier) and clf.num_classes == 3
-    inputs = make_inputs(vocab=30522)
+    inputs = make_inputs()
     np.testing.assert_array_equal(to_numpy(clf.backbone(inputs)["sequence_output"]),
                                   to_numpy(mlm.backbone(inputs)["sequence_output"]))
+    with pytest.raises(ValueError, match="num_clases"):
+        kzoo.presets.load("bert_tiny_uncased", task="classifier", num_clases=3)
 
 
-def _fit_lowers_loss(model, inputs, labels, epochs=8):
-    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+def _fit_lowers_loss(model, inputs, labels, epochs=6):
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(inputs, labels, batch_size=4, epochs=epochs, verbose=0)
+    history = model.fit(inputs, labels, batch_size=8, epochs=epochs, verbose=0)
     losses = history.history["loss"]
     print(f"{model.task_name} losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
     assert np.all(np.isfinite(losses))
@@ -658,3 +676,34 @@ def test_hf_load_weights_into_preset(tmp_path):
     diff = max_real_diff(kzoo_outputs(model, inputs)[0], hf_outputs(reference, inputs)[0],
                          inputs["padding_mask"])
     assert diff <= 1e-4
+
+
+# --- Tokenizer --------------------------------------------------------------------------
+
+WORDPIECE_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on",
+                   "mat", "##s", "dog", "##gy", "a", ",", "."]
+
+
+def test_wordpiece_tokenizer_is_attached(tmp_path):
+    import transformers
+
+    hf_model("BertForMaskedLM", vocab_size=len(WORDPIECE_VOCAB)).save_pretrained(
+        tmp_path, safe_serialization=True)
+    with open(os.path.join(tmp_path, "vocab.txt"), "w") as f:
+        f.write("\n".join(WORDPIECE_VOCAB) + "\n")
+    model = kzoo.presets.load(tmp_path)
+    text = "The cats sat on a doggy mat, purring."
+    ids = model.tokenizer.encode(text).ids
+    # [CLS] the cat ##s sat on a dog ##gy mat , [UNK] . [SEP]
+    expected = [2, 5, 6, 10, 7, 8, 13, 11, 12, 9, 14, 1, 15, 3]
+    assert ids == expected
+    reference = transformers.BertTokenizer(os.path.join(tmp_path, "vocab.txt"))
+    assert reference(text)["input_ids"] == expected
+    # The ids run through the model; the HF export carries the tokenizer along.
+    logits = model({"token_ids": np.array([ids], "int32"),
+                    "segment_ids": np.zeros((1, len(ids)), "int32"),
+                    "padding_mask": np.ones((1, len(ids)), "int32")})
+    assert tuple(logits.shape) == (1, len(ids), len(WORDPIECE_VOCAB))
+    out = os.path.join(tmp_path, "export")
+    kzoo.presets.save(model, out, format="hf")
+    assert kzoo.presets.load(out).tokenizer.encode(text).ids == expected
