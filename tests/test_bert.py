@@ -531,7 +531,7 @@ def test_hf_parity_and_round_trip(cls_name, task, config, tmp_path):
     expected = hf_outputs(reference, inputs)
 
     model = kzoo.presets.load(src)
-    assert getattr(model, "task_name", None) or "backbone" == task
+    assert (getattr(model, "task_name", None) or "backbone") == task
     backbone = model.backbone if task != "backbone" else model
     assert backbone.layer_norm_epsilon == 1e-7 and backbone.num_segments == 3
     assert backbone.intermediate_dim == 37 and backbone.max_sequence_length == 40
