@@ -409,7 +409,7 @@ def test_hf_backbone_parity_ignores_pooler(tmp_path):
     check_parity("ViTModel last_hidden_state", backbone(x), hf_output(hf, x))
 
 
-@pytest.mark.parametrize("size", [(48, 48), (48, 40), (24, 24)])
+@pytest.mark.parametrize("size", [(48, 48), (40, 24)])
 def test_hf_larger_images_interpolate_like_transformers(tmp_path, size):
     hf = hf_checkpoint(tmp_path)
     x = images(2, *size, seed=3)
