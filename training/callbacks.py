@@ -106,16 +106,34 @@ class NaNGuard(keras.callbacks.Callback):
 
 
 class RestoreMetrics(keras.callbacks.Callback):
-    """At the first epoch of a resumed run, put the saved running metric states back."""
+    """At the first epoch of a resumed run, put back the saved running metric states and
+    the backend's generator state.
+
+    The generator goes back exactly where the saved run was: for a checkpoint taken at an
+    epoch end, before `fit` starts the next epoch's data iterator (`on_epoch_begin`); for
+    one taken mid-epoch, right before the next training step (`on_train_batch_begin`,
+    after the iterator was started). On torch, data loaders draw from the global generator
+    that unseeded dropout uses too.
+    """
 
     def __init__(self):
         super().__init__()
         self.pending = None
+        self.rng = None
+        self.mid_epoch = False
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.pending is not None:
             checkpoint.assign_metrics(self.model, self.pending)
             self.pending = None
+        if self.rng is not None and not self.mid_epoch:
+            checkpoint.set_backend_rng_state(self.rng)
+            self.rng = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.rng is not None and self.mid_epoch:
+            checkpoint.set_backend_rng_state(self.rng)
+            self.rng = None
 
 
 class BestModel(keras.callbacks.Callback):

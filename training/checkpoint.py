@@ -3,7 +3,8 @@
 A checkpoint is one `.npz` file holding everything that decides how training continues:
 
 - every model variable (`model.variables`: weights, non-trainable state and the dropout
-  `SeedGenerator` states), every optimizer variable (moments, the iteration counter that
+  `SeedGenerator` states), the backend's global generator where Keras draws from it
+  (torch, for unseeded dropout), every optimizer variable (moments, the iteration counter that
   drives the learning-rate schedule) and, for a checkpoint taken mid-epoch, the running
   state of the epoch's metrics (so the resumed epoch logs the same averages);
 - a JSON record: the global step, the per-epoch history (what the CSV log and the plot
@@ -67,6 +68,26 @@ def _sync(model):
         sync()
 
 
+def _backend_rng_state():
+    """The backend's global generator state, where Keras uses one.
+
+    On torch, a layer whose `SeedGenerator` was created without a seed (Dropout's default)
+    draws its masks from torch's global generator, which is no Keras variable."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return {"rng/torch_cpu": torch.get_rng_state().numpy()}
+    return {}
+
+
+def set_backend_rng_state(arrays):
+    """Put a saved backend generator state back (see `_backend_rng_state`)."""
+    if keras.backend.backend() == "torch" and arrays and "rng/torch_cpu" in arrays:
+        import torch
+
+        torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch_cpu"], np.uint8)))
+
+
 def save(directory, model, meta, metrics_state=False, keep=2):
     """Write a checkpoint of `model` (and its optimizer) at `meta["step"]`; return its path.
 
@@ -84,6 +105,7 @@ def save(directory, model, meta, metrics_state=False, keep=2):
         arrays[f"model/{i}"] = _to_numpy(v)
     for i, v in enumerate(model.optimizer.variables):
         arrays[f"optimizer/{i}"] = _to_numpy(v)
+    arrays.update(_backend_rng_state())
     meta = dict(meta)
     meta["num_model_variables"] = len(model.variables)
     meta["num_optimizer_variables"] = len(model.optimizer.variables)
@@ -170,7 +192,11 @@ def _check_compatible(path, meta, arrays, model, fingerprint):
 
 def restore(path, model, fingerprint=None):
     """Load checkpoint `path` into `model` and its (built) optimizer; return
-    `(meta, metrics_arrays or None)`. Raises `CheckpointError` / IO errors on damage."""
+    `(meta, metrics_arrays or None)`. Raises `CheckpointError` / IO errors on damage.
+
+    The backend generator state is returned in `meta["backend_rng"]`, not set: the caller
+    sets it (`set_backend_rng_state`) at the moment of the run it was saved at (torch's
+    data loaders draw from the global generator whenever `fit` starts an epoch)."""
     meta, arrays = read(path)
     _check_compatible(path, meta, arrays, model, fingerprint)
     for i, v in enumerate(model.variables):
@@ -180,6 +206,7 @@ def restore(path, model, fingerprint=None):
     metrics = None
     if meta.get("num_metrics_variables") is not None:
         metrics = [arrays[f"metrics/{i}"] for i in range(meta["num_metrics_variables"])]
+    meta["backend_rng"] = {k: v for k, v in arrays.items() if k.startswith("rng/")}
     return meta, metrics
 
 

@@ -210,6 +210,8 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
         state.load_meta(meta)
         state.wall_time_before = float(meta.get("wall_time_s", 0.0))
         resumed_from = state.step
+        restore_metrics.rng = meta.get("backend_rng")
+        restore_metrics.mid_epoch = bool(state.step % epoch_steps)
         if state.step % epoch_steps and metric_values is not None:
             # The compiled metrics are built lazily (on TensorFlow only by a first step):
             # build them with one inference pass so the saved running states fit them.
