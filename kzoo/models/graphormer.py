@@ -1,0 +1,876 @@
+"""Graphormer (Ying et al., 2021, "Do Transformers Really Perform Bad for Graph
+Representation?", https://arxiv.org/abs/2106.05234): backbone and graph-level predictor.
+
+A graph of `N` nodes becomes `N + 1` tokens: a virtual graph token followed by the nodes.
+Graph structure enters the Transformer in three ways:
+
+- centrality encoding: a node's token is the sum of the embeddings of its (offset) integer
+  features plus learned in-degree and out-degree embeddings;
+- spatial encoding: a learned per-head bias `b(spatial_pos[i, j])` added to the attention
+  score of every node pair (shortest-path distance); the graph token has its own learned
+  per-head "virtual distance" bias to and from every node;
+- edge encoding: for `edge_type="multi_hop"`, the per-head bias of a pair is the average
+  over the hops of the shortest path of `mean_f(edge_emb(features)) @ W_hop`; for
+  `"single_hop"`, the mean edge-feature embedding of the direct edge.
+
+The inputs are the dict that `kzoo.graphs.batch(graphs)` returns (exactly what transformers'
+`GraphormerDataCollator` returns): `input_nodes` `(B, N, F)`, `attn_bias` `(B, N+1, N+1)`,
+`attn_edge_type` `(B, N, N, F_e)`, `spatial_pos` `(B, N, N)`, `in_degree`, `out_degree`
+`(B, N)`, `input_edges` `(B, N, N, hops, F_e)`; `N`, `F` and the hops may differ between
+batches.
+
+The computation follows transformers' `GraphormerModel` (models/deprecated/graphormer, the
+port of the fairseq-based reference code) exactly:
+
+- padded nodes are recognised by `input_nodes[:, :, 0] == 0` and may not be attended to;
+- `attn_bias` from the collator holds 0 or `-inf` (pairs farther apart than
+  `spatial_pos_max`); transformers adds it to the bias twice, and so does this model for its
+  finite entries, while its `-inf` entries become a boolean mask (so a row whose keys are
+  all masked gives finite output instead of NaN);
+- embedding ids 0 are padding: as torch's `padding_idx`, they look up a zero vector (here
+  the row is multiplied by 0, so it also stays zero under training);
+- the output of the last encoder layer goes through `LayerNorm(act(Dense(x)))`
+  (`lm_head_transform_weight`, the activation, `layer_norm` of transformers'
+  `GraphormerModel`); that is the backbone's output, `GraphormerModel`'s
+  `last_hidden_state`. With `pre_layernorm=True`, like transformers and the reference code,
+  no final LayerNorm follows the encoder layers.
+
+Example:
+>>> from kzoo import graphs
+>>> backbone = GraphormerBackbone(num_layers=2, hidden_dim=32, intermediate_dim=32,
+...                               num_heads=4)
+>>> model = GraphormerPredictor(backbone, num_classes=1)
+>>> inputs = graphs.batch([graphs.from_smiles("CCO"), graphs.from_smiles("c1ccccc1")])
+>>> model(inputs).shape
+(2, 1)
+"""
+
+import keras
+from keras import ops
+
+from kzoo.layers.attention import MultiHeadAttention
+from kzoo.layers.blocks import TransformerBlock
+from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward, get_activation
+from kzoo.layers.utils import (
+    check_choice,
+    check_non_negative_int,
+    check_positive_float,
+    check_positive_int,
+    check_rate,
+    serialize_initializer,
+)
+
+FAMILY = "graphormer"
+EDGE_TYPES = ("multi_hop", "single_hop")
+INPUT_KEYS = (
+    "input_nodes",
+    "attn_bias",
+    "attn_edge_type",
+    "spatial_pos",
+    "in_degree",
+    "out_degree",
+    "input_edges",
+)
+
+
+def graphormer_initializer(stddev=0.02):
+    """Graphormer's initialiser: normal(0, 0.02) for embeddings and (with
+    `apply_graphormer_init`) every dense kernel."""
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+    return value
+
+
+def _lookup(table, ids, padding, dtype):
+    """Rows of `table` for integer `ids` (clipped into range, as `TokenEmbedding` does);
+    with `padding`, id 0 gives a zero vector (torch's `padding_idx=0`)."""
+    table = ops.cast(table, dtype)
+    if padding:
+        keep = ops.cast(ops.arange(ops.shape(table)[0]) > 0, dtype)
+        table = table * ops.expand_dims(keep, -1)
+    if "int" not in keras.backend.standardize_dtype(ids.dtype):
+        ids = ops.cast(ids, "int32")
+    ids = ops.clip(ids, 0, table.shape[0] - 1)
+    return ops.take(table, ids, axis=0)
+
+
+# === Layers ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerNodeFeature(keras.layers.Layer):
+    """Centrality encoding and the virtual graph token (transformers'
+    `GraphormerGraphNodeFeature`).
+
+    Node `i` of a graph gets `sum_f atom[input_nodes[i, f]] + in_deg[in_degree[i]] +
+    out_deg[out_degree[i]]`; a learned graph token is prepended. Id 0 of the three tables is
+    padding (zero vector).
+
+    Args:
+        num_atoms: the node-feature table has `num_atoms + 1` rows.
+        num_in_degree, num_out_degree: rows of the degree tables.
+        hidden_dim: embedding width.
+        embeddings_initializer: initialiser of all four weights (normal 0.02 in the paper).
+
+    Call args:
+        input_nodes: `(B, N, F)` integer ids; in_degree, out_degree: `(B, N)`.
+
+    Returns:
+        `(B, N + 1, hidden_dim)`, the graph token first.
+
+    Example:
+    >>> layer = GraphormerNodeFeature(num_atoms=64, num_in_degree=8, num_out_degree=8,
+    ...                               hidden_dim=16)
+    >>> layer(np.ones((2, 5, 3), "int32"), np.ones((2, 5), "int32"),
+    ...       np.ones((2, 5), "int32")).shape
+    (2, 6, 16)
+    """
+
+    def __init__(self, num_atoms, num_in_degree, num_out_degree, hidden_dim,
+                 embeddings_initializer=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_atoms = check_positive_int("num_atoms", num_atoms)
+        self.num_in_degree = check_positive_int("num_in_degree", num_in_degree)
+        self.num_out_degree = check_positive_int("num_out_degree", num_out_degree)
+        self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
+        self.embeddings_initializer = serialize_initializer(
+            embeddings_initializer or graphormer_initializer()
+        )
+
+    def build(self, *args, **kwargs):
+        init = keras.initializers.get(self.embeddings_initializer)
+        self.atom_embeddings = self.add_weight(
+            name="atom_embeddings", shape=(self.num_atoms + 1, self.hidden_dim),
+            initializer=init,
+        )
+        self.in_degree_embeddings = self.add_weight(
+            name="in_degree_embeddings", shape=(self.num_in_degree, self.hidden_dim),
+            initializer=init,
+        )
+        self.out_degree_embeddings = self.add_weight(
+            name="out_degree_embeddings", shape=(self.num_out_degree, self.hidden_dim),
+            initializer=init,
+        )
+        self.graph_token = self.add_weight(
+            name="graph_token", shape=(1, self.hidden_dim), initializer=init
+        )
+        self.built = True
+
+    def call(self, input_nodes, in_degree, out_degree):
+        dtype = self.compute_dtype
+        nodes = ops.sum(_lookup(self.atom_embeddings, input_nodes, True, dtype), axis=-2)
+        nodes = nodes + _lookup(self.in_degree_embeddings, in_degree, True, dtype)
+        nodes = nodes + _lookup(self.out_degree_embeddings, out_degree, True, dtype)
+        token = ops.cast(self.graph_token, dtype)[None]  # (1, 1, hidden)
+        token = ops.broadcast_to(token, (ops.shape(nodes)[0], 1, self.hidden_dim))
+        return ops.concatenate([token, nodes], axis=1)
+
+    def compute_output_spec(self, input_nodes, in_degree, out_degree):
+        n = input_nodes.shape[1]
+        return keras.KerasTensor(
+            (input_nodes.shape[0], None if n is None else n + 1, self.hidden_dim),
+            dtype=self.compute_dtype,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_atoms": self.num_atoms,
+                "num_in_degree": self.num_in_degree,
+                "num_out_degree": self.num_out_degree,
+                "hidden_dim": self.hidden_dim,
+                "embeddings_initializer": self.embeddings_initializer,
+            }
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerAttentionBias(keras.layers.Layer):
+    """Spatial and edge encodings as a per-head attention bias, plus the attention mask
+    (transformers' `GraphormerGraphAttnBias` and the padding mask of its graph encoder).
+
+    For node pairs (rows/columns 1..N) the bias is `spatial[spatial_pos] + edge`, with, for
+    `edge_type="multi_hop"` and `D = min(hops, multi_hop_max_dist)` hops,
+
+        edge[i, j] = sum_{d < D} (mean_f edge_emb[input_edges[i, j, d, f]]) @ W[d]
+                     / clip(max(spatial_pos[i, j] - 1, 1), 0, multi_hop_max_dist)
+
+    (`spatial_pos` 0, i.e. padding, counts as 1; `multi_hop_max_dist=0` means no cut), and
+    for `"single_hop"` `edge[i, j] = mean_f edge_emb[attn_edge_type[i, j, f]]`. Row 0 and
+    column 0 (the graph token) get the learned virtual distance `t` (once at `[0, 0]`).
+    Finally the finite entries of `attn_bias` are added twice (as transformers does: once
+    as the starting value, once as its "reset"); its `-inf` entries are returned as False in
+    the mask instead, together with the key padding (`input_nodes[:, :, 0] == 0`).
+
+    Args:
+        num_heads: attention heads.
+        num_edges: the edge-feature table has `num_edges + 1` rows (id 0 = padding).
+        num_spatial: rows of the spatial table (id 0 = padding).
+        num_edge_dis: number of per-hop `(heads, heads)` matrices `W` (multi-hop only).
+        edge_type: "multi_hop" or "single_hop".
+        multi_hop_max_dist: hops used by the multi-hop encoding (0 = all).
+        embeddings_initializer: initialiser of every weight (normal 0.02).
+
+    Call args:
+        input_nodes `(B, N, F)`, attn_bias `(B, N+1, N+1)`, spatial_pos `(B, N, N)`,
+        input_edges `(B, N, N, hops, F_e)`, attn_edge_type `(B, N, N, F_e)`.
+
+    Returns:
+        `(bias, mask)`: bias `(B, heads, N+1, N+1)` (finite), mask `(B, 1, N+1, N+1)` bool.
+
+    Example:
+    >>> layer = GraphormerAttentionBias(num_heads=4, num_edges=64, num_spatial=16,
+    ...                                 num_edge_dis=8)
+    >>> from kzoo import graphs
+    >>> x = graphs.batch([graphs.from_smiles("CCO")])
+    >>> bias, mask = layer(x["input_nodes"], x["attn_bias"], x["spatial_pos"],
+    ...                    x["input_edges"], x["attn_edge_type"])
+    >>> bias.shape, mask.shape
+    ((1, 4, 4, 4), (1, 1, 4, 4))
+    """
+
+    def __init__(self, num_heads, num_edges, num_spatial, num_edge_dis, edge_type="multi_hop",
+                 multi_hop_max_dist=5, embeddings_initializer=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.num_edges = check_positive_int("num_edges", num_edges)
+        self.num_spatial = check_positive_int("num_spatial", num_spatial)
+        self.num_edge_dis = check_positive_int("num_edge_dis", num_edge_dis)
+        self.edge_type = check_choice("edge_type", edge_type, EDGE_TYPES)
+        self.multi_hop_max_dist = check_non_negative_int("multi_hop_max_dist",
+                                                         multi_hop_max_dist)
+        self.embeddings_initializer = serialize_initializer(
+            embeddings_initializer or graphormer_initializer()
+        )
+
+    def build(self, *args, **kwargs):
+        init = keras.initializers.get(self.embeddings_initializer)
+        heads = self.num_heads
+        self.edge_embeddings = self.add_weight(
+            name="edge_embeddings", shape=(self.num_edges + 1, heads), initializer=init
+        )
+        self.edge_distance_weights = None
+        if self.edge_type == "multi_hop":
+            self.edge_distance_weights = self.add_weight(
+                name="edge_distance_weights", shape=(self.num_edge_dis, heads, heads),
+                initializer=init,
+            )
+        self.spatial_embeddings = self.add_weight(
+            name="spatial_embeddings", shape=(self.num_spatial, heads), initializer=init
+        )
+        self.virtual_distance = self.add_weight(
+            name="virtual_distance", shape=(1, heads), initializer=init
+        )
+        self.built = True
+
+    def _edge_bias(self, spatial_pos, input_edges, attn_edge_type, dtype):
+        """(B, N, N, heads)."""
+        if self.edge_type == "single_hop":
+            edges = _lookup(self.edge_embeddings, attn_edge_type, True, dtype)
+            return ops.mean(edges, axis=-2)
+        hops = ops.where(ops.equal(spatial_pos, 0), 1, spatial_pos)
+        hops = ops.where(ops.greater(hops, 1), hops - 1, hops)
+        if self.multi_hop_max_dist > 0:
+            hops = ops.clip(hops, 0, self.multi_hop_max_dist)
+            input_edges = input_edges[:, :, :, : self.multi_hop_max_dist, :]
+        edges = ops.mean(_lookup(self.edge_embeddings, input_edges, True, dtype), axis=-2)
+        num_hops = edges.shape[3] if edges.shape[3] is not None else ops.shape(edges)[3]
+        if isinstance(num_hops, int) and num_hops > self.num_edge_dis:
+            raise ValueError(
+                f"`input_edges` has {num_hops} hops but the model has only num_edge_dis="
+                f"{self.num_edge_dis} hop matrices; set multi_hop_max_dist <= num_edge_dis."
+            )
+        weights = ops.cast(self.edge_distance_weights, dtype)[:num_hops]
+        edges = ops.einsum("bijdh,dhk->bijk", edges, weights)
+        return edges / ops.cast(hops, dtype)[..., None]
+
+    def call(self, input_nodes, attn_bias, spatial_pos, input_edges, attn_edge_type):
+        dtype = self.compute_dtype
+        batch = ops.shape(spatial_pos)[0]
+        n = ops.shape(spatial_pos)[1]
+        pair = _lookup(self.spatial_embeddings, spatial_pos, True, dtype)
+        pair = pair + self._edge_bias(spatial_pos, input_edges, attn_edge_type, dtype)
+        pair = ops.transpose(pair, (0, 3, 1, 2))  # (B, heads, N, N)
+        t = ops.reshape(ops.cast(self.virtual_distance, dtype), (1, self.num_heads, 1, 1))
+        column = ops.broadcast_to(t, (batch, self.num_heads, n, 1))
+        row = ops.broadcast_to(t, (batch, self.num_heads, 1, n + 1))
+        bias = ops.concatenate([row, ops.concatenate([column, pair], axis=3)], axis=2)
+
+        attn_bias = ops.cast(attn_bias, dtype)
+        finite = ops.isfinite(attn_bias)
+        base = ops.where(finite, attn_bias, ops.zeros_like(attn_bias))
+        bias = bias + 2 * base[:, None]
+
+        real = ops.not_equal(input_nodes[:, :, 0], 0)
+        keys = ops.concatenate([ops.ones((batch, 1), dtype="bool"), real], axis=1)
+        mask = ops.logical_and(finite, keys[:, None, :])[:, None]
+        return bias, mask
+
+    def compute_output_spec(self, input_nodes, attn_bias, spatial_pos, input_edges,
+                            attn_edge_type):
+        b, n = attn_bias.shape[0], attn_bias.shape[1]
+        return (
+            keras.KerasTensor((b, self.num_heads, n, n), dtype=self.compute_dtype),
+            keras.KerasTensor((b, 1, n, n), dtype="bool"),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "num_edges": self.num_edges,
+                "num_spatial": self.num_spatial,
+                "num_edge_dis": self.num_edge_dis,
+                "edge_type": self.edge_type,
+                "multi_hop_max_dist": self.multi_hop_max_dist,
+                "embeddings_initializer": self.embeddings_initializer,
+            }
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerEncoderLayer(TransformerBlock):
+    """A `TransformerBlock` with Graphormer's dropout and initialisation options.
+
+    Post-LN (`norm_first=False`, Graphormer's default) or pre-LN; the attention takes the
+    Graphormer bias and mask. Differences from the shared block: the feed-forward's hidden
+    activations use their own rate `activation_dropout` (fairseq's `act_dropout`; the
+    published models use dropout 0.0 with activation dropout 0.1), and the query/key/value
+    projections can have their own initialiser (`qkv_initializer`; transformers' default
+    initialisation uses Xavier-uniform with gain 1/sqrt(2) for them, Xavier-uniform for the
+    output projection and normal(0.02) for the feed-forward).
+
+    Args:
+        activation_dropout: dropout on the feed-forward's hidden activations.
+        qkv_initializer: initialiser of the query/key/value kernels (defaults to
+            `kernel_initializer`).
+        **kwargs: `TransformerBlock` arguments (`kernel_initializer` for the feed-forward,
+            `output_kernel_initializer` for the attention output projection).
+
+    Example:
+    >>> layer = GraphormerEncoderLayer(num_heads=4, intermediate_dim=32, norm_first=False,
+    ...                                activation_dropout=0.1)
+    >>> layer(keras.random.normal((2, 6, 32))).shape
+    (2, 6, 32)
+    """
+
+    def __init__(self, num_heads, intermediate_dim, activation_dropout=0.0,
+                 qkv_initializer=None, **kwargs):
+        # Set before the base constructor, which builds the sub-layers.
+        self.activation_dropout = check_rate("activation_dropout", activation_dropout)
+        self.qkv_initializer = (
+            None if qkv_initializer is None else serialize_initializer(qkv_initializer)
+        )
+        super().__init__(num_heads, intermediate_dim, **kwargs)
+
+    def _attention(self, name, rope):
+        return MultiHeadAttention(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_kv_heads=self.num_kv_heads,
+            use_bias=self.use_bias,
+            dropout=self.attention_dropout,
+            scale=self.attention_scale,
+            kernel=self.kernel,
+            kernel_initializer=self.qkv_initializer or self.kernel_initializer,
+            output_kernel_initializer=self.output_kernel_initializer,
+            dtype=self.dtype_policy,
+            name=name,
+        )
+
+    def _feedforward(self):
+        if self.feedforward != "plain":
+            raise ValueError(
+                f"GraphormerEncoderLayer supports feedforward='plain' only; got "
+                f"feedforward={self.feedforward!r}."
+            )
+        return FeedForward(
+            intermediate_dim=self.intermediate_dim,
+            activation=self.activation,
+            use_bias=True,
+            dropout=self.activation_dropout,
+            kernel_initializer=self.kernel_initializer,
+            dtype=self.dtype_policy,
+            name="feedforward",
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config["activation_dropout"] = self.activation_dropout
+        config["qkv_initializer"] = self.qkv_initializer
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerHeadTransform(keras.layers.Layer):
+    """`LayerNorm(act(Dense(x)))` on every token (transformers' `lm_head_transform_weight`,
+    `activation_fn` and `layer_norm` of `GraphormerModel`).
+
+    Args:
+        activation: activation name (see `kzoo.layers.get_activation`).
+        layer_norm_epsilon: epsilon of the LayerNorm.
+        kernel_initializer: initialiser of the dense kernel (normal 0.02).
+
+    Example:
+    >>> GraphormerHeadTransform()(keras.random.normal((2, 6, 32))).shape
+    (2, 6, 32)
+    """
+
+    def __init__(self, activation="gelu", layer_norm_epsilon=1e-5, kernel_initializer=None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        get_activation(activation)
+        self.activation = activation
+        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        self.kernel_initializer = serialize_initializer(
+            kernel_initializer or graphormer_initializer()
+        )
+        self._activation_fn = get_activation(activation)
+        self.dense = None
+        self.layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
+        )
+
+    def build(self, input_shape):
+        self.dense = keras.layers.Dense(
+            input_shape[-1],
+            kernel_initializer=keras.initializers.get(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="dense",
+        )
+        self.dense.build(input_shape)
+        self.layer_norm.build(input_shape)
+        self.built = True
+
+    def call(self, inputs):
+        return self.layer_norm(self._activation_fn(self.dense(inputs)))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "activation": self.activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "kernel_initializer": self.kernel_initializer,
+            }
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerDecoderHead(keras.layers.Layer):
+    """`x @ W + b` with a bias-free kernel `W (hidden, num_classes)` and one learned scalar
+    bias shared by all outputs (transformers' `GraphormerDecoderHead`: `classifier` and
+    `lm_output_learned_bias`).
+
+    Args:
+        num_classes: outputs per graph.
+        kernel_initializer: initialiser of `W` (normal 0.02); the bias starts at 0.
+
+    Example:
+    >>> GraphormerDecoderHead(3)(keras.random.normal((2, 32))).shape
+    (2, 3)
+    """
+
+    def __init__(self, num_classes, kernel_initializer=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        self.kernel_initializer = serialize_initializer(
+            kernel_initializer or graphormer_initializer()
+        )
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            name="kernel", shape=(input_shape[-1], self.num_classes),
+            initializer=keras.initializers.get(self.kernel_initializer),
+        )
+        self.bias = self.add_weight(name="bias", shape=(1,), initializer="zeros")
+        self.built = True
+
+    def call(self, inputs):
+        return ops.matmul(inputs, self.kernel) + self.bias
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.num_classes,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {"num_classes": self.num_classes, "kernel_initializer": self.kernel_initializer}
+        )
+        return config
+
+
+# === Functional Model ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerBackbone(keras.Model):
+    """Graphormer encoder (Ying et al., 2021, arXiv:2106.05234), as transformers'
+    `GraphormerModel`.
+
+    inputs -> `GraphormerNodeFeature` (centrality encoding + graph token) -> `* embed_scale`
+    -> LayerNorm if `encoder_normalize_before` -> dropout -> `num_layers`
+    `GraphormerEncoderLayer`s attending with the `GraphormerAttentionBias` (spatial + edge
+    encoding, graph-token distance, `attn_bias`) and its mask -> `GraphormerHeadTransform`
+    (`LayerNorm(act(Dense(x)))`).
+
+    The defaults are transformers' `GraphormerConfig` defaults (vocabularies sized for OGB's
+    9 atom and 3 bond features offset by 512 per column, see `kzoo.graphs`). The published
+    models were trained with `encoder_normalize_before=True`, `apply_graphormer_init=True`,
+    `dropout=0.0`, `attention_dropout=0.1`, `activation_dropout=0.1` (the presets).
+
+    Args:
+        num_atoms: node-feature ids `0..num_atoms` (`num_atoms + 1` rows; 0 = padding).
+        num_in_degree, num_out_degree: degree ids `0..num - 1` (0 = padding).
+        num_edges: edge-feature ids `0..num_edges` (0 = padding / no edge).
+        num_spatial: `spatial_pos` ids `0..num_spatial - 1` (0 = padding).
+        num_edge_dis: per-hop matrices of the multi-hop edge encoding.
+        edge_type: "multi_hop" (edge features along the shortest path) or "single_hop"
+            (features of the direct edge, `attn_edge_type`).
+        multi_hop_max_dist: hops used by the multi-hop encoding (0 = all; at most
+            `num_edge_dis`).
+        num_layers, hidden_dim, intermediate_dim, num_heads: encoder sizes.
+        dropout: dropout on the embeddings and after each attention/feed-forward sub-layer.
+        attention_dropout: dropout on attention probabilities.
+        activation_dropout: dropout on the feed-forward's hidden activations.
+        activation: feed-forward and head-transform activation (see `get_activation`).
+        pre_layernorm: pre-LN layers (True) or post-LN (False, the paper's PCQM4M/ZINC models).
+        layer_norm_epsilon: epsilon of every LayerNorm (1e-5 as torch's default).
+        encoder_normalize_before: LayerNorm on the embeddings before the first layer.
+        embed_scale: optional factor multiplying the embeddings (None = 1).
+        apply_graphormer_init: initialise every dense kernel with normal(0.02) (the reference
+            code's `init_graphormer_params`); if False, transformers' default: Xavier-uniform
+            (gain 1/sqrt(2)) query/key/value, Xavier-uniform attention output, normal(0.02)
+            feed-forward and head. Embeddings are normal(0.02) either way.
+        use_attention_bias: biases in the query/key/value/output projections (transformers'
+            `bias`).
+        num_frozen_layers: the first this-many encoder layers are not trainable
+            (transformers' `num_trans_layers_to_freeze`).
+        dtype: dtype policy of every layer.
+
+    Call args:
+        a dict with the keys of `INPUT_KEYS` (the output of `kzoo.graphs.batch` without
+        `labels`).
+
+    Returns:
+        `(B, N + 1, hidden_dim)`: the graph token first, then the nodes.
+
+    Example:
+
+    ```python
+    from kzoo import graphs
+    backbone = GraphormerBackbone(num_layers=2, hidden_dim=32, intermediate_dim=32,
+                                  num_heads=4)
+    inputs = graphs.batch([graphs.from_smiles("CCO"), graphs.from_smiles("c1ccccc1")])
+    tokens = backbone({k: v for k, v in inputs.items() if k != "labels"})  # (2, 7, 32)
+    ```
+    """
+
+    family = FAMILY
+
+    def __init__(
+        self,
+        num_atoms=512 * 9,
+        num_in_degree=512,
+        num_out_degree=512,
+        num_edges=512 * 3,
+        num_spatial=512,
+        num_edge_dis=128,
+        edge_type="multi_hop",
+        multi_hop_max_dist=5,
+        num_layers=12,
+        hidden_dim=768,
+        intermediate_dim=768,
+        num_heads=32,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        activation="gelu",
+        pre_layernorm=False,
+        layer_norm_epsilon=1e-5,
+        encoder_normalize_before=False,
+        embed_scale=None,
+        apply_graphormer_init=False,
+        use_attention_bias=True,
+        num_frozen_layers=0,
+        dtype=None,
+        **kwargs,
+    ):
+        for name, value in (("num_atoms", num_atoms), ("num_in_degree", num_in_degree),
+                            ("num_out_degree", num_out_degree), ("num_edges", num_edges),
+                            ("num_spatial", num_spatial), ("num_edge_dis", num_edge_dis),
+                            ("num_layers", num_layers), ("hidden_dim", hidden_dim),
+                            ("intermediate_dim", intermediate_dim), ("num_heads", num_heads)):
+            check_positive_int(name, value)
+        check_choice("edge_type", edge_type, EDGE_TYPES)
+        check_non_negative_int("multi_hop_max_dist", multi_hop_max_dist)
+        if edge_type == "multi_hop" and multi_hop_max_dist > num_edge_dis:
+            raise ValueError(
+                f"`multi_hop_max_dist` must be at most `num_edge_dis`={num_edge_dis} (one "
+                f"hop matrix per hop); got multi_hop_max_dist={multi_hop_max_dist}."
+            )
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"`num_heads` must divide `hidden_dim`={hidden_dim}; got num_heads={num_heads}."
+            )
+        check_rate("dropout", dropout)
+        check_rate("attention_dropout", attention_dropout)
+        check_rate("activation_dropout", activation_dropout)
+        check_choice("activation", activation, ACTIVATION_NAMES)
+        _check_bool("pre_layernorm", pre_layernorm)
+        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        _check_bool("encoder_normalize_before", encoder_normalize_before)
+        if embed_scale is not None:
+            if isinstance(embed_scale, bool) or not isinstance(embed_scale, (int, float)):
+                raise ValueError(
+                    f"`embed_scale` must be a number or None; got embed_scale={embed_scale!r}."
+                )
+        _check_bool("apply_graphormer_init", apply_graphormer_init)
+        _check_bool("use_attention_bias", use_attention_bias)
+        check_non_negative_int("num_frozen_layers", num_frozen_layers)
+        if num_frozen_layers > num_layers:
+            raise ValueError(
+                f"`num_frozen_layers` must be at most `num_layers`={num_layers}; got "
+                f"num_frozen_layers={num_frozen_layers}."
+            )
+
+        normal = graphormer_initializer()
+        if apply_graphormer_init:
+            qkv_init, out_init = normal, normal
+        else:
+            qkv_init = keras.initializers.VarianceScaling(
+                scale=0.5, mode="fan_avg", distribution="uniform"
+            )
+            out_init = keras.initializers.GlorotUniform()
+
+        # === Layers ===
+        node_feature = GraphormerNodeFeature(
+            num_atoms=num_atoms, num_in_degree=num_in_degree, num_out_degree=num_out_degree,
+            hidden_dim=hidden_dim, embeddings_initializer=normal, dtype=dtype,
+            name="node_feature",
+        )
+        attention_bias = GraphormerAttentionBias(
+            num_heads=num_heads, num_edges=num_edges, num_spatial=num_spatial,
+            num_edge_dis=num_edge_dis, edge_type=edge_type,
+            multi_hop_max_dist=multi_hop_max_dist, embeddings_initializer=normal,
+            dtype=dtype, name="attention_bias",
+        )
+        embedding_norm = None
+        if encoder_normalize_before:
+            embedding_norm = keras.layers.LayerNormalization(
+                epsilon=layer_norm_epsilon, dtype=dtype, name="embedding_norm"
+            )
+        embedding_dropout = keras.layers.Dropout(dropout, dtype=dtype,
+                                                 name="embedding_dropout")
+        encoder_layers = [
+            GraphormerEncoderLayer(
+                num_heads=num_heads,
+                intermediate_dim=intermediate_dim,
+                norm_first=pre_layernorm,
+                layer_norm_epsilon=layer_norm_epsilon,
+                activation=activation,
+                use_bias=use_attention_bias,
+                dropout=dropout,
+                attention_dropout=attention_dropout,
+                activation_dropout=activation_dropout,
+                kernel_initializer=normal,
+                qkv_initializer=qkv_init,
+                output_kernel_initializer=out_init,
+                dtype=dtype,
+                name=f"transformer_layer_{i}",
+            )
+            for i in range(num_layers)
+        ]
+        head_transform = GraphormerHeadTransform(
+            activation=activation, layer_norm_epsilon=layer_norm_epsilon,
+            kernel_initializer=normal, dtype=dtype, name="head_transform",
+        )
+
+        # === Functional Model ===
+        inputs = {
+            "input_nodes": keras.Input(shape=(None, None), dtype="int32", name="input_nodes"),
+            "attn_bias": keras.Input(shape=(None, None), dtype="float32", name="attn_bias"),
+            "attn_edge_type": keras.Input(shape=(None, None, None), dtype="int32",
+                                          name="attn_edge_type"),
+            "spatial_pos": keras.Input(shape=(None, None), dtype="int32", name="spatial_pos"),
+            "in_degree": keras.Input(shape=(None,), dtype="int32", name="in_degree"),
+            "out_degree": keras.Input(shape=(None,), dtype="int32", name="out_degree"),
+            "input_edges": keras.Input(shape=(None, None, None, None), dtype="int32",
+                                       name="input_edges"),
+        }
+        bias, mask = attention_bias(
+            inputs["input_nodes"], inputs["attn_bias"], inputs["spatial_pos"],
+            inputs["input_edges"], inputs["attn_edge_type"],
+        )
+        x = node_feature(inputs["input_nodes"], inputs["in_degree"], inputs["out_degree"])
+        if embed_scale is not None:
+            x = x * embed_scale
+        if embedding_norm is not None:
+            x = embedding_norm(x)
+        x = embedding_dropout(x)
+        for layer in encoder_layers:
+            x = layer(x, attention_mask=mask, attention_bias=bias)
+        outputs = head_transform(x)
+        kwargs.setdefault("name", "graphormer_backbone")
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        if dtype is not None:
+            self.dtype_policy = keras.dtype_policies.get(dtype)
+        for layer in encoder_layers[:num_frozen_layers]:
+            layer.trainable = False
+
+        # === Config ===
+        self.num_atoms = num_atoms
+        self.num_in_degree = num_in_degree
+        self.num_out_degree = num_out_degree
+        self.num_edges = num_edges
+        self.num_spatial = num_spatial
+        self.num_edge_dis = num_edge_dis
+        self.edge_type = edge_type
+        self.multi_hop_max_dist = multi_hop_max_dist
+        self.num_layers = num_layers
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.activation_dropout = activation_dropout
+        self.activation = activation
+        self.pre_layernorm = pre_layernorm
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.encoder_normalize_before = encoder_normalize_before
+        self.embed_scale = embed_scale
+        self.apply_graphormer_init = apply_graphormer_init
+        self.use_attention_bias = use_attention_bias
+        self.num_frozen_layers = num_frozen_layers
+        self.node_feature = node_feature
+        self.attention_bias = attention_bias
+        self.embedding_norm = embedding_norm
+        self.encoder_layers = encoder_layers
+        self.head_transform = head_transform
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "num_atoms": self.num_atoms,
+            "num_in_degree": self.num_in_degree,
+            "num_out_degree": self.num_out_degree,
+            "num_edges": self.num_edges,
+            "num_spatial": self.num_spatial,
+            "num_edge_dis": self.num_edge_dis,
+            "edge_type": self.edge_type,
+            "multi_hop_max_dist": self.multi_hop_max_dist,
+            "num_layers": self.num_layers,
+            "hidden_dim": self.hidden_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "num_heads": self.num_heads,
+            "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
+            "activation_dropout": self.activation_dropout,
+            "activation": self.activation,
+            "pre_layernorm": self.pre_layernorm,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "encoder_normalize_before": self.encoder_normalize_before,
+            "embed_scale": self.embed_scale,
+            "apply_graphormer_init": self.apply_graphormer_init,
+            "use_attention_bias": self.use_attention_bias,
+            "num_frozen_layers": self.num_frozen_layers,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GraphormerPredictor(keras.Model):
+    """Graph-level regression or classification from the graph token of a
+    `GraphormerBackbone` (transformers' `GraphormerForGraphClassification`).
+
+    `logits = backbone(inputs)[:, 0] @ W + b`, with a bias-free `W (hidden, num_classes)`
+    (normal 0.02) and one learned scalar `b` (zero-initialised) shared by all outputs
+    (`GraphormerDecoderHead`). `num_classes=1` is regression (one value per graph, e.g. with
+    an MSE or MAE loss); `num_classes=C` gives logits for `C` classes or `C` binary tasks.
+
+    Args:
+        backbone: a `GraphormerBackbone`.
+        num_classes: outputs per graph.
+        dtype: dtype policy of the head (defaults to the backbone's).
+
+    Returns:
+        `(B, num_classes)`.
+
+    Example:
+
+    ```python
+    from kzoo import graphs
+    backbone = GraphormerBackbone(num_layers=2, hidden_dim=32, intermediate_dim=32,
+                                  num_heads=4)
+    model = GraphormerPredictor(backbone, num_classes=1)
+    model.compile("adam", "mae")
+    data = graphs.smiles_dataset(["CCO", "c1ccccc1", "CC(=O)O"], [-5.0, -0.9, -6.7],
+                                 batch_size=2)
+    model.fit(data, epochs=2)
+    ```
+    """
+
+    family = FAMILY
+    task_name = "predictor"
+
+    def __init__(self, backbone, num_classes=1, dtype=None, **kwargs):
+        if not isinstance(backbone, GraphormerBackbone):
+            raise ValueError(
+                f"`backbone` must be a GraphormerBackbone; got {type(backbone).__name__}."
+            )
+        check_positive_int("num_classes", num_classes)
+        dtype = dtype if dtype is not None else backbone.dtype_policy
+
+        # === Layers ===
+        head = GraphormerDecoderHead(num_classes, dtype=dtype, name="classifier")
+
+        # === Functional Model ===
+        inputs = backbone.input
+        x = backbone(inputs)
+        outputs = head(x[:, 0, :])
+        kwargs.setdefault("name", "graphormer_predictor")
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+
+        # === Config ===
+        self.backbone = backbone
+        self.num_classes = num_classes
+        self.head = head
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "backbone": keras.layers.serialize(self.backbone),
+            "num_classes": self.num_classes,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["backbone"] = keras.layers.deserialize(config["backbone"])
+        return cls(**config)
+
+
+BACKBONE = GraphormerBackbone
+TASKS = {"backbone": None, "predictor": GraphormerPredictor}
+DEFAULT_TASK = "predictor"
