@@ -69,6 +69,7 @@ def sample(model, task, cfg, prompt_tokens=32, strategy="sample"):
     """(prompt text, generated text) from the start of the held-out text."""
     tokenizer = task.info["tokenizer_object"]
     val_ids = task.info["val_ids"]
+    prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
     prompt = [int(t) for t in val_ids[:prompt_tokens]]
     room = model.backbone.max_sequence_length - len(prompt)
     new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
