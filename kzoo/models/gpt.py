@@ -1,0 +1,828 @@
+"""GPT: decoder-only language models.
+
+- GPT-2 (Radford et al., 2019, "Language Models are Unsupervised Multitask Learners"): token +
+  learned position embeddings, `num_layers` pre-LN causal transformer blocks with tanh-GELU
+  feed-forwards, a final layer norm, the output projection tied to the token embedding.
+- A modern decoder as a configuration of the same backbone (LLaMA-style, Touvron et al.
+  2023): RMSNorm (`norm="rmsnorm"`), rotary positions (`position="rotary"`), SwiGLU
+  (`feedforward="gated", activation="silu"`), grouped-query attention (`num_kv_heads`), no
+  biases (`use_bias=False`), optionally a sparse mixture-of-experts feed-forward
+  (`feedforward="moe"`, Mixtral-style).
+
+Classes:
+
+- `GPTBackbone`: inputs `{"token_ids", "padding_mask"}` `(batch, seq)` int32, output the final
+  hidden states `(batch, seq, hidden_dim)`; `call_with_cache` runs it incrementally on a
+  key/value cache.
+- `GPTCausalLM`: next-token logits `(batch, seq, vocabulary_size)`, and `generate(...)`
+  (greedy / temperature / top-k / top-p decoding on the key/value cache).
+
+Example:
+>>> backbone = GPTBackbone(vocabulary_size=260, num_layers=2, num_heads=4, hidden_dim=64,
+...                        intermediate_dim=256, max_sequence_length=128)
+>>> lm = GPTCausalLM(backbone)
+>>> lm.generate([[72, 101], [87]], max_new_tokens=5)       # two prompts, five tokens each
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from kzoo.layers.blocks import TransformerBlock
+from kzoo.layers.embedding import TokenEmbedding
+from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward, GatedFeedForward
+from kzoo.layers.position import PositionEmbedding
+from kzoo.layers.utils import (
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_rate,
+)
+from kzoo.models import sampling
+
+FAMILY = "gpt"
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+FEEDFORWARDS = ("plain", "gated", "moe")
+EXPERT_TYPES = ("plain", "gated")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+    return value
+
+
+def _dtype_policy(dtype):
+    return keras.dtype_policies.get(dtype) if dtype is not None else None
+
+
+def gpt_initializer(stddev=0.02):
+    """GPT-2's initialiser: normal(0, stddev) for every kernel and embedding table."""
+    return keras.initializers.RandomNormal(stddev=stddev)
+
+
+# === Layers ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GPTBlock(TransformerBlock):
+    """A `TransformerBlock` with GPT-2's feed-forward details.
+
+    Differences from the shared block (same sub-layers, same weight names, same config):
+
+    - no dropout inside the feed-forward (GPT-2 drops out only the sub-layer outputs, before
+      the residual sum; the shared block also drops the hidden activations);
+    - the last projection of the feed-forward (and of every expert) is initialised with
+      `output_kernel_initializer` (GPT-2: normal(0.02 / sqrt(2 * num_layers))), like the
+      attention output projection; the shared block uses `kernel_initializer` there;
+    - mixture-of-experts feed-forwards get `kernel_initializer` for their experts and router
+      (the shared block leaves `MixtureOfExperts` at its glorot default).
+
+    Example:
+    >>> block = GPTBlock(num_heads=4, intermediate_dim=256, causal=True, norm_first=True)
+    >>> block(keras.random.normal((2, 10, 64))).shape
+    (2, 10, 64)
+    """
+
+    def _feedforward(self):
+        common = dict(
+            intermediate_dim=self.intermediate_dim,
+            activation=self.activation,
+            use_bias=self.use_bias,
+            dropout=0.0,
+            kernel_initializer=self.kernel_initializer,
+            dtype=self.dtype_policy,
+            name="feedforward",
+        )
+        if self.feedforward == "moe":
+            from kzoo.layers.moe import MixtureOfExperts
+
+            return MixtureOfExperts(
+                num_experts=self.num_experts,
+                top_k=self.top_k,
+                capacity_factor=self.capacity_factor,
+                expert_type=self.expert_type,
+                router_initializer=self.kernel_initializer,
+                **common,
+            )
+        if self.feedforward == "gated":
+            return GatedFeedForward(**common)
+        return FeedForward(**common)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if self.output_kernel_initializer is None:
+            return
+        init = keras.initializers.get(self.output_kernel_initializer)
+        ff = self.feedforward_layer
+        kernel = ff.output_kernel if self.feedforward == "moe" else ff.output_dense.kernel
+        kernel.assign(init(tuple(kernel.shape), dtype=kernel.dtype))
+
+
+# === Backbone ===
+
+
+class _FunctionalModel(keras.Model):
+    """A functional `keras.Model` subclass that may set attributes before `__init__`.
+
+    With the torch backend `torch.nn.Module.__setattr__` refuses sub-modules before
+    `Module.__init__` has run; all state lives in the functional graph, so attributes set
+    before `super().__init__` (and properties) are plain Python attributes there.
+    """
+
+    def __setattr__(self, name, value):
+        is_property = isinstance(getattr(type(self), name, None), property)
+        uninitialized = not hasattr(self, "_initialized")
+        if keras.config.backend() == "torch" and (is_property or uninitialized):
+            return object.__setattr__(self, name, value)
+        return super().__setattr__(name, value)
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GPTBackbone(_FunctionalModel):
+    """The GPT decoder stack: GPT-2 by default, a LLaMA-style decoder by configuration.
+
+    `x = token_embedding(ids) [+ position_embedding]`, dropout, `num_layers` pre-norm causal
+    blocks `x = x + drop(attn(norm(x)))`, `x = x + drop(ffn(norm(x)))`, a final norm.
+    Initialisation follows GPT-2: every kernel and embedding normal(0, `initializer_range`),
+    biases zeros, norms ones, and the residual output projections (attention output, last
+    feed-forward layer) normal(0, `initializer_range / sqrt(2 * num_layers)`).
+
+    Args:
+        vocabulary_size: number of token ids.
+        num_layers: number of decoder blocks.
+        num_heads: query heads (must divide `hidden_dim`).
+        hidden_dim: width of the hidden states.
+        intermediate_dim: width of the feed-forward (per expert for MoE).
+        max_sequence_length: number of learned positions; for rotary models, the longest
+            sequence `generate` accepts.
+        dropout: dropout on the embeddings, after every sub-layer and on the attention
+            probabilities.
+        layer_norm_epsilon: epsilon of every norm.
+        activation: feed-forward activation ("gelu_tanh" = GPT-2's "gelu_new"; "silu" for
+            SwiGLU; any `kzoo.layers.feedforward.get_activation` name).
+        norm: "layernorm" (GPT-2) or "rmsnorm".
+        position: "learned" (a position table added to the token embeddings) or "rotary"
+            (RoPE inside the attention, no table).
+        feedforward: "plain" (GPT-2 MLP), "gated" (GLU variants: SwiGLU with "silu") or
+            "moe" (sparse mixture of experts).
+        num_kv_heads: key/value heads for grouped-query attention (None = `num_heads`).
+        use_bias: biases in the attention and feed-forward projections.
+        rope_max_wavelength: RoPE base (used when `position="rotary"`).
+        num_experts: number of experts (`feedforward="moe"` only; required there).
+        top_k: experts per token.
+        capacity_factor: MoE expert capacity (None = never drop a token).
+        expert_type: "gated" (SwiGLU experts, Mixtral) or "plain" experts.
+        tie_embeddings: the language-model head reuses the token embedding matrix; False adds
+            a separate `(hidden_dim, vocabulary_size)` matrix (`token_embedding.reverse_embeddings`).
+        attention_scale: attention score scale (None = `head_dim ** -0.5`).
+        initializer_range: standard deviation of the normal initialiser.
+        dtype: dtype policy of every layer.
+
+    Inputs (a dict, each `(batch, seq)` int32): `token_ids`; `padding_mask` (1 = real token).
+    Output: `(batch, seq, hidden_dim)` hidden states after the final norm.
+
+    Example:
+    >>> gpt2 = GPTBackbone()                                         # GPT-2 small, 124M
+    >>> modern = GPTBackbone(vocabulary_size=32000, num_layers=4, num_heads=8, hidden_dim=512,
+    ...                      intermediate_dim=1376, norm="rmsnorm", position="rotary",
+    ...                      feedforward="gated", activation="silu", num_kv_heads=2,
+    ...                      use_bias=False, dropout=0.0, tie_embeddings=False)
+    >>> modern({"token_ids": np.ones((2, 8), "int32"),
+    ...         "padding_mask": np.ones((2, 8), "int32")}).shape
+    (2, 8, 512)
+    """
+
+    family = FAMILY
+
+    def __init__(
+        self,
+        vocabulary_size=50257,
+        num_layers=12,
+        num_heads=12,
+        hidden_dim=768,
+        intermediate_dim=3072,
+        max_sequence_length=1024,
+        dropout=0.1,
+        layer_norm_epsilon=1e-5,
+        activation="gelu_tanh",
+        norm="layernorm",
+        position="learned",
+        feedforward="plain",
+        num_kv_heads=None,
+        use_bias=True,
+        rope_max_wavelength=10000,
+        num_experts=None,
+        top_k=2,
+        capacity_factor=None,
+        expert_type="gated",
+        tie_embeddings=True,
+        attention_scale=None,
+        initializer_range=0.02,
+        dtype=None,
+        **kwargs,
+    ):
+        # === Validation ===
+        check_positive_int("vocabulary_size", vocabulary_size)
+        check_positive_int("num_layers", num_layers)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("hidden_dim", hidden_dim)
+        if hidden_dim % num_heads != 0:
+            raise ValueError(
+                f"`num_heads` must be a positive integer dividing hidden_dim={hidden_dim}; "
+                f"got num_heads={num_heads}."
+            )
+        check_positive_int("intermediate_dim", intermediate_dim)
+        check_positive_int("max_sequence_length", max_sequence_length)
+        check_rate("dropout", dropout)
+        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        check_choice("activation", activation, ACTIVATION_NAMES)
+        check_choice("norm", norm, NORMS)
+        check_choice("position", position, POSITIONS)
+        check_choice("feedforward", feedforward, FEEDFORWARDS)
+        check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
+        if num_kv_heads is not None and num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"`num_kv_heads` must divide num_heads={num_heads}; got "
+                f"num_kv_heads={num_kv_heads}."
+            )
+        _check_bool("use_bias", use_bias)
+        check_positive_float("rope_max_wavelength", rope_max_wavelength)
+        if position == "rotary" and (hidden_dim // num_heads) % 2:
+            raise ValueError(
+                "position='rotary' needs an even head size hidden_dim / num_heads; got "
+                f"hidden_dim={hidden_dim}, num_heads={num_heads} (head size "
+                f"{hidden_dim // num_heads})."
+            )
+        if feedforward == "moe":
+            if num_experts is None:
+                raise ValueError(
+                    "`num_experts` must be a positive integer when feedforward='moe'; got "
+                    "num_experts=None."
+                )
+            check_positive_int("num_experts", num_experts)
+            check_positive_int("top_k", top_k)
+            if top_k > num_experts:
+                raise ValueError(
+                    f"`top_k` must be at most num_experts={num_experts}; got top_k={top_k}."
+                )
+            if capacity_factor is not None:
+                check_positive_float("capacity_factor", capacity_factor)
+        elif num_experts is not None:
+            raise ValueError(
+                f"`num_experts` is only used with feedforward='moe'; got "
+                f"num_experts={num_experts!r} with feedforward={feedforward!r}."
+            )
+        check_choice("expert_type", expert_type, EXPERT_TYPES)
+        _check_bool("tie_embeddings", tie_embeddings)
+        if attention_scale is not None:
+            check_positive_float("attention_scale", attention_scale)
+        check_positive_float("initializer_range", initializer_range)
+        policy = _dtype_policy(dtype)
+        init = gpt_initializer(initializer_range)
+        residual_init = gpt_initializer(initializer_range / math.sqrt(2 * num_layers))
+
+        # === Layers ===
+        self.token_embedding = TokenEmbedding(
+            vocabulary_size,
+            hidden_dim,
+            tie_weights=tie_embeddings,
+            embeddings_initializer=init,
+            dtype=policy,
+            name="token_embedding",
+        )
+        self.position_embedding = None
+        if position == "learned":
+            self.position_embedding = PositionEmbedding(
+                max_sequence_length, initializer=init, dtype=policy, name="position_embedding"
+            )
+        self.embeddings_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="embeddings_dropout"
+        )
+        self.transformer_layers = [
+            GPTBlock(
+                num_heads=num_heads,
+                intermediate_dim=intermediate_dim,
+                num_kv_heads=num_kv_heads,
+                causal=True,
+                norm_first=True,
+                norm=norm,
+                layer_norm_epsilon=layer_norm_epsilon,
+                feedforward=feedforward,
+                activation=activation,
+                use_bias=use_bias,
+                dropout=dropout,
+                attention_dropout=dropout,
+                attention_scale=attention_scale,
+                rope_max_wavelength=rope_max_wavelength if position == "rotary" else None,
+                num_experts=num_experts,
+                top_k=top_k,
+                capacity_factor=capacity_factor,
+                expert_type=expert_type,
+                kernel_initializer=init,
+                output_kernel_initializer=residual_init,
+                dtype=policy,
+                name=f"transformer_layer_{i}",
+            )
+            for i in range(num_layers)
+        ]
+        if norm == "rmsnorm":
+            from kzoo.layers.norm import RMSNorm
+
+            self.final_norm = RMSNorm(epsilon=layer_norm_epsilon, dtype=policy,
+                                      name="final_norm")
+        else:
+            self.final_norm = keras.layers.LayerNormalization(
+                epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
+            )
+
+        # === Functional Model ===
+        token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
+        padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask")
+        x = self.token_embedding(token_ids)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(x)
+        x = self.embeddings_dropout(x)
+        for block in self.transformer_layers:
+            x = block(x, padding_mask=padding_mask)
+        x = self.final_norm(x)
+        super().__init__(
+            inputs={"token_ids": token_ids, "padding_mask": padding_mask},
+            outputs=x,
+            dtype=policy,
+            **kwargs,
+        )
+
+        # === Config ===
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.max_sequence_length = max_sequence_length
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.activation = activation
+        self.norm = norm
+        self.position = position
+        self.feedforward = feedforward
+        self.num_kv_heads = num_kv_heads
+        self.use_bias = use_bias
+        self.rope_max_wavelength = rope_max_wavelength
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.expert_type = expert_type
+        self.tie_embeddings = tie_embeddings
+        self.attention_scale = attention_scale
+        self.initializer_range = initializer_range
+
+    # === Cached decoding ===
+
+    @property
+    def head_dim(self):
+        return self.hidden_dim // self.num_heads
+
+    def init_cache(self, batch_size, max_length):
+        """An all-zero key/value cache `(batch, num_layers, 2, max_length, kv_heads, head_dim)`.
+
+        Example:
+        >>> cache = backbone.init_cache(2, 32)
+        """
+        shape = (
+            batch_size,
+            self.num_layers,
+            2,
+            max_length,
+            self.num_kv_heads or self.num_heads,
+            self.head_dim,
+        )
+        return ops.zeros(shape, dtype=self.compute_dtype)
+
+    def call_with_cache(
+        self, token_ids, cache, cache_index, padding_mask=None, position_offset=None,
+        training=False,
+    ):
+        """Run the decoder on `token_ids` placed at `cache_index` of a key/value cache.
+
+        Token `i` of `token_ids` sits at cache slot `cache_index + i`; its keys and values are
+        written there and it attends to every cache slot up to its own (causal) that
+        `padding_mask` allows. Use it for the prompt (prefill, `cache_index=0`) and then one
+        token at a time.
+
+        Args:
+            token_ids: int `(batch, q_len)`.
+            cache: `(batch, num_layers, 2, max_length, kv_heads, head_dim)` (see `init_cache`).
+            cache_index: int or scalar int tensor, the cache slot of the first token.
+            padding_mask: `(batch, max_length)` over the cache slots, 1 = may be attended
+                (prompt padding 0; slots not yet written may be 1: the causal mask hides
+                them). None = every slot.
+            position_offset: optional int `(batch,)`: the position of the token in slot `s`
+                of row `b` is `s - position_offset[b]` (left padding: the number of pad
+                slots in front of the row), so a left-padded row sees the same learned
+                positions as it would alone. Rotary attention depends only on relative
+                positions, which a common shift leaves unchanged.
+            training: dropout.
+
+        Returns:
+            `(hidden_states (batch, q_len, hidden_dim), updated cache)`.
+
+        Example:
+        >>> cache = backbone.init_cache(1, 16)
+        >>> h, cache = backbone.call_with_cache(np.array([[5, 6, 7]]), cache, 0)
+        >>> h, cache = backbone.call_with_cache(np.array([[8]]), cache, 3)
+        """
+        token_ids = ops.convert_to_tensor(token_ids, "int32")
+        x = self.token_embedding(token_ids)
+        if self.position_embedding is not None:
+            if position_offset is None:
+                x = x + self.position_embedding(x, start_index=cache_index)
+            else:
+                q_len = ops.shape(token_ids)[1]
+                slots = ops.arange(q_len, dtype="int32") + ops.cast(cache_index, "int32")
+                positions = slots[None, :] - ops.cast(position_offset, "int32")[:, None]
+                positions = ops.clip(positions, 0, self.max_sequence_length - 1)
+                table = ops.cast(self.position_embedding.embeddings, x.dtype)
+                x = x + ops.take(table, positions, axis=0)
+        x = self.embeddings_dropout(x, training=training)
+        new_caches = []
+        for i, block in enumerate(self.transformer_layers):
+            x, layer_cache = block(
+                x,
+                padding_mask=padding_mask,
+                cache=cache[:, i],
+                cache_index=cache_index,
+                training=training,
+            )
+            new_caches.append(layer_cache)
+        x = self.final_norm(x)
+        return x, ops.stack(new_caches, axis=1)
+
+    # === Config ===
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "vocabulary_size": self.vocabulary_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "hidden_dim": self.hidden_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "max_sequence_length": self.max_sequence_length,
+            "dropout": self.dropout,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "activation": self.activation,
+            "norm": self.norm,
+            "position": self.position,
+            "feedforward": self.feedforward,
+            "num_kv_heads": self.num_kv_heads,
+            "use_bias": self.use_bias,
+            "rope_max_wavelength": self.rope_max_wavelength,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "capacity_factor": self.capacity_factor,
+            "expert_type": self.expert_type,
+            "tie_embeddings": self.tie_embeddings,
+            "attention_scale": self.attention_scale,
+            "initializer_range": self.initializer_range,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+# === Task model ===
+
+
+def _encode(tokenizer, text):
+    encoded = tokenizer.encode(text)
+    return list(getattr(encoded, "ids", encoded))
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class GPTCausalLM(_FunctionalModel):
+    """A GPT backbone with its language-model head: next-token logits at every position.
+
+    `logits = hidden @ E^T` with `E` the token embedding matrix (tied, GPT-2), or
+    `hidden @ W` with the backbone's separate head matrix when `tie_embeddings=False`.
+    Train with `SparseCategoricalCrossentropy(from_logits=True)` on the inputs shifted by one
+    (`GPTCausalLM.lm_batch` builds `(x, y, sample_weight)`), decode with `generate`.
+
+    Args:
+        backbone: a `GPTBackbone`.
+        dtype: dtype policy (defaults to the backbone's).
+
+    Inputs: `{"token_ids", "padding_mask"}` `(batch, seq)`. Output: logits
+    `(batch, seq, vocabulary_size)`.
+
+    If the model has a `tokenizer` attribute (a `tokenizers.Tokenizer`, set by
+    `kzoo.presets.load` for Hugging Face checkpoints that ship one), `generate` also takes
+    strings.
+
+    Example:
+    >>> lm = GPTCausalLM(GPTBackbone(vocabulary_size=260, num_layers=2, num_heads=2,
+    ...                              hidden_dim=32, intermediate_dim=64,
+    ...                              max_sequence_length=64))
+    >>> lm.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> x, y, w = GPTCausalLM.lm_batch(np.random.randint(0, 256, (8, 33)))
+    >>> lm.fit(x, y, sample_weight=w, epochs=1)
+    >>> lm.generate([[72, 105], [79]], max_new_tokens=8, strategy="sample", top_p=0.9, seed=0)
+    """
+
+    family = FAMILY
+    task_name = "causal_lm"
+
+    def __init__(self, backbone, dtype=None, **kwargs):
+        if not isinstance(backbone, GPTBackbone):
+            raise ValueError(
+                "`backbone` must be a GPTBackbone; got backbone of type "
+                f"{type(backbone).__name__}."
+            )
+        policy = _dtype_policy(dtype) or backbone.dtype_policy
+        # === Functional Model ===
+        inputs = backbone.input
+        hidden = backbone(inputs)
+        logits = backbone.token_embedding(hidden, reverse=True)
+        super().__init__(inputs=inputs, outputs=logits, dtype=policy, **kwargs)
+        self.backbone = backbone
+        self._decode_fns = {}
+
+    # === Training helpers ===
+
+    @staticmethod
+    def lm_batch(token_ids, padding_mask=None):
+        """`(x, y, sample_weight)` for next-token training from `(batch, seq + 1)` ids.
+
+        `x` is the dict of the first `seq` tokens, `y` the last `seq` (the next token at every
+        position), `sample_weight` 1 where the target is a real token.
+
+        Example:
+        >>> x, y, w = GPTCausalLM.lm_batch(np.array([[1, 2, 3, 4]]))
+        """
+        token_ids = np.asarray(token_ids, dtype="int32")
+        if padding_mask is None:
+            padding_mask = np.ones_like(token_ids)
+        padding_mask = np.asarray(padding_mask).astype("int32")
+        x = {"token_ids": token_ids[:, :-1], "padding_mask": padding_mask[:, :-1]}
+        return x, token_ids[:, 1:], padding_mask[:, 1:].astype("float32")
+
+    # === Generation ===
+
+    def _decode_step(self, token_ids, cache, cache_index, padding_mask, position_offset):
+        hidden, cache = self.backbone.call_with_cache(
+            token_ids, cache, cache_index, padding_mask=padding_mask,
+            position_offset=position_offset,
+        )
+        logits = self.backbone.token_embedding(hidden[:, -1:, :], reverse=True)[:, 0, :]
+        return ops.cast(logits, "float32"), cache
+
+    def _decode_fn(self, compile):
+        """The decoding step, compiled where the backend allows (jax.jit, tf.function)."""
+        backend = keras.backend.backend()
+        if not compile or backend == "torch":
+            if backend == "torch":
+                import torch
+
+                def run(*args):
+                    with torch.no_grad():
+                        return self._decode_step(*args)
+
+                return run
+            return self._decode_step
+        if backend in self._decode_fns:
+            return self._decode_fns[backend]
+        if backend == "jax":
+            import jax
+
+            variables = list(self.variables)
+
+            @jax.jit
+            def stateless_step(values, *args):
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                    return self._decode_step(*args)
+
+            def run(*args):
+                return stateless_step([v.value for v in variables], *args)
+
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            step = tf.function(self._decode_step)
+
+            def run(token_ids, cache, cache_index, padding_mask, position_offset):
+                return step(token_ids, cache, tf.constant(cache_index, tf.int32),
+                            padding_mask, position_offset)
+
+        else:  # pragma: no cover - other backends run eagerly
+            run = self._decode_step
+        self._decode_fns[backend] = run
+        return run
+
+    def _prepare_prompts(self, prompts, padding_mask):
+        """Prompts -> (list of id lists, string flag, single flag)."""
+        tokenizer = getattr(self, "tokenizer", None)
+        if isinstance(prompts, str):
+            prompts, strings, single = [prompts], True, True
+        elif isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(p, str) for p in prompts
+        ):
+            strings, single = True, False
+        else:
+            strings, single = False, False
+        if strings:
+            if tokenizer is None:
+                raise ValueError(
+                    "`generate` got text prompts but the model has no `tokenizer` attribute; "
+                    "pass token ids or set `model.tokenizer` (a tokenizers.Tokenizer)."
+                )
+            return [_encode(tokenizer, p) for p in prompts], True, single
+        if isinstance(prompts, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) for p in prompts
+        ):
+            if padding_mask is not None:
+                raise ValueError(
+                    "`padding_mask` is only used with an array of prompts; lists of token "
+                    "id lists carry their own lengths."
+                )
+            rows = [[int(t) for t in p] for p in prompts]
+        else:
+            ids = np.asarray(keras.ops.convert_to_numpy(prompts))
+            if ids.ndim == 1:
+                ids = ids[None, :]
+            if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(
+                    "`prompts` must be a string, a list of strings, a list of token id lists "
+                    f"or an integer array (batch, seq); got an array of shape {ids.shape} and "
+                    f"dtype {ids.dtype}."
+                )
+            mask = (np.ones_like(ids, dtype=bool) if padding_mask is None
+                    else np.asarray(keras.ops.convert_to_numpy(padding_mask)).astype(bool))
+            if mask.shape != ids.shape:
+                raise ValueError(
+                    f"`padding_mask` must have the shape of the prompts {ids.shape}; got "
+                    f"{mask.shape}."
+                )
+            rows = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+        if not rows:
+            raise ValueError("`prompts` is empty: give at least one prompt.")
+        for i, row in enumerate(rows):
+            if not row:
+                raise ValueError(
+                    f"Prompt {i} is empty: every prompt needs at least one token (e.g. a "
+                    "beginning-of-text token)."
+                )
+        return rows, False, single
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens=20,
+        strategy="greedy",
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        stop_token_ids=None,
+        seed=None,
+        padding_mask=None,
+        compile=True,
+    ):
+        """Continue each prompt with up to `max_new_tokens` tokens on a key/value cache.
+
+        The prompts are left-padded to a common length (a multiple of 8) and run through the
+        model in one pass (prefill), then one token is decoded per step for the whole batch. Each row
+        keeps its own positions (a left-padded row sees positions 0, 1, ... as it would
+        alone) and never attends to padding, so a prompt continues the same way alone or in
+        a batch. The step function is compiled with `jax.jit` / `tf.function` (torch runs
+        eagerly under `no_grad`). A row stops after producing one of `stop_token_ids`; the
+        loop ends when every row has stopped.
+
+        Args:
+            prompts: a list of token id lists (any lengths); an int array `(batch, seq)`
+                (with `padding_mask`, 1 = real token, padding on either side); or, when the
+                model has a `tokenizer`, a string or a list of strings.
+            max_new_tokens: the most tokens to add to each prompt.
+            strategy: "greedy" or "sample" (see `kzoo.models.sampling.select_next_token`).
+            temperature, top_k, top_p: sampling controls.
+            stop_token_ids: None, an int or a list of ints ending a row.
+            seed: int, `keras.random.SeedGenerator` or None (sampling only).
+            padding_mask: with an array of prompts, which entries are real tokens.
+            compile: compile the step function (True) or run it eagerly.
+
+        Returns:
+            For token ids: a list (one per prompt) of the new token ids, ending with the stop
+            token if one was produced. For strings: the decoded prompt + continuation (a
+            string for a single string prompt, else a list of strings).
+
+        Example:
+        >>> lm.generate([[464, 2068], [464]], max_new_tokens=10, stop_token_ids=[50256])
+        >>> lm.generate("The quick brown", max_new_tokens=10, strategy="sample", top_p=0.9)
+        """
+        check_positive_int("max_new_tokens", max_new_tokens)
+        sampling._check_sampling_args(strategy, temperature, top_k, top_p)
+        rows, strings, single = self._prepare_prompts(prompts, padding_mask)
+        backbone = self.backbone
+        batch = len(rows)
+        lengths = np.array([len(r) for r in rows])
+        prompt_len = int(lengths.max())
+        if prompt_len + max_new_tokens > backbone.max_sequence_length:
+            raise ValueError(
+                f"The longest prompt ({prompt_len} tokens) plus max_new_tokens="
+                f"{max_new_tokens} exceeds max_sequence_length="
+                f"{backbone.max_sequence_length} of the model."
+            )
+        # Left padding up to a multiple of 8: prompts of similar lengths share one compiled
+        # step (the pads never count as positions, see `position_offset`).
+        prompt_len = -(-prompt_len // 8) * 8
+        total = prompt_len + max_new_tokens
+        ids = np.zeros((batch, prompt_len), "int32")
+        mask = np.ones((batch, total), "int32")
+        offset = (prompt_len - lengths).astype("int32")
+        for b, row in enumerate(rows):
+            ids[b, offset[b]:] = row
+            mask[b, : offset[b]] = 0
+        step = self._decode_fn(compile)
+        if strategy == "sample":
+            if isinstance(seed, keras.random.SeedGenerator):
+                generator = seed
+            else:
+                generator = keras.random.SeedGenerator(seed)
+        else:
+            generator = None
+
+        cache = backbone.init_cache(batch, total)
+        mask_t = ops.convert_to_tensor(mask)
+        offset_t = ops.convert_to_tensor(offset)
+        logits, cache = step(ops.convert_to_tensor(ids), cache, 0, mask_t, offset_t)
+        generated = np.zeros((batch, max_new_tokens), "int32")
+        finished = np.zeros((batch,), bool)
+        done_at = np.full((batch,), max_new_tokens)
+        stops = () if stop_token_ids is None else (
+            (stop_token_ids,) if isinstance(stop_token_ids, int) else tuple(stop_token_ids)
+        )
+        for t in range(max_new_tokens):
+            next_ids = sampling.select_next_token(
+                logits, strategy=strategy, temperature=temperature, top_k=top_k,
+                top_p=top_p, seed=generator,
+            )
+            next_np = np.asarray(ops.convert_to_numpy(next_ids)).astype("int32")
+            next_np = np.where(finished, 0, next_np)
+            generated[:, t] = next_np
+            newly = ~finished & np.isin(next_np, stops)
+            done_at[newly] = t + 1
+            finished |= newly
+            if finished.all() or t == max_new_tokens - 1:
+                break
+            logits, cache = step(
+                ops.convert_to_tensor(next_np[:, None]), cache, prompt_len + t, mask_t,
+                offset_t,
+            )
+        outputs = [generated[b, : done_at[b]].tolist() for b in range(batch)]
+        if not strings:
+            return outputs
+        tokenizer = self.tokenizer
+        texts = [tokenizer.decode(rows[b] + outputs[b]) for b in range(batch)]
+        return texts[0] if single else texts
+
+    # === Config ===
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "backbone": keras.layers.serialize(self.backbone),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["backbone"] = keras.layers.deserialize(config["backbone"])
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+BACKBONE = GPTBackbone
+TASKS = {"backbone": None, "causal_lm": GPTCausalLM}
+DEFAULT_TASK = "causal_lm"
+
+__all__ = [
+    "FAMILY",
+    "BACKBONE",
+    "TASKS",
+    "DEFAULT_TASK",
+    "GPTBlock",
+    "GPTBackbone",
+    "GPTCausalLM",
+    "gpt_initializer",
+]

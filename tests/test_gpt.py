@@ -1,0 +1,764 @@
+"""GPT family: backbone and causal LM against a NumPy reference, decoding, saving, training."""
+
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo
+import kzoo.presets
+from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+from tests.helpers import to_numpy
+
+VOCAB = 61
+
+CONFIGS = {
+    "gpt2": dict(),
+    "modern": dict(
+        norm="rmsnorm", position="rotary", feedforward="gated", activation="silu",
+        num_kv_heads=2, use_bias=False, tie_embeddings=False,
+    ),
+    "moe": dict(
+        norm="rmsnorm", position="rotary", feedforward="moe", activation="silu",
+        num_kv_heads=1, use_bias=False, num_experts=4, top_k=2, tie_embeddings=False,
+    ),
+}
+
+
+def tiny_backbone(kind="gpt2", **overrides):
+    config = dict(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=4, hidden_dim=32,
+        intermediate_dim=48, max_sequence_length=24, dropout=0.0,
+    )
+    config.update(CONFIGS[kind])
+    config.update(overrides)
+    return GPTBackbone(**config)
+
+
+def tiny_lm(kind="gpt2", **overrides):
+    return GPTCausalLM(tiny_backbone(kind, **overrides))
+
+
+_MODELS = {}
+
+
+def shared_lm(kind):
+    """One tiny LM per kind for the read-only tests (weights large enough that greedy
+    decoding does not just repeat the prompt)."""
+    if kind not in _MODELS:
+        _MODELS[kind] = tiny_lm(kind, initializer_range=0.3)
+    return _MODELS[kind]
+
+
+def _inputs(ids, mask=None):
+    ids = np.asarray(ids, "int32")
+    mask = np.ones_like(ids) if mask is None else np.asarray(mask, "int32")
+    return {"token_ids": ids, "padding_mask": mask}
+
+
+def _forward(model, x):
+    """The model's output for `x`. On JAX a compiled predict step (op-by-op eager dispatch
+    compiles every op for every new shape and dominates the test time); elsewhere a call."""
+    if keras.backend.backend() == "jax":
+        return model.predict_on_batch(x)
+    return model(x)
+
+
+def _ids(batch, seq, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, seq)).astype("int32")
+
+
+# === NumPy reference ===
+
+
+def _np(v):
+    return np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
+
+
+def _layer_norm(x, layer):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + layer.epsilon) * _np(layer.gamma) + _np(layer.beta)
+
+
+def _rms_norm(x, layer):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + layer.epsilon) * _np(layer.scale)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _dense(x, layer):
+    y = x @ _np(layer.kernel)
+    if layer.use_bias:
+        y = y + _np(layer.bias)
+    return y
+
+
+def _rope(x, base):
+    # x (b, t, h, d): rotate-half pairing (i, i + d/2), positions 0..t-1.
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2) / d)
+    ang = np.arange(x.shape[1])[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def numpy_gpt(backbone, ids, mask):
+    """An independent NumPy implementation of the GPT forward pass (float64)."""
+    cfg = backbone.get_config()
+    act = {"gelu_tanh": _gelu_tanh, "silu": _silu}[cfg["activation"]]
+    norm = _rms_norm if cfg["norm"] == "rmsnorm" else _layer_norm
+    b, t = ids.shape
+    h, d = cfg["num_heads"], cfg["hidden_dim"] // cfg["num_heads"]
+    kvh = cfg["num_kv_heads"] or h
+    x = _np(backbone.token_embedding.embeddings)[ids]
+    if cfg["position"] == "learned":
+        x = x + _np(backbone.position_embedding.embeddings)[:t][None]
+    allowed = np.tril(np.ones((t, t), bool))[None, None] & mask.astype(bool)[:, None, None, :]
+    for block in backbone.transformer_layers:
+        attn = block.self_attention
+        y = norm(x, block.self_attention_norm)
+        q = _dense(y, attn.query_dense).reshape(b, t, h, d)
+        k = _dense(y, attn.key_dense).reshape(b, t, kvh, d)
+        v = _dense(y, attn.value_dense).reshape(b, t, kvh, d)
+        if cfg["position"] == "rotary":
+            q, k = _rope(q, cfg["rope_max_wavelength"]), _rope(k, cfg["rope_max_wavelength"])
+        k = np.repeat(k, h // kvh, axis=2)  # query head i uses kv head i // (h / kvh)
+        v = np.repeat(v, h // kvh, axis=2)
+        s = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+        s = np.where(allowed, s, -1e30)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p = p / p.sum(-1, keepdims=True)
+        o = np.einsum("bhts,bshd->bthd", p, v).reshape(b, t, h * d)
+        x = x + _dense(o, attn.output_dense)
+        y = norm(x, block.feedforward_norm)
+        ff = block.feedforward_layer
+        if cfg["feedforward"] == "plain":
+            f = _dense(act(_dense(y, ff.intermediate_dense)), ff.output_dense)
+        elif cfg["feedforward"] == "gated":
+            f = _dense(act(_dense(y, ff.gate_dense)) * _dense(y, ff.up_dense), ff.output_dense)
+        else:
+            logits = y @ _np(ff.router.kernel)
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            top = np.argsort(-probs, -1)[..., : cfg["top_k"]]
+            f = np.zeros_like(y)
+            gk, uk, ok = _np(ff.gate_kernel), _np(ff.up_kernel), _np(ff.output_kernel)
+            for bi in range(b):
+                for ti in range(t):
+                    w = probs[bi, ti, top[bi, ti]]
+                    w = w / w.sum()
+                    for e, we in zip(top[bi, ti], w):
+                        hid = act(y[bi, ti] @ gk[e]) * (y[bi, ti] @ uk[e])
+                        f[bi, ti] += we * (hid @ ok[e])
+        x = x + f
+    x = norm(x, backbone.final_norm)
+    emb = backbone.token_embedding
+    head = _np(emb.embeddings).T if cfg["tie_embeddings"] else _np(emb.reverse_embeddings)
+    return x, x @ head
+
+
+# === Forward ===
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_forward_matches_numpy_reference(kind):
+    lm = tiny_lm(kind)
+    ids = _ids(2, 7)
+    mask = np.array([[1] * 7, [1] * 4 + [0] * 3])
+    hidden = _forward(lm.backbone, _inputs(ids, mask))
+    logits = _forward(lm, _inputs(ids, mask))
+    assert tuple(hidden.shape) == (2, 7, 32) and tuple(logits.shape) == (2, 7, VOCAB)
+    assert keras.backend.standardize_dtype(hidden.dtype) == "float32"
+    assert keras.backend.standardize_dtype(logits.dtype) == "float32"
+    ref_hidden, ref_logits = numpy_gpt(lm.backbone, ids, mask)
+    real = mask.astype(bool)
+    err_h = np.abs(to_numpy(hidden)[real] - ref_hidden[real]).max()
+    err_l = np.abs(to_numpy(logits)[real] - ref_logits[real]).max()
+    print(f"{kind}: max |diff| hidden {err_h:.2e}, logits {err_l:.2e}")
+    assert err_h < 1e-4 and err_l < 1e-4
+
+
+def test_mixed_precision_dtypes():
+    lm = tiny_lm("modern", dtype="mixed_bfloat16")
+    for layer in lm.backbone._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        assert layer.dtype_policy.name == "mixed_bfloat16", layer.name
+    logits = _forward(lm, _inputs(_ids(2, 5)))
+    assert keras.backend.standardize_dtype(logits.dtype) == "bfloat16"
+    assert lm.backbone.token_embedding.embeddings.dtype == "float32"
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_padding_invariance_and_causality(kind):
+    lm = shared_lm(kind)
+    ids = _ids(1, 9)[0]
+    padded = ids.copy()
+    padded[5:] = _ids(1, 4, seed=3)[0]  # arbitrary ids behind the padding
+    future = ids.copy()
+    future[6:] = (future[6:] + 7) % VOCAB  # different future tokens
+    mask = np.ones((3, 9), "int32")
+    mask[1, 5:] = 0
+    out = to_numpy(_forward(lm, _inputs(np.stack([ids, padded, future]), mask)))
+    # padding never changes the outputs at real positions
+    np.testing.assert_allclose(out[1, :5], out[0, :5], atol=2e-5)
+    # future tokens never change earlier logits (and do change later ones)
+    np.testing.assert_allclose(out[2, :6], out[0, :6], atol=2e-5)
+    assert np.abs(out[2, 6:] - out[0, 6:]).max() > 1e-3
+    # the same sequence alone (no batch neighbours, no padding) gives the same logits
+    alone = to_numpy(_forward(lm, _inputs(ids[None, :5])))
+    np.testing.assert_allclose(alone[0], out[0, :5], atol=2e-5)
+
+
+def test_gpt2_initialisation():
+    backbone = GPTBackbone(vocabulary_size=512, num_layers=8, num_heads=4, hidden_dim=256,
+                           intermediate_dim=1024, max_sequence_length=128)
+    std = lambda v: float(np.std(to_numpy(v)))  # noqa: E731
+    residual = 0.02 / math.sqrt(2 * 8)
+    assert abs(std(backbone.token_embedding.embeddings) - 0.02) < 0.002
+    assert abs(std(backbone.position_embedding.embeddings) - 0.02) < 0.002
+    block = backbone.transformer_layers[3]
+    assert abs(std(block.self_attention.query_dense.kernel) - 0.02) < 0.002
+    assert abs(std(block.feedforward_layer.intermediate_dense.kernel) - 0.02) < 0.002
+    assert abs(std(block.self_attention.output_dense.kernel) - residual) < 0.1 * residual
+    assert abs(std(block.feedforward_layer.output_dense.kernel) - residual) < 0.1 * residual
+    np.testing.assert_array_equal(to_numpy(block.self_attention.query_dense.bias), 0.0)
+    np.testing.assert_array_equal(to_numpy(block.self_attention_norm.gamma), 1.0)
+
+
+def test_moe_initialisation():
+    backbone = tiny_backbone("moe", hidden_dim=128, intermediate_dim=256)
+    ff = backbone.transformer_layers[0].feedforward_layer
+    residual = 0.02 / math.sqrt(2 * 2)
+    assert abs(np.std(to_numpy(ff.gate_kernel)) - 0.02) < 0.002
+    assert abs(np.std(to_numpy(ff.router.kernel)) - 0.02) < 0.004
+    assert abs(np.std(to_numpy(ff.output_kernel)) - residual) < 0.1 * residual
+
+
+# === Cached decoding and generation ===
+
+
+def test_call_with_cache_equals_full_recompute():
+    backbone = shared_lm("modern").backbone
+    ids = _ids(2, 8, seed=4)
+    full = to_numpy(_forward(backbone, _inputs(ids)))
+    cache = backbone.init_cache(2, 12)
+    assert tuple(cache.shape) == (2, 2, 2, 12, 2, 8)
+    h0, cache = backbone.call_with_cache(ids[:, :5], cache, 0)
+    steps = [to_numpy(h0)]
+    for i in range(5, 8):
+        h, cache = backbone.call_with_cache(ids[:, i:i + 1], cache, i)
+        steps.append(to_numpy(h))
+    np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_compiled_decode_step_equals_full_recompute(kind):
+    """The (compiled) prefill + one-token steps that `generate` runs give the logits of a
+    full forward pass over the whole sequence, also with a left-padded row."""
+    lm = shared_lm(kind)
+    ids = _ids(2, 8, seed=4)
+    full = to_numpy(_forward(lm, _inputs(ids)))
+    # Row 1 holds the last 6 tokens of its sequence, left-padded by 2 slots.
+    row1 = ids[1, :6]
+    full1 = to_numpy(_forward(lm, _inputs(row1[None])))
+    prompt = np.stack([ids[0, :5], np.concatenate([[0, 0], row1[:3]])]).astype("int32")
+    mask = np.ones((2, 8), "int32")
+    mask[1, :2] = 0
+    offset = np.array([0, 2], "int32")
+    step = lm._decode_fn(compile=True)
+    cache = lm.backbone.init_cache(2, 8)
+    logits, cache = step(prompt, cache, 0, mask, offset)
+    got0, got1 = [to_numpy(logits)[0]], [to_numpy(logits)[1]]
+    for i in range(5, 8):
+        tokens = np.array([[ids[0, i]], [row1[i - 2] if i - 2 < 6 else 0]], "int32")
+        logits, cache = step(tokens, cache, i, mask, offset)
+        got0.append(to_numpy(logits)[0])
+        got1.append(to_numpy(logits)[1])
+    np.testing.assert_allclose(np.stack(got0), full[0, 4:8], atol=2e-5)
+    np.testing.assert_allclose(np.stack(got1), full1[0, 2:6], atol=2e-5)
+
+
+def _greedy_by_recompute(lm, prompt, steps, width=16):
+    """Greedy decoding by running the whole sequence again at every step (no cache), at a
+    fixed right-padded width so that one compiled predict function serves every step."""
+    seq = list(prompt)
+    for _ in range(steps):
+        ids = np.zeros((1, width), "int32")
+        mask = np.zeros((1, width), "int32")
+        ids[0, : len(seq)], mask[0, : len(seq)] = seq, 1
+        logits = lm.predict_on_batch(_inputs(ids, mask))
+        seq.append(int(to_numpy(logits)[0, len(seq) - 1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_generate_greedy_equals_recompute_and_batch_equals_alone(kind):
+    lm = shared_lm(kind)
+    prompts = [[5, 6, 7, 8, 9, 10], [3], [11, 12, 13]]
+    batch = lm.generate(prompts, max_new_tokens=6)
+    assert [len(o) for o in batch] == [6, 6, 6]
+    assert len({tuple(o) for o in batch}) > 1  # not a degenerate model
+    for prompt, out in zip(prompts, batch):
+        assert out == _greedy_by_recompute(lm, prompt, 6)
+        assert lm.generate([prompt], max_new_tokens=6) == [out]
+
+
+def test_generate_eager_equals_compiled():
+    lm = shared_lm("gpt2")
+    prompts = [[5, 6, 7, 8, 9, 10], [3]]
+    assert lm.generate(prompts, max_new_tokens=2, compile=False) == lm.generate(
+        prompts, max_new_tokens=2
+    )
+
+
+def test_generate_array_prompts_with_padding_mask():
+    lm = shared_lm("gpt2")
+    prompts = [[5, 6, 7, 8], [3, 4]]
+    expected = lm.generate(prompts, max_new_tokens=4)
+    right = np.array([[5, 6, 7, 8], [3, 4, 0, 0]])
+    left = np.array([[5, 6, 7, 8], [0, 0, 3, 4]])
+    assert lm.generate(right, padding_mask=right > 0, max_new_tokens=4) == expected
+    assert lm.generate(left, padding_mask=left > 0, max_new_tokens=4) == expected
+
+
+def test_generate_stop_tokens():
+    lm = shared_lm("gpt2")
+    prompts = [[5, 6, 7], [9, 2]]
+    free = lm.generate(prompts, max_new_tokens=8)
+    stop = free[0][2]
+    first = free[0].index(stop)
+    stopped = lm.generate(prompts, max_new_tokens=8, stop_token_ids=[stop])
+    assert stopped[0] == free[0][: first + 1]
+    other = free[1][: free[1].index(stop) + 1] if stop in free[1] else free[1]
+    assert stopped[1] == other
+
+
+def test_generate_sampling():
+    lm = shared_lm("modern")
+    prompts = [[5, 6, 7], [9]]
+    greedy = lm.generate(prompts, max_new_tokens=8)
+    assert lm.generate(prompts, max_new_tokens=8, strategy="sample", top_k=1, seed=3) == greedy
+    a = lm.generate(prompts, max_new_tokens=8, strategy="sample", temperature=2.0, seed=7)
+    b = lm.generate(prompts, max_new_tokens=8, strategy="sample", temperature=2.0, seed=7)
+    assert a == b
+    c = lm.generate(prompts, max_new_tokens=8, strategy="sample", temperature=2.0, seed=8)
+    assert a != c
+    # top-p sampled first tokens always lie in the nucleus of the model's own distribution
+    logits = to_numpy(_forward(lm, _inputs([[5, 6, 7]])))[0, -1].astype(np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(probs[order]), 0.5) + 1)].tolist())
+    firsts = set()
+    for seed in range(3):
+        out = lm.generate([[5, 6, 7]] * 4, max_new_tokens=1, strategy="sample", top_p=0.5,
+                          seed=seed)
+        firsts |= {row[0] for row in out}
+    assert firsts <= nucleus
+
+
+def test_generate_with_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(VOCAB)]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins tokens with spaces
+    lm = shared_lm("gpt2")
+    lm.tokenizer = tok
+    try:
+        ids = lm.generate([[3, 4]], max_new_tokens=3)[0]
+        text = lm.generate("w3 w4", max_new_tokens=3)
+        assert text == " ".join(words[i] for i in [3, 4] + ids)
+        texts = lm.generate(["w3 w4", "w7"], max_new_tokens=3)
+        assert texts[0] == text and texts[1].startswith("w7")
+    finally:
+        lm.tokenizer = None
+
+
+def test_generate_errors():
+    lm = shared_lm("gpt2")
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        lm.generate([[1] * 20], max_new_tokens=10)
+    with pytest.raises(ValueError, match="empty"):
+        lm.generate([[1, 2], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="tokenizer"):
+        lm.generate("hello", max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        lm.generate([[1]], strategy="sample", top_p=2.0)
+
+
+# === Saving ===
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "modern"])
+def test_keras_file_round_trip(kind, tmp_path):
+    lm = shared_lm(kind)
+    x = _inputs(_ids(2, 6))
+    path = os.path.join(tmp_path, "lm.keras")
+    lm.save(path)
+    restored = keras.saving.load_model(path)
+    assert isinstance(restored, GPTCausalLM)
+    assert restored.backbone.get_config() == lm.backbone.get_config()
+    np.testing.assert_allclose(
+        to_numpy(_forward(restored, x)), to_numpy(_forward(lm, x)), atol=1e-6
+    )
+    backbone_path = os.path.join(tmp_path, "backbone.keras")
+    lm.backbone.save(backbone_path)
+    bb = keras.saving.load_model(backbone_path)
+    np.testing.assert_allclose(
+        to_numpy(_forward(bb, x)), to_numpy(_forward(lm.backbone, x)), atol=1e-6
+    )
+
+
+def test_config_round_trip():
+    backbone = tiny_backbone("modern")
+    config = backbone.get_config()
+    clone = GPTBackbone.from_config(config)
+    assert clone.get_config() == config
+    lm = GPTCausalLM(backbone)
+    again = GPTCausalLM.from_config(lm.get_config())
+    assert again.backbone.get_config() == config
+
+
+def test_presets_directory_round_trip(tmp_path):
+    lm = kzoo.presets.load("gpt_moe_mini", num_layers=1, max_sequence_length=32)
+    x = _inputs(_ids(2, 6))
+    kzoo.presets.save(lm, tmp_path)
+    restored = kzoo.presets.load(tmp_path)
+    assert isinstance(restored, GPTCausalLM)
+    np.testing.assert_allclose(
+        to_numpy(_forward(restored, x)), to_numpy(_forward(lm, x)), atol=1e-6
+    )
+    backbone = kzoo.presets.load(tmp_path, task="backbone")
+    np.testing.assert_allclose(
+        to_numpy(_forward(backbone, x)), to_numpy(_forward(lm.backbone, x)), atol=1e-6
+    )
+
+
+# === Training ===
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_fit_lowers_loss(kind):
+    lm = tiny_lm(kind)
+    rng = np.random.default_rng(0)
+    data = np.tile(rng.integers(0, VOCAB, (1, 9)), (8, 1)).astype("int32")
+    mask = np.ones_like(data)
+    mask[4:, 7:] = 0
+    x, y, w = GPTCausalLM.lm_batch(data, mask)
+    assert x["token_ids"].shape == (8, 8) and y.shape == (8, 8)
+    lm.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile="auto",
+    )
+    before = lm.evaluate(x, y, sample_weight=w, verbose=0, return_dict=True)["loss"]
+    lm.fit(x, y, sample_weight=w, epochs=8, batch_size=8, verbose=0)
+    after = lm.evaluate(x, y, sample_weight=w, verbose=0, return_dict=True)["loss"]
+    print(f"{kind}: loss {before:.3f} -> {after:.3f}")
+    assert after < before - 0.5
+
+
+# === Validation ===
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_heads=5), "num_heads"),
+        (dict(vocabulary_size=0), "vocabulary_size"),
+        (dict(norm="batchnorm"), "norm"),
+        (dict(position="alibi"), "position"),
+        (dict(feedforward="dense"), "feedforward"),
+        (dict(activation="gelu_fast"), "activation"),
+        (dict(num_kv_heads=3), "num_kv_heads"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(feedforward="moe"), "num_experts"),
+        (dict(feedforward="moe", num_experts=2, top_k=3), "top_k"),
+        (dict(num_experts=4), "num_experts"),
+        (dict(tie_embeddings="yes"), "tie_embeddings"),
+        (dict(position="rotary", num_heads=8, hidden_dim=24), "rotary"),
+        (dict(layer_norm_epsilon=-1.0), "layer_norm_epsilon"),
+    ],
+)
+def test_config_validation(overrides, field):
+    config = dict(vocabulary_size=VOCAB, num_layers=1, num_heads=4, hidden_dim=32,
+                  intermediate_dim=48, max_sequence_length=16)
+    config.update(overrides)
+    with pytest.raises(ValueError, match=field):
+        GPTBackbone(**config)
+
+
+def test_task_rejects_other_backbones():
+    with pytest.raises(ValueError, match="GPTBackbone"):
+        GPTCausalLM(keras.Sequential([keras.layers.Dense(2)]))
+
+
+# === Presets ===
+
+SMALL = ["gpt_mini", "gpt_modern_mini", "gpt_moe_mini"]
+LARGE = ["gpt2", "gpt2_medium", "gpt2_large", "gpt2_xl"]
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_small_preset_param_counts(name):
+    info = kzoo.presets.info(name)
+    assert info["family"] == "gpt" and info["task"] == "causal_lm"
+    model = kzoo.presets.load(name)
+    assert isinstance(model, GPTCausalLM)
+    assert model.count_params() == info["params"]
+
+
+def test_gpt2_param_count_formula():
+    """GPT-2's count from the architecture (V d + P d + L (12 d^2 + 13 d) + 2 d) equals the
+    JSON figures; the published sizes are within 1%."""
+    for name in LARGE:
+        info = kzoo.presets.info(name)
+        c = info["config"]
+        v, p, d, n = (c["vocabulary_size"], c["max_sequence_length"], c["hidden_dim"],
+                      c["num_layers"])
+        assert c["intermediate_dim"] == 4 * d
+        assert info["params"] == v * d + p * d + n * (12 * d * d + 13 * d) + 2 * d
+        assert abs(info["params"] - info["published_params"]) / info["published_params"] < 0.01
+    assert kzoo.presets.info("gpt2")["params"] == 124439808
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LARGE)
+def test_large_preset_param_counts(name):
+    model = kzoo.presets.load(name)
+    assert model.count_params() == kzoo.presets.info(name)["params"]
+
+
+# === Hugging Face GPT-2 conversion ===
+
+
+def _hf_gpt2(path, lm_head=True, **overrides):
+    """A tiny randomly initialised transformers GPT-2, saved to `path` (safetensors)."""
+    import torch
+    import transformers
+
+    config = dict(
+        vocab_size=97, n_positions=40, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1, bos_token_id=96,
+        eos_token_id=96,
+    )
+    config.update(overrides)
+    torch.manual_seed(0)
+    cls = transformers.GPT2LMHeadModel if lm_head else transformers.GPT2Model
+    # The eager attention is transformers' reference path: its SDPA path ignores
+    # scale_attn_weights=False (4.57).
+    model = cls(transformers.GPT2Config(**config, attn_implementation="eager")).eval()
+    with torch.no_grad():  # non-trivial layer norms and biases (HF starts them at 1 and 0)
+        for name, param in model.named_parameters():
+            if ".ln_" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _hf_forward(hf, ids, mask):
+    import torch
+
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(ids, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long))
+    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+
+
+def _right_padded(lengths=(10, 7, 4), width=10, vocab=97, seed=0):
+    ids = np.random.default_rng(seed).integers(1, vocab, (len(lengths), width)).astype("int32")
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+        ids[row, n:] = 0
+    return ids, mask
+
+
+HF_VARIANTS = {
+    "default": dict(),
+    "gelu_untied_unscaled": dict(activation_function="gelu", n_inner=48,
+                                 scale_attn_weights=False, tie_word_embeddings=False),
+    "relu_eps": dict(activation_function="relu", layer_norm_epsilon=1e-3, n_head=2),
+}
+
+
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_hf_gpt2_parity(variant, tmp_path):
+    hf = _hf_gpt2(tmp_path, **HF_VARIANTS[variant])
+    model = kzoo.presets.load(tmp_path)
+    assert isinstance(model, GPTCausalLM)
+    ids, mask = _right_padded()
+    ours = to_numpy(_forward(model, _inputs(ids, mask)))
+    ref = _hf_forward(hf, ids, mask)
+    real = mask.astype(bool)
+    diff = np.abs(ours[real] - ref[real]).max()
+    print(f"GPT-2 {variant} vs transformers: max |diff| logits {diff:.2e} "
+          f"(logit scale {np.abs(ref[real]).max():.2f})")
+    assert diff <= 1e-5
+
+
+def test_hf_gpt2_backbone_parity(tmp_path):
+    hf = _hf_gpt2(tmp_path, lm_head=False)
+    model = kzoo.presets.load(tmp_path)
+    assert isinstance(model, GPTBackbone)
+    ids, mask = _right_padded()
+    ours = to_numpy(_forward(model, _inputs(ids, mask)))
+    ref = _hf_forward(hf, ids, mask)
+    real = mask.astype(bool)
+    diff = np.abs(ours[real] - ref[real]).max()
+    print(f"GPT2Model vs transformers: max |diff| hidden {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_hf_gpt2_greedy_generation(tmp_path):
+    import torch
+
+    hf = _hf_gpt2(tmp_path, initializer_range=0.3)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
+    alone = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                              dtype=torch.long), do_sample=False, max_new_tokens=20,
+                              pad_token_id=0)
+        alone.append(out[0, len(prompt):].tolist())
+    # one prompt at a time, then all three in one left-padded batch (eos 96 ends a row)
+    for prompt, expected in zip(prompts, alone):
+        assert model.generate([prompt], max_new_tokens=20, stop_token_ids=[96]) == [expected]
+    ours = model.generate(prompts, max_new_tokens=20, stop_token_ids=[96])
+    assert ours == alone
+    assert len({tuple(o) for o in ours}) == 3
+    # transformers' own left-padded batch (attention_mask + derived position ids)
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    with torch.no_grad():
+        batch = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                            pad_token_id=0)
+    for row, expected in enumerate(ours):
+        new = batch[row, width:].tolist()
+        assert new[: len(expected)] == expected
+
+
+def test_hf_gpt2_export_round_trip(tmp_path):
+    import safetensors.numpy
+    import transformers
+
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    hf = _hf_gpt2(src)
+    model = kzoo.presets.load(src)
+    kzoo.presets.save(model, out, format="hf")
+    a = safetensors.numpy.load_file(os.path.join(src, "model.safetensors"))
+    b = safetensors.numpy.load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    again = transformers.GPT2LMHeadModel.from_pretrained(out, attn_implementation="eager").eval()
+    ids, mask = _right_padded()
+    real = mask.astype(bool)
+    ref = _hf_forward(hf, ids, mask)
+    np.testing.assert_array_equal(_hf_forward(again, ids, mask)[real], ref[real])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_kzoo_model_exports_to_transformers(tie, tmp_path):
+    import transformers
+
+    lm = tiny_lm("gpt2", tie_embeddings=tie, initializer_range=0.1)
+    kzoo.presets.save(lm, tmp_path, format="hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    ids, mask = _right_padded(vocab=VOCAB, lengths=(10, 6), width=10)
+    real = mask.astype(bool)
+    ours = to_numpy(_forward(lm, _inputs(ids, mask)))
+    diff = np.abs(_hf_forward(hf, ids, mask)[real] - ours[real]).max()
+    print(f"kzoo -> transformers (tie={tie}): max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+    backbone_dir = os.path.join(tmp_path, "backbone")
+    kzoo.presets.save(lm.backbone, backbone_dir, format="hf")
+    hf_base = transformers.GPT2Model.from_pretrained(backbone_dir).eval()
+    hidden = to_numpy(_forward(lm.backbone, _inputs(ids, mask)))
+    assert np.abs(_hf_forward(hf_base, ids, mask)[real] - hidden[real]).max() <= 1e-5
+
+
+def test_hf_checkpoint_with_tokenizer(tmp_path):
+    import tokenizers
+
+    _hf_gpt2(tmp_path)
+    words = [f"w{i}" for i in range(97)]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    tok.save(os.path.join(tmp_path, "tokenizer.json"))
+    model = kzoo.presets.load(tmp_path)
+    ids = model.generate([[5, 6]], max_new_tokens=4, stop_token_ids=[96])[0]
+    assert model.generate("w5 w6", max_new_tokens=4, stop_token_ids=[96]) == " ".join(
+        words[i] for i in [5, 6] + ids
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("scale_attn_by_inverse_layer_idx", True),
+        ("reorder_and_upcast_attn", True),
+        ("add_cross_attention", True),
+        ("activation_function", "gelu_10"),
+        ("architectures", ["GPT2ForSequenceClassification"]),
+    ],
+)
+def test_hf_config_errors(field, value):
+    from kzoo.convert import gpt as convert_gpt
+
+    with pytest.raises(ValueError, match=field if field != "architectures" else "architecture"):
+        convert_gpt.config_from_hf({"model_type": "gpt2", field: value})
+
+
+def test_hf_weight_errors(tmp_path):
+    import json
+
+    import safetensors.numpy
+
+    _hf_gpt2(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors.numpy.load_file(path)
+    missing = dict(state)
+    del missing["transformer.h.1.mlp.c_fc.bias"]
+    missing["transformer.h.0.extra.weight"] = np.zeros(3, "float32")
+    safetensors.numpy.save_file(missing, path)
+    with pytest.raises(ValueError) as err:
+        kzoo.presets.load(tmp_path)
+    assert "transformer.h.1.mlp.c_fc.bias" in str(err.value)
+    assert "transformer.h.0.extra.weight" in str(err.value)
+    safetensors.numpy.save_file(state, path)
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        config = json.load(f)
+    config["n_positions"] = 50
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"\(40, 32\).*\(50, 32\)"):
+        kzoo.presets.load(tmp_path)
+
+
+def test_to_hf_rejects_modern_configs(tmp_path):
+    with pytest.raises(ValueError, match="position='rotary'"):
+        kzoo.presets.save(shared_lm("modern"), tmp_path, format="hf")
