@@ -509,3 +509,19 @@ def test_tpu_flash_plan_decisions():
     assert tpu_flash_plan((2, 1000, 8, 64), (2, 1000, 8, 64)) == "xla"
     assert tpu_flash_plan((2, 128, 8, 64), q, is_causal=True) == "xla"
     assert tpu_flash_plan((2, 128, 8, 64), q) == "pallas"
+
+
+def test_unknown_sequence_length_under_tracing():
+    """Symbolic lengths (a tf.function / jit signature with None) must work."""
+    layer = MultiHeadAttention(num_heads=4, num_kv_heads=2)
+    x = np.random.default_rng(0).normal(size=(2, 5, 16)).astype("float32")
+    expected = to_numpy(layer(x, use_causal_mask=True))
+    if backend() == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda t: layer(t, use_causal_mask=True),
+                         input_signature=[tf.TensorSpec((None, None, 16), tf.float32)])
+        np.testing.assert_allclose(fn(x).numpy(), expected, atol=1e-6)
+    inp = keras.Input((None, 16))
+    model = keras.Model(inp, layer(inp, use_causal_mask=True))
+    np.testing.assert_allclose(to_numpy(model(x)), expected, atol=1e-6)

@@ -40,12 +40,22 @@ def _converter(model_type):
     return importlib.import_module(CONVERTER_MODULES[model_type])
 
 
+FAMILY_CONVERTERS = {
+    "bert": "kzoo.convert.bert",
+    "gpt": "kzoo.convert.gpt",
+    "t5": "kzoo.convert.t5",
+    "vit": "kzoo.convert.vit",
+    "graphormer": "kzoo.convert.graphormer",
+}
+
+
 def _family_converter(family):
-    for model_type, module in CONVERTER_MODULES.items():
-        mod = importlib.import_module(module)
-        if getattr(mod, "FAMILY", None) == family:
-            return mod
-    raise ValueError(f"No Hugging Face converter for family {family!r}.")
+    if family not in FAMILY_CONVERTERS:
+        raise ValueError(
+            f"No Hugging Face converter for family={family!r}; families with one: "
+            f"{sorted(FAMILY_CONVERTERS)}."
+        )
+    return importlib.import_module(FAMILY_CONVERTERS[family])
 
 
 def read_hf_config(path):

@@ -202,7 +202,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"`query` must have rank 3 (batch, seq, dim); got shape {tuple(query.shape)}."
             )
         q = self._split(self.query_dense(query), self.num_heads)
-        q_len = query.shape[1]
+        q_len = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
         if position_index is not None:
             start = position_index
         else:

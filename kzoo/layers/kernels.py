@@ -180,8 +180,8 @@ def attention_kernel(
         backend=keras.backend.backend(),
         device=current_device(),
         dtype=keras.backend.standardize_dtype(query.dtype),
-        query_length=query.shape[1],
-        key_length=key.shape[1],
+        query_length=query.shape[1] if query.shape[1] is not None else 0,
+        key_length=key.shape[1] if key.shape[1] is not None else 0,
         head_dim=query.shape[-1],
         mask_kind=mask_kind,
         has_bias=bias is not None,
@@ -347,19 +347,21 @@ def dot_product_attention(
 
 def _grouped_scores(query, key):
     """q (b,t,h,d), k (b,s,hk,d) -> scores (b,h,t,s) with query head i using kv head i // g."""
-    b, t, h, d = query.shape
+    h, d = query.shape[2], query.shape[3]
     hk = key.shape[2]
     if h == hk:
         return ops.einsum("bthd,bshd->bhts", query, key)
     g = h // hk
+    t, s = ops.shape(query)[1], ops.shape(key)[1]
     q = ops.reshape(query, (-1, t, hk, g, d))
     scores = ops.einsum("btkgd,bskd->bkgts", q, key)
-    return ops.reshape(scores, (-1, h, t, key.shape[1]))
+    return ops.reshape(scores, (-1, h, t, s))
 
 
 def _grouped_output(weights, value, out_dtype):
     """weights (b,h,t,s), v (b,s,hk,d) -> (b,t,h,d)."""
-    b, h, t, s = weights.shape
+    h = weights.shape[1]
+    t, s = ops.shape(weights)[2], ops.shape(weights)[3]
     hk, d = value.shape[2], value.shape[3]
     weights = ops.cast(weights, value.dtype)
     if h == hk:
@@ -386,7 +388,8 @@ def reference_attention(
     """The plain formula in `keras.ops`, softmax in float32. See `dot_product_attention`."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    q_len, k_len = query.shape[1], key.shape[1]
+    q_len = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
+    k_len = key.shape[1] if key.shape[1] is not None else ops.shape(key)[1]
     scores = ops.cast(_grouped_scores(query, key), "float32") * scale
     if bias is not None:
         scores = scores + ops.cast(bias, "float32")
