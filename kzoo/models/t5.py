@@ -1,0 +1,779 @@
+"""T5 (Raffel et al., 2020, "Exploring the Limits of Transfer Learning with a Unified
+Text-to-Text Transformer", https://arxiv.org/abs/1910.10683), versions 1.0 and 1.1.
+
+- `T5Backbone`: an encoder-decoder transformer. One token embedding shared by both stacks;
+  pre-LN blocks with T5's RMS layer norm (no mean subtraction, no bias); no biases
+  anywhere; unscaled attention scores (the 1/sqrt(d) is folded into the initialisation);
+  a learned relative position bias computed once per stack (bidirectional buckets in the
+  encoder, causal buckets in the decoder) and shared by all its layers; a final RMS norm on
+  each stack. v1.0 uses a ReLU feed-forward and ties the output projection to the
+  embeddings; v1.1 uses a gated-GELU feed-forward (tanh GELU) and an untied `lm_head`.
+  Outputs `{"encoder_sequence_output", "decoder_sequence_output"}`.
+- `T5Seq2SeqLM`: vocabulary logits from the decoder, plus `generate` (the encoder runs
+  once; the decoder runs one token per step on a key/value cache; the cross-attention
+  keys/values are computed once from the encoder output).
+
+Inputs follow keras-hub: `{"encoder_token_ids", "encoder_padding_mask",
+"decoder_token_ids", "decoder_padding_mask"}`, each `(batch, seq)` int32 (masks 1/True for
+real tokens).
+
+Example:
+>>> backbone = T5Backbone(vocabulary_size=1000, num_layers=2, num_heads=4, hidden_dim=64,
+...                       key_value_dim=16, intermediate_dim=128)
+>>> model = T5Seq2SeqLM(backbone)
+>>> model.generate({"encoder_token_ids": np.array([[5, 6, 7, 1]])}, max_new_tokens=5)
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from kzoo.layers.blocks import TransformerBlock
+from kzoo.layers.embedding import TokenEmbedding
+from kzoo.layers.norm import RMSNorm
+from kzoo.layers.position import RelativePositionBias
+from kzoo.layers.utils import (
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_rate,
+)
+
+FAMILY = "t5"
+
+# feed-forward name (Hugging Face's `feed_forward_proj`) -> (TransformerBlock feedforward,
+# activation). HF's "gated-gelu" is the tanh approximation ("gelu_new"); plain "gelu" is the
+# exact erf GELU.
+FEEDFORWARDS = {
+    "relu": ("plain", "relu"),
+    "gelu": ("plain", "gelu"),
+    "gelu_new": ("plain", "gelu_tanh"),
+    "silu": ("plain", "silu"),
+    "gated-relu": ("gated", "relu"),
+    "gated-gelu": ("gated", "gelu_tanh"),
+    "gated-gelu_new": ("gated", "gelu_tanh"),
+    "gated-silu": ("gated", "silu"),
+}
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+    return value
+
+
+def _dtype_policy(dtype):
+    return keras.dtype_policies.get(dtype) if dtype is not None else None
+
+
+def _normal(stddev):
+    return keras.initializers.RandomNormal(mean=0.0, stddev=float(stddev))
+
+
+class _FunctionalModel(keras.Model):
+    """A functional `keras.Model` whose layers are attributes set before `super().__init__`.
+
+    With the torch backend `torch.nn.Module.__setattr__` refuses sub-modules before
+    `Module.__init__` has run; all state lives in the functional graph, so attributes set
+    before `super().__init__` (and properties) are plain Python attributes there.
+    """
+
+    def __setattr__(self, name, value):
+        is_property = isinstance(getattr(type(self), name, None), property)
+        uninitialized = not hasattr(self, "_initialized")
+        if keras.config.backend() == "torch" and (is_property or uninitialized):
+            return object.__setattr__(self, name, value)
+        return super().__setattr__(name, value)
+
+
+# === Backbone ===
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class T5Backbone(_FunctionalModel):
+    """The T5 encoder-decoder transformer (Raffel et al., 2020, arXiv:1910.10683).
+
+    Encoder: `x = dropout(E[ids])`; `num_layers` pre-LN blocks
+    `x = x + drop(SelfAttn(RMSNorm(x), bias=b_enc))`, `x = x + drop(FFN(RMSNorm(x)))`;
+    `dropout(RMSNorm(x))`. Decoder: the same with causal self-attention (bias `b_dec`) and a
+    cross-attention sub-layer on the encoder output (no position bias) between the two,
+    `num_decoder_layers` blocks. `b_enc` / `b_dec` are the relative position biases of the
+    first layer of each stack (tables `(relative_attention_num_buckets, num_heads)`), shared
+    by every layer of that stack. Attention scores are not scaled (`scale=1.0`); each
+    attention is `num_heads` heads of `key_value_dim` (independent of `hidden_dim`).
+
+    Initialisation as Mesh TensorFlow / Hugging Face `T5PreTrainedModel` (factor 1.0):
+    embeddings N(0, 1); query N(0, (hidden_dim * key_value_dim)^-1/2); key and value
+    N(0, hidden_dim^-1/2); attention output N(0, (num_heads * key_value_dim)^-1/2); feed-forward
+    input(s) N(0, hidden_dim^-1/2), output N(0, intermediate_dim^-1/2); relative bias tables
+    N(0, hidden_dim^-1/2); norms ones.
+
+    Args:
+        vocabulary_size: number of token ids (32128 for the released checkpoints).
+        num_layers: encoder blocks.
+        num_decoder_layers: decoder blocks (None: same as `num_layers`).
+        num_heads: attention heads.
+        hidden_dim: width of the residual stream (`d_model`).
+        key_value_dim: width of each attention head (`d_kv`).
+        intermediate_dim: width of the feed-forward hidden layer (`d_ff`).
+        dropout: dropout rate on the embeddings, attention probabilities, feed-forward hidden
+            layer, every residual branch and the stack outputs.
+        layer_norm_epsilon: epsilon of every RMS norm.
+        feedforward: one of `FEEDFORWARDS`: "relu" (v1.0), "gated-gelu" (v1.1, tanh GELU),
+            "gated-silu", "gated-relu", "gelu" (exact), "gelu_new", "silu".
+        relative_attention_num_buckets: buckets of the relative position bias.
+        relative_attention_max_distance: distances from here on share the last bucket.
+        tie_embeddings: whether `T5Seq2SeqLM` reuses the embeddings as its output projection
+            (v1.0, with the decoder output scaled by `hidden_dim ** -0.5`) or has its own
+            `lm_head` (v1.1). The backbone itself is the same either way.
+        kernel: attention kernel ("auto", "reference", "fused", "chunked").
+        dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
+
+    Inputs (a dict, each `(batch, seq)` int32):
+        encoder_token_ids, encoder_padding_mask, decoder_token_ids, decoder_padding_mask.
+
+    Outputs (a dict):
+        encoder_sequence_output `(batch, enc_len, hidden_dim)`;
+        decoder_sequence_output `(batch, dec_len, hidden_dim)`.
+
+    Methods for fast decoding: `encode`, `init_cache`, `decode_step`.
+
+    Example:
+    >>> backbone = T5Backbone(vocabulary_size=1000, num_layers=2, num_heads=4,
+    ...                       hidden_dim=64, key_value_dim=16, intermediate_dim=128)
+    >>> ones = np.ones((2, 8), "int32")
+    >>> out = backbone({"encoder_token_ids": ones, "encoder_padding_mask": ones,
+    ...                 "decoder_token_ids": ones, "decoder_padding_mask": ones})
+    >>> out["decoder_sequence_output"].shape
+    (2, 8, 64)
+    """
+
+    family = FAMILY
+
+    def __init__(
+        self,
+        vocabulary_size=32128,
+        num_layers=6,
+        num_decoder_layers=None,
+        num_heads=8,
+        hidden_dim=512,
+        key_value_dim=64,
+        intermediate_dim=2048,
+        dropout=0.1,
+        layer_norm_epsilon=1e-6,
+        feedforward="relu",
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        tie_embeddings=True,
+        kernel="auto",
+        dtype=None,
+        **kwargs,
+    ):
+        check_positive_int("vocabulary_size", vocabulary_size)
+        check_positive_int("num_layers", num_layers)
+        check_positive_int("num_decoder_layers", num_decoder_layers, allow_none=True)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("key_value_dim", key_value_dim)
+        check_positive_int("intermediate_dim", intermediate_dim)
+        check_rate("dropout", dropout)
+        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        check_choice("feedforward", feedforward, tuple(FEEDFORWARDS))
+        if (
+            isinstance(relative_attention_num_buckets, bool)
+            or not isinstance(relative_attention_num_buckets, int)
+            or relative_attention_num_buckets < 4
+        ):
+            raise ValueError(
+                "`relative_attention_num_buckets` must be an integer >= 4; got "
+                f"relative_attention_num_buckets={relative_attention_num_buckets!r}."
+            )
+        exact = relative_attention_num_buckets // 2
+        if (
+            isinstance(relative_attention_max_distance, bool)
+            or not isinstance(relative_attention_max_distance, int)
+            or relative_attention_max_distance <= exact
+        ):
+            raise ValueError(
+                "`relative_attention_max_distance` must be an integer > "
+                f"relative_attention_num_buckets // 2 = {exact}; got "
+                f"relative_attention_max_distance={relative_attention_max_distance!r}."
+            )
+        _check_bool("tie_embeddings", tie_embeddings)
+        policy = _dtype_policy(dtype)
+        decoder_depth = num_layers if num_decoder_layers is None else num_decoder_layers
+        ffn_type, activation = FEEDFORWARDS[feedforward]
+
+        # === Layers ===
+        self.token_embedding = TokenEmbedding(
+            vocabulary_size, hidden_dim, tie_weights=True,
+            embeddings_initializer=_normal(1.0), dtype=policy, name="token_embedding",
+        )
+        self.encoder_embedding_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="encoder_embedding_dropout"
+        )
+        self.decoder_embedding_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="decoder_embedding_dropout"
+        )
+        bias_args = dict(
+            num_heads=num_heads,
+            num_buckets=relative_attention_num_buckets,
+            max_distance=relative_attention_max_distance,
+            embeddings_initializer=_normal(hidden_dim ** -0.5),
+            dtype=policy,
+        )
+        self.encoder_relative_attention_bias = RelativePositionBias(
+            bidirectional=True, name="encoder_relative_attention_bias", **bias_args
+        )
+        self.decoder_relative_attention_bias = RelativePositionBias(
+            bidirectional=False, name="decoder_relative_attention_bias", **bias_args
+        )
+
+        def block(i, decoder):
+            return TransformerBlock(
+                num_heads=num_heads,
+                intermediate_dim=intermediate_dim,
+                head_dim=key_value_dim,
+                causal=decoder,
+                cross_attention=decoder,
+                norm_first=True,
+                norm="rmsnorm",
+                layer_norm_epsilon=layer_norm_epsilon,
+                feedforward=ffn_type,
+                activation=activation,
+                use_bias=False,
+                dropout=dropout,
+                attention_dropout=dropout,
+                attention_scale=1.0,
+                kernel=kernel,
+                kernel_initializer=_normal(hidden_dim ** -0.5),
+                output_kernel_initializer=_normal((num_heads * key_value_dim) ** -0.5),
+                dtype=policy,
+                name=f"{'decoder' if decoder else 'encoder'}_layer_{i}",
+            )
+
+        self.encoder_layers = [block(i, False) for i in range(num_layers)]
+        self.decoder_layers = [block(i, True) for i in range(decoder_depth)]
+        self.encoder_output_norm = RMSNorm(
+            epsilon=layer_norm_epsilon, dtype=policy, name="encoder_output_norm"
+        )
+        self.decoder_output_norm = RMSNorm(
+            epsilon=layer_norm_epsilon, dtype=policy, name="decoder_output_norm"
+        )
+        self.encoder_output_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="encoder_output_dropout"
+        )
+        self.decoder_output_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="decoder_output_dropout"
+        )
+
+        # === Functional Model ===
+        encoder_token_ids = keras.Input(shape=(None,), dtype="int32", name="encoder_token_ids")
+        encoder_padding_mask = keras.Input(
+            shape=(None,), dtype="int32", name="encoder_padding_mask"
+        )
+        decoder_token_ids = keras.Input(shape=(None,), dtype="int32", name="decoder_token_ids")
+        decoder_padding_mask = keras.Input(
+            shape=(None,), dtype="int32", name="decoder_padding_mask"
+        )
+        encoder_output = self._encoder_stack(encoder_token_ids, encoder_padding_mask)
+        decoder_output = self._decoder_stack(
+            decoder_token_ids, decoder_padding_mask, encoder_output, encoder_padding_mask
+        )
+        super().__init__(
+            inputs={
+                "encoder_token_ids": encoder_token_ids,
+                "encoder_padding_mask": encoder_padding_mask,
+                "decoder_token_ids": decoder_token_ids,
+                "decoder_padding_mask": decoder_padding_mask,
+            },
+            outputs={
+                "encoder_sequence_output": encoder_output,
+                "decoder_sequence_output": decoder_output,
+            },
+            dtype=policy,
+            **kwargs,
+        )
+
+        # === Config ===
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.num_decoder_layers = num_decoder_layers
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.key_value_dim = key_value_dim
+        self.intermediate_dim = intermediate_dim
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.feedforward = feedforward
+        self.relative_attention_num_buckets = relative_attention_num_buckets
+        self.relative_attention_max_distance = relative_attention_max_distance
+        self.tie_embeddings = tie_embeddings
+        self.kernel = kernel
+        self._t5_initialize()
+
+    def _t5_initialize(self):
+        """Rescale the two kernels whose T5 initialiser `TransformerBlock` cannot express.
+
+        The blocks draw every kernel but the attention output from N(0, hidden_dim^-1/2).
+        T5 draws the query from N(0, (hidden_dim * key_value_dim)^-1/2) and the feed-forward
+        output from N(0, intermediate_dim^-1/2): multiplying the N(0, hidden_dim^-1/2) draw
+        by `key_value_dim^-1/2`, resp. `(hidden_dim / intermediate_dim)^1/2`, gives exactly
+        those distributions.
+        """
+        q_factor = self.key_value_dim ** -0.5
+        wo_factor = (self.hidden_dim / self.intermediate_dim) ** 0.5
+        for block in self.encoder_layers + self.decoder_layers:
+            attentions = [block.self_attention]
+            if block.cross_attention:
+                attentions.append(block.cross_attention_layer)
+            for attention in attentions:
+                kernel = attention.query_dense.kernel
+                kernel.assign(kernel * q_factor)
+            kernel = block.feedforward_layer.output_dense.kernel
+            kernel.assign(kernel * wo_factor)
+
+    # === Stacks (shared by the functional graph and the decoding methods) ===
+
+    def _encoder_stack(self, token_ids, padding_mask, training=None):
+        x = self.token_embedding(token_ids)
+        x = self.encoder_embedding_dropout(x, training=training)
+        bias = self.encoder_relative_attention_bias(x)
+        for block in self.encoder_layers:
+            x = block(x, padding_mask=padding_mask, attention_bias=bias, training=training)
+        x = self.encoder_output_norm(x)
+        return self.encoder_output_dropout(x, training=training)
+
+    def _decoder_stack(self, token_ids, padding_mask, encoder_output, encoder_padding_mask,
+                       training=None):
+        x = self.token_embedding(token_ids)
+        x = self.decoder_embedding_dropout(x, training=training)
+        bias = self.decoder_relative_attention_bias(x)
+        for block in self.decoder_layers:
+            x = block(
+                x,
+                padding_mask=padding_mask,
+                attention_bias=bias,
+                encoder_outputs=encoder_output,
+                encoder_padding_mask=encoder_padding_mask,
+                training=training,
+            )
+        x = self.decoder_output_norm(x)
+        return self.decoder_output_dropout(x, training=training)
+
+    # === Fast decoding ===
+
+    def encode(self, encoder_token_ids, encoder_padding_mask=None, training=False):
+        """Run the encoder alone: `(batch, enc_len, hidden_dim)`.
+
+        `encoder_padding_mask` defaults to all ones.
+
+        Example:
+        >>> enc = backbone.encode(np.array([[5, 6, 1]]), np.array([[1, 1, 1]]))
+        """
+        token_ids = ops.convert_to_tensor(encoder_token_ids, "int32")
+        if encoder_padding_mask is None:
+            encoder_padding_mask = ops.ones_like(token_ids)
+        padding_mask = ops.convert_to_tensor(encoder_padding_mask)
+        return self._encoder_stack(token_ids, padding_mask, training=training)
+
+    def init_cache(self, batch_size, max_length, encoder_outputs):
+        """Empty self-attention caches and the cross-attention keys/values.
+
+        Args:
+            batch_size: rows.
+            max_length: decoder positions the self-attention cache holds.
+            encoder_outputs: `(batch, enc_len, hidden_dim)` from `encode`.
+
+        Returns:
+            `(self_cache, cross_cache)`: zeros `(batch, num_decoder_layers, 2, max_length,
+            num_heads, key_value_dim)` and `(batch, num_decoder_layers, 2, enc_len,
+            num_heads, key_value_dim)`, the keys/values of every decoder layer's
+            cross-attention, projected once from `encoder_outputs`.
+
+        Example:
+        >>> self_cache, cross_cache = backbone.init_cache(1, 20, enc)
+        """
+        dtype = self.compute_dtype
+        self_cache = ops.zeros(
+            (batch_size, len(self.decoder_layers), 2, max_length, self.num_heads,
+             self.key_value_dim),
+            dtype,
+        )
+        cross = []
+        for block in self.decoder_layers:
+            k, v = block.cross_attention_layer.project_key_value(encoder_outputs)
+            cross.append(ops.stack([k, v], axis=1))
+        cross_cache = ops.cast(ops.stack(cross, axis=1), dtype)
+        return self_cache, cross_cache
+
+    def decode_step(
+        self,
+        decoder_token_ids,
+        encoder_padding_mask,
+        self_cache,
+        cross_cache,
+        cache_index,
+        decoder_padding_mask=None,
+        training=False,
+    ):
+        """Run the decoder on new tokens at positions `cache_index, cache_index + 1, ...`.
+
+        Keys/values of the new tokens are written into `self_cache` at `cache_index`; the
+        queries attend causally to everything in the cache up to themselves, with the
+        decoder's relative bias over the whole cache length
+        (`RelativePositionBias(query, cache, start_index=cache_index)`), and to the
+        encoder through the precomputed `cross_cache`.
+
+        Args:
+            decoder_token_ids: `(batch, step_len)` int ids.
+            encoder_padding_mask: `(batch, enc_len)` (1 = real token).
+            self_cache, cross_cache: from `init_cache` (or the previous step).
+            cache_index: int or scalar int tensor, position of the first new token.
+            decoder_padding_mask: optional `(batch, max_length)` mask over the cache.
+
+        Returns:
+            `(hidden, self_cache)`: the decoder output `(batch, step_len, hidden_dim)`
+            (after the final norm) and the updated cache.
+
+        Example:
+        >>> hidden, self_cache = backbone.decode_step(np.zeros((1, 1), "int32"), mask,
+        ...                                           self_cache, cross_cache, 0)
+        """
+        token_ids = ops.convert_to_tensor(decoder_token_ids, "int32")
+        x = self.token_embedding(token_ids)
+        x = self.decoder_embedding_dropout(x, training=training)
+        bias = self.decoder_relative_attention_bias(
+            x, self_cache[:, 0, 0], start_index=cache_index
+        )
+        encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
+        caches = []
+        for i, block in enumerate(self.decoder_layers):
+            x, layer_cache, _ = block(
+                x,
+                padding_mask=decoder_padding_mask,
+                attention_bias=bias,
+                encoder_padding_mask=encoder_padding_mask,
+                cache=self_cache[:, i],
+                cache_index=cache_index,
+                cross_cache=cross_cache[:, i],
+                training=training,
+            )
+            caches.append(layer_cache)
+        x = self.decoder_output_norm(x)
+        x = self.decoder_output_dropout(x, training=training)
+        return x, ops.stack(caches, axis=1)
+
+    # === Config ===
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "vocabulary_size": self.vocabulary_size,
+            "num_layers": self.num_layers,
+            "num_decoder_layers": self.num_decoder_layers,
+            "num_heads": self.num_heads,
+            "hidden_dim": self.hidden_dim,
+            "key_value_dim": self.key_value_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "dropout": self.dropout,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "feedforward": self.feedforward,
+            "relative_attention_num_buckets": self.relative_attention_num_buckets,
+            "relative_attention_max_distance": self.relative_attention_max_distance,
+            "tie_embeddings": self.tie_embeddings,
+            "kernel": self.kernel,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+# === Task model ===
+
+
+def _to_numpy(x):
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+@keras.saving.register_keras_serializable(package="kzoo")
+class T5Seq2SeqLM(_FunctionalModel):
+    """T5 with its language-model head: vocabulary logits at every decoder position.
+
+    With `backbone.tie_embeddings` (v1.0) the logits are
+    `(decoder_output * hidden_dim^-1/2) @ E^T` with `E` the shared token embeddings; without
+    (v1.1) they come from a separate `lm_head` (Dense without bias, initialised N(0, 1)).
+    Train with teacher forcing: `decoder_token_ids` are the targets shifted right behind
+    `decoder_start_token_id` (0), and the loss is a sparse categorical cross-entropy
+    weighted by `decoder_padding_mask`.
+
+    Args:
+        backbone: a `T5Backbone`.
+        dtype: dtype policy of the head (defaults to the backbone's).
+
+    Inputs: the backbone's dict. Output: logits `(batch, dec_len, vocabulary_size)`.
+
+    `generate(...)` decodes greedily or by sampling (see its docstring). When the model has
+    a `tokenizer` attribute (a `tokenizers.Tokenizer`, set by `kzoo.presets.load` on a
+    Hugging Face directory with a `tokenizer.json`), it also takes and returns strings.
+
+    Example:
+    >>> backbone = T5Backbone(vocabulary_size=1000, num_layers=2, num_heads=4,
+    ...                       hidden_dim=64, key_value_dim=16, intermediate_dim=128)
+    >>> model = T5Seq2SeqLM(backbone)
+    >>> model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5).shape
+    (1, 5)
+    """
+
+    family = FAMILY
+    task_name = "seq2seq_lm"
+
+    def __init__(self, backbone, dtype=None, **kwargs):
+        if not isinstance(backbone, T5Backbone):
+            raise ValueError(
+                f"`backbone` must be a T5Backbone; got backbone of type "
+                f"{type(backbone).__name__}."
+            )
+        policy = _dtype_policy(dtype) or backbone.dtype_policy
+        # === Layers ===
+        self.backbone = backbone
+        self.lm_head = None
+        if not backbone.tie_embeddings:
+            self.lm_head = keras.layers.Dense(
+                backbone.vocabulary_size,
+                use_bias=False,
+                kernel_initializer=_normal(1.0),
+                dtype=policy,
+                name="lm_head",
+            )
+        # === Functional Model ===
+        inputs = backbone.input
+        hidden = backbone(inputs)["decoder_sequence_output"]
+        logits = self._logits(hidden)
+        super().__init__(inputs=inputs, outputs=logits, dtype=policy, **kwargs)
+        self._compiled_step = None
+
+    def _logits(self, hidden):
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        scaled = hidden * (self.backbone.hidden_dim ** -0.5)
+        return self.backbone.token_embedding(scaled, reverse=True)
+
+    # === Generation ===
+
+    def _step(self, token_ids, self_cache, cache_index, cross_cache, encoder_padding_mask):
+        hidden, self_cache = self.backbone.decode_step(
+            token_ids, encoder_padding_mask, self_cache, cross_cache, cache_index
+        )
+        return ops.cast(self._logits(hidden)[:, -1, :], "float32"), self_cache
+
+    def _step_function(self, compile):
+        """The decoding step, compiled where the backend allows it cheaply."""
+        if not compile:
+            return self._step
+        if self._compiled_step is not None:
+            return self._compiled_step
+        backend = keras.backend.backend()
+        if backend == "jax":
+            import jax
+
+            variables = list(self.variables)
+
+            def pure(values, *args):
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                    return self._step(*args)
+
+            jitted = jax.jit(pure)
+
+            def step(*args):
+                return jitted([v.value for v in variables], *args)
+
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            step = tf.function(self._step, reduce_retracing=True)
+        else:
+            step = self._step
+        self._compiled_step = step
+        return step
+
+    def _prepare_inputs(self, encoder_inputs, pad_token_id):
+        """(token ids, padding mask, how to return) from strings, a dict or an array."""
+        strings = None
+        if isinstance(encoder_inputs, str) or (
+            isinstance(encoder_inputs, (list, tuple))
+            and encoder_inputs
+            and all(isinstance(s, str) for s in encoder_inputs)
+        ):
+            tokenizer = getattr(self, "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError(
+                    "`encoder_inputs` are strings but this model has no `tokenizer`; set "
+                    "`model.tokenizer` to a `tokenizers.Tokenizer` or pass token ids."
+                )
+            strings = "single" if isinstance(encoder_inputs, str) else "batch"
+            texts = [encoder_inputs] if strings == "single" else list(encoder_inputs)
+            encoded = [e.ids for e in tokenizer.encode_batch(texts)]
+            length = max(1, max(len(e) for e in encoded))
+            ids = np.full((len(encoded), length), pad_token_id, "int32")
+            mask = np.zeros((len(encoded), length), "int32")
+            for row, e in enumerate(encoded):
+                ids[row, : len(e)] = e
+                mask[row, : len(e)] = 1
+            return ids, mask, strings
+        if isinstance(encoder_inputs, dict):
+            if "encoder_token_ids" not in encoder_inputs:
+                raise ValueError(
+                    "`encoder_inputs` as a dict needs 'encoder_token_ids' (and optionally "
+                    f"'encoder_padding_mask'); got keys {sorted(encoder_inputs)}."
+                )
+            ids = _to_numpy(encoder_inputs["encoder_token_ids"]).astype("int32")
+            mask = encoder_inputs.get("encoder_padding_mask")
+        else:
+            ids = _to_numpy(encoder_inputs).astype("int32")
+            mask = None
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise ValueError(
+                "`encoder_inputs` token ids must have shape (batch, length); got shape "
+                f"{ids.shape}."
+            )
+        if mask is None:
+            mask = (ids != pad_token_id).astype("int32")
+        else:
+            mask = _to_numpy(mask).astype("int32").reshape(ids.shape)
+        return ids, mask, strings
+
+    def generate(
+        self,
+        encoder_inputs,
+        max_new_tokens=20,
+        strategy="greedy",
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        stop_token_ids=(1,),
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        seed=None,
+        compile=True,
+    ):
+        """Generate decoder tokens for each input sequence.
+
+        The encoder runs once; the cross-attention keys/values of every decoder layer are
+        projected once from its output; the decoder then runs one token per step on a
+        self-attention key/value cache of `max_new_tokens` positions, starting from
+        `decoder_start_token_id`. A row ends at its first stop token; later positions of that
+        row are `pad_token_id`; decoding stops when every row has ended.
+
+        Args:
+            encoder_inputs: token ids `(batch, enc_len)` (the padding mask is
+                `ids != pad_token_id`), a dict with "encoder_token_ids" and optionally
+                "encoder_padding_mask", or (with a `tokenizer` attribute) a string or a
+                list of strings.
+            max_new_tokens: most tokens generated per row.
+            strategy: "greedy" or "sample".
+            temperature, top_k, top_p: sampling options (see
+                `kzoo.models.sampling.select_next_token`).
+            stop_token_ids: ids ending a row (T5's `</s>` is 1); None or () for none.
+            decoder_start_token_id: the first decoder input (T5: 0, the pad token).
+            pad_token_id: filler after a row's stop token, and the padding id of raw
+                token-id inputs.
+            seed: int, `keras.random.SeedGenerator` or None, for sampling.
+            compile: compile the decoding step (JAX `jit`, TensorFlow `tf.function`).
+
+        Returns:
+            int32 NumPy array `(batch, steps)` of generated ids (without the start token;
+            `steps <= max_new_tokens`), or decoded strings (special tokens skipped) when
+            strings were given.
+
+        Example:
+        >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)
+        >>> model.generate(ids, strategy="sample", top_p=0.9, temperature=0.7, seed=0)
+        """
+        from kzoo.models.sampling import (
+            STRATEGIES,
+            mask_finished,
+            select_next_token,
+            update_finished,
+        )
+
+        check_positive_int("max_new_tokens", max_new_tokens)
+        check_choice("strategy", strategy, STRATEGIES)
+        ids, mask, strings = self._prepare_inputs(encoder_inputs, pad_token_id)
+        if strategy == "sample" and not isinstance(seed, keras.random.SeedGenerator):
+            seed = keras.random.SeedGenerator(seed)
+        step = self._step_function(compile)
+        backend = keras.backend.backend()
+        no_grad = None
+        if backend == "torch":
+            import torch
+
+            no_grad = torch.no_grad()
+            no_grad.__enter__()
+        try:
+            batch = ids.shape[0]
+            mask_t = ops.convert_to_tensor(mask, "int32")
+            encoder_outputs = self.backbone.encode(ops.convert_to_tensor(ids), mask_t)
+            self_cache, cross_cache = self.backbone.init_cache(
+                batch, max_new_tokens, encoder_outputs
+            )
+            token = ops.full((batch, 1), decoder_start_token_id, "int32")
+            finished = None
+            generated = []
+            for index in range(max_new_tokens):
+                logits, self_cache = step(
+                    token, self_cache, ops.convert_to_tensor(index, "int32"), cross_cache,
+                    mask_t,
+                )
+                next_ids = select_next_token(
+                    logits, strategy=strategy, temperature=temperature, top_k=top_k,
+                    top_p=top_p, seed=seed,
+                )
+                next_ids = mask_finished(next_ids, finished, pad_token_id)
+                finished = update_finished(finished, next_ids, stop_token_ids)
+                generated.append(_to_numpy(next_ids))
+                if stop_token_ids and bool(np.all(_to_numpy(finished))):
+                    break
+                token = ops.expand_dims(next_ids, 1)
+        finally:
+            if no_grad is not None:
+                no_grad.__exit__(None, None, None)
+        out = np.stack(generated, axis=1).astype("int32")
+        if strings is None:
+            return out
+        texts = self.tokenizer.decode_batch(
+            [row.tolist() for row in out], skip_special_tokens=True
+        )
+        return texts[0] if strings == "single" else texts
+
+    # === Config ===
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "backbone": keras.layers.serialize(self.backbone),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["backbone"] = keras.layers.deserialize(config["backbone"])
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
+        return cls(**config)
+
+
+BACKBONE = T5Backbone
+TASKS = {"backbone": None, "seq2seq_lm": T5Seq2SeqLM}
+DEFAULT_TASK = "seq2seq_lm"
