@@ -211,15 +211,17 @@ def test_load_balance_loss_is_one_for_a_uniform_router():
 
 
 def test_stacked_initializer_gives_each_expert_a_glorot_variance():
-    layer = MixtureOfExperts(num_experts=8, intermediate_dim=96, top_k=2,
-                             kernel_initializer="glorot_normal")
-    layer.build((None, 32))
+    # Without the per-expert correction Keras would count the expert axis as a receptive
+    # field and shrink the std by sqrt(num_experts) = 2.
+    layer = MixtureOfExperts(num_experts=4, intermediate_dim=16, top_k=2)
+    layer.build((None, 8))
     kernel = to_numpy(layer.intermediate_kernel)
-    assert kernel.shape == (8, 32, 96)
-    target = math.sqrt(2.0 / (32 + 96))
-    assert abs(kernel.std() / target - 1.0) < 0.1
+    assert kernel.shape == (4, 8, 16)
+    target = math.sqrt(2.0 / (8 + 16))  # glorot_uniform std of one (8, 16) kernel
+    assert abs(kernel.std() / target - 1.0) < 0.12
+    assert np.abs(kernel).max() <= math.sqrt(6.0 / (8 + 16)) + 1e-6
     assert not np.allclose(kernel[0], kernel[1])
-    assert to_numpy(layer.router.kernel).shape == (32, 8)
+    assert to_numpy(layer.router.kernel).shape == (8, 4)
     assert layer.router.kernel.dtype == "float32"
 
 
@@ -282,9 +284,9 @@ def test_serialization_roundtrip_and_keras_file(tmp_path):
     clone = roundtrip_layer(layer)
     assert clone.capacity_factor == 1.5 and clone.expert_type == "gated"
 
-    x = inputs((2, 5, 6), seed=14)
-    inp = keras.Input((5, 6))
-    model = keras.Model(inp, MixtureOfExperts(4, 8, top_k=2, name="moe")(inp))
+    x = inputs(seed=14)
+    inp = keras.Input((12, 8))
+    model = keras.Model(inp, MixtureOfExperts(4, 16, top_k=2, name="moe")(inp))
     path = str(tmp_path / "moe.keras")
     model.save(path)
     restored = keras.saving.load_model(path)
@@ -369,7 +371,8 @@ def backend_grads(layer, x, probe, **call_kwargs):
             out = layer.stateless_call(tv, ntv, xv, **call_kwargs)[0]
             return (out * probe).sum()
 
-        gx, gtv = jax.grad(loss, argnums=(0, 1))(x, [v.value for v in layer.trainable_variables])
+        grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        gx, gtv = grad_fn(x, [v.value for v in layer.trainable_variables])
         return [gx] + [gtv[i] for i in idx]
     if backend() == "tensorflow":
         import tensorflow as tf
@@ -387,14 +390,16 @@ def backend_grads(layer, x, probe, **call_kwargs):
     return [xv.grad] + [k.value.grad for k in kernels]
 
 
-def numeric_grad(f, a, eps=1e-5):
+def numeric_grad(f, a, entries, eps=1e-5):
+    """Central differences of f at a, for the flat indices `entries` of a."""
     a = a.astype(np.float64)
-    g = np.zeros_like(a)
-    for i in np.ndindex(a.shape):
+    g = np.zeros(len(entries))
+    for n, flat in enumerate(entries):
+        i = np.unravel_index(flat, a.shape)
         up, down = a.copy(), a.copy()
         up[i] += eps
         down[i] -= eps
-        g[i] = (f(up) - f(down)) / (2 * eps)
+        g[n] = (f(up) - f(down)) / (2 * eps)
     return g
 
 
@@ -426,8 +431,13 @@ def test_gradients_match_numpy_finite_differences(factor):
         return f
 
     gx, g_out, g_router = backend_grads(layer, x, probe, padding_mask=valid)
-    assert_close(gx, numeric_grad(loss_with(x=None), x), atol=2e-4, rtol=1e-3)
-    assert_close(g_out, numeric_grad(loss_with(output_kernel=None), w["output_kernel"]),
+    # every input entry and router entry; a random subset of the expert output kernel
+    pick = rng(19).choice(w["output_kernel"].size, 48, replace=False)
+    assert_close(gx, numeric_grad(loss_with(x=None), x, range(x.size)).reshape(x.shape),
                  atol=2e-4, rtol=1e-3)
-    assert_close(g_router, numeric_grad(loss_with(kernel=None), w["kernel"]),
+    assert_close(to_numpy(g_out).reshape(-1)[pick],
+                 numeric_grad(loss_with(output_kernel=None), w["output_kernel"], pick),
+                 atol=2e-4, rtol=1e-3)
+    assert_close(g_router, numeric_grad(loss_with(kernel=None), w["kernel"],
+                                        range(w["kernel"].size)).reshape(w["kernel"].shape),
                  atol=2e-4, rtol=1e-3)

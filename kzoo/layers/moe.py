@@ -21,13 +21,19 @@ Capacity:
 - `capacity_factor=c`: `capacity = ceil(c * tokens * top_k / num_experts)` (capped at
   `tokens`). Assignments past an expert's capacity are dropped: that expert contributes zero
   to that token (the residual connection around the layer is the caller's job).
-- `capacity_factor=None` (default): nothing is ever dropped. The layer picks, at run time,
-  the smallest of a few static capacities (`NO_DROP_CAPACITY_FACTORS` times the balanced
-  load, rounded up to a multiple of 8, and finally `tokens`, which always suffices) that holds
-  the busiest expert, with `keras.ops.switch` (eagerly: a Python branch). Each branch has static shapes; only the
-  chosen one runs. A balanced router costs ~1.25x the ideal `top_k` FLOPs; a collapsed router
-  (every token to the same expert) falls back to capacity = tokens, i.e.
-  `num_experts / top_k` times the ideal, and is still exact.
+- `capacity_factor=None` (default): nothing is ever dropped.
+  * Compiled (`jit`, `tf.function`): the layer picks, at run time, the smallest of a few
+    static capacities (`NO_DROP_CAPACITY_FACTORS` times the balanced load
+    `tokens * top_k / num_experts`, rounded up to a multiple of 8, and finally `tokens`,
+    which always suffices) that holds the busiest expert, with `keras.ops.switch`. Every
+    branch has static shapes; only the chosen one runs. A balanced router costs ~1.25x the
+    ideal `top_k` FLOPs; a collapsed router (all tokens to one expert) falls back to
+    capacity = tokens, `num_experts / top_k` times the ideal, and is still exact.
+  * Eager (PyTorch's default, TF/JAX outside `jit`): shapes may follow the data, so the
+    capacity is the busiest expert's load rounded up to 1/16 of the balanced load.
+
+Gradients of the two gathers (tokens -> slots, slots -> assignments) are written by hand as
+gathers the other way round, so the backward pass has no scatter-add.
 """
 
 import functools
@@ -107,38 +113,50 @@ def _upstream(args, upstream):
     return args[0] if upstream is None else upstream
 
 
-def _sum_choices(rows, num_tokens):
+def _sum_choices(rows, num_tokens, top_k):
     """(k * tokens, dim), choice-major -> (tokens, dim) summed over the k choices."""
-    return ops.sum(ops.reshape(rows, (-1, num_tokens, ops.shape(rows)[-1])), axis=0)
+    total = rows[:num_tokens]
+    for j in range(1, top_k):  # k slices; cheaper than a reduction over a leading axis
+        total = total + rows[j * num_tokens:(j + 1) * num_tokens]
+    return total
 
 
-@ops.custom_gradient
-def _dispatch(x, slot_token, slot):
-    """x (tokens, dim) -> (slots, dim); slot_token holds 1 + token id, 0 = empty slot."""
-    dim = ops.shape(x)[1]
-    x_pad = ops.concatenate([ops.zeros((1, dim), x.dtype), x], axis=0)
-    out = ops.take(x_pad, slot_token, axis=0)
+def _dispatch(x, slot_token, slot, top_k):
+    """x (tokens, dim) -> (slots, dim): row s is token slot_token[s].
 
-    def grad(*args, upstream=None):
-        g = _upstream(args, upstream)
-        g_pad = ops.concatenate([g, ops.zeros((1, dim), g.dtype)], axis=0)
-        per_assignment = ops.take(g_pad, slot, axis=0)  # (k * tokens, dim)
-        g_x = _sum_choices(per_assignment, ops.shape(x)[0])
-        return g_x, None, None
+    Empty slots hold an arbitrary token: their expert outputs are never read by `_combine`,
+    so they get no gradient either. `slot` (k * tokens,) is the slot of each assignment, or
+    one past the last slot for dropped / padded assignments.
+    """
 
-    return out, grad
+    @ops.custom_gradient
+    def dispatch(x, slot_token, slot):
+        out = ops.take(x, slot_token, axis=0)
+
+        def grad(*args, upstream=None):
+            g = _upstream(args, upstream)
+            g_pad = ops.concatenate([g, ops.zeros((1, ops.shape(g)[1]), g.dtype)], axis=0)
+            per_assignment = ops.take(g_pad, slot, axis=0)  # (k * tokens, dim)
+            return _sum_choices(per_assignment, ops.shape(x)[0], top_k), None, None
+
+        return out, grad
+
+    return dispatch(x, slot_token, slot)
 
 
 @ops.custom_gradient
 def _combine(ye, slot, slot_assignment):
-    """ye (slots, dim) -> (k * tokens, dim); slot == slots (one past the end) reads zeros."""
-    dim = ops.shape(ye)[1]
-    y_pad = ops.concatenate([ye, ops.zeros((1, dim), ye.dtype)], axis=0)
-    out = ops.take(y_pad, slot, axis=0)
+    """ye (slots, dim) -> (k * tokens, dim): row a is the output of assignment a's slot.
+
+    Dropped assignments read the last slot; the caller zeroes their router weight.
+    `slot_assignment` (slots,) holds 1 + the assignment of each slot, 0 for empty slots.
+    """
+    num_slots = ops.shape(ye)[0]
+    out = ops.take(ye, ops.minimum(slot, num_slots - 1), axis=0)
 
     def grad(*args, upstream=None):
         g = _upstream(args, upstream)
-        g_pad = ops.concatenate([ops.zeros((1, dim), g.dtype), g], axis=0)
+        g_pad = ops.concatenate([ops.zeros((1, ops.shape(g)[1]), g.dtype), g], axis=0)
         return ops.take(g_pad, slot_assignment, axis=0), None, None
 
     return out, grad
@@ -400,8 +418,8 @@ class MixtureOfExperts(keras.layers.Layer):
             y = y + out_b[:, None, :]
         return y
 
-    def _dispatch_and_run(self, capacity, x, expert_flat, token_flat, position, weight_flat,
-                          weights, dropout_mask):
+    def _dispatch_and_run(self, capacity, x, expert_flat, position, weight_flat, weights,
+                          dropout_mask):
         e, k = self.num_experts, self.top_k
         num_tokens = ops.shape(x)[0]
         slots = e * capacity
@@ -415,28 +433,24 @@ class MixtureOfExperts(keras.layers.Layer):
             ops.expand_dims(slot, -1),
             ops.arange(1, k * num_tokens + 1, dtype="int32"),
         )[:slots]
-        slot_token = ops.take(
-            ops.concatenate([ops.zeros((1,), "int32"), token_flat + 1], axis=0),
-            slot_assignment,
-            axis=0,
-        )
-        xe = _dispatch(x, slot_token, slot)
+        # assignment a is token a mod tokens (choice-major layout); empty slots -> token 0
+        assignment_of_slot = ops.maximum(slot_assignment - 1, 0)
+        slot_token = assignment_of_slot % num_tokens
+        xe = _dispatch(x, slot_token, slot, k)
         xe = ops.reshape(xe, (e, capacity, ops.shape(x)[1]))
         hidden_mask = None
         if dropout_mask is not None:
             # Each (token, expert) assignment has its own mask row; route it like the token.
-            mask_pad = ops.concatenate(
-                [ops.ones((1, self.intermediate_dim), dropout_mask.dtype), dropout_mask], axis=0
-            )
             hidden_mask = ops.reshape(
-                ops.take(mask_pad, slot_assignment, axis=0),
+                ops.take(dropout_mask, assignment_of_slot, axis=0),
                 (e, capacity, self.intermediate_dim),
             )
         ye = self._experts(xe, weights, hidden_mask)
         out_dim = ops.shape(ye)[-1]
         y = _combine(ops.reshape(ye, (slots, out_dim)), slot, slot_assignment)
-        y = y * ops.expand_dims(ops.cast(weight_flat, ye.dtype), -1)
-        return _sum_choices(y, num_tokens)
+        weight = ops.where(keep, weight_flat, 0.0)
+        y = y * ops.expand_dims(ops.cast(weight, ye.dtype), -1)
+        return _sum_choices(y, num_tokens, k)
 
     def call(self, inputs, padding_mask=None, training=None, return_aux_losses=False):
         e, k = self.num_experts, self.top_k
@@ -461,28 +475,30 @@ class MixtureOfExperts(keras.layers.Layer):
             valid_f = ops.ones((num_tokens,), "float32")
 
         # --- auxiliary losses (valid tokens only, before dropping) ---
-        n_valid = ops.maximum(ops.sum(valid_f), 1.0)
-        top1 = ops.one_hot(top_idx[:, 0], e, dtype="float32")
-        frac = ops.sum(top1 * valid_f[:, None], axis=0) / n_valid
-        mean_prob = ops.sum(probs * valid_f[:, None], axis=0) / n_valid
-        load_balance = e * ops.sum(frac * mean_prob)
-        lse = ops.logsumexp(logits, axis=-1)
-        z_loss = ops.sum(ops.square(lse) * valid_f) / n_valid
-        self.last_load_balance_loss = load_balance
-        self.last_router_z_loss = z_loss
-        if training:
-            if self.load_balance_loss_weight > 0:
-                self.add_loss(self.load_balance_loss_weight * load_balance)
-            if self.router_z_loss_weight > 0:
-                self.add_loss(self.router_z_loss_weight * z_loss)
-        if training is not None and _TRACKERS_SUPPORTED():
-            self.load_balance_loss_tracker.update_state(load_balance)
-            self.router_z_loss_tracker.update_state(z_loss)
+        # Skipped in plain inference calls (training=None), where nothing would read them.
+        track = training is not None and _TRACKERS_SUPPORTED()
+        if training or track or return_aux_losses:
+            n_valid = ops.maximum(ops.sum(valid_f), 1.0)
+            top1 = ops.one_hot(top_idx[:, 0], e, dtype="float32")
+            frac = ops.sum(top1 * valid_f[:, None], axis=0) / n_valid
+            mean_prob = ops.sum(probs * valid_f[:, None], axis=0) / n_valid
+            load_balance = e * ops.sum(frac * mean_prob)
+            lse = ops.logsumexp(logits, axis=-1)
+            z_loss = ops.sum(ops.square(lse) * valid_f) / n_valid
+            self.last_load_balance_loss = load_balance
+            self.last_router_z_loss = z_loss
+            if training:
+                if self.load_balance_loss_weight > 0:
+                    self.add_loss(self.load_balance_loss_weight * load_balance)
+                if self.router_z_loss_weight > 0:
+                    self.add_loss(self.router_z_loss_weight * z_loss)
+            if track:
+                self.load_balance_loss_tracker.update_state(load_balance)
+                self.router_z_loss_tracker.update_state(z_loss)
 
         # --- assignments in priority order: choice-major, then token order ---
         expert_flat = ops.reshape(ops.transpose(top_idx), (-1,))
         weight_flat = ops.reshape(ops.transpose(top_p), (-1,))
-        token_flat = ops.tile(ops.arange(num_tokens, dtype="int32"), (k,))
         onehot = ops.one_hot(expert_flat, e, dtype="int32")
         if valid is not None:
             onehot = onehot * ops.cast(ops.tile(valid, (k,)), "int32")[:, None]
@@ -499,27 +515,32 @@ class MixtureOfExperts(keras.layers.Layer):
             )
         weights = self._expert_weights()
 
+        def run_with(capacity):
+            return self._dispatch_and_run(
+                capacity, x, expert_flat, position, weight_flat, weights, dropout_mask,
+            )
+
         def run(tier):
             # The capacity is recomputed from the token count inside the branch so that it
             # stays a compile-time constant for XLA when the batch size is dynamic (TF).
-            capacity = self._capacities(ops.shape(x)[0])[tier]
-            return self._dispatch_and_run(
-                capacity, x, expert_flat, token_flat, position, weight_flat, weights,
-                dropout_mask,
-            )
+            return run_with(self._capacities(ops.shape(x)[0])[tier])
 
         capacities = self._capacities(num_tokens)
         if len(capacities) == 1:
             y = run(0)
         else:
-            # index of the smallest capacity that holds the busiest expert
-            tier = ops.sum(
-                ops.stack([ops.cast(max_count > c, "int32") for c in capacities[:-1]])
-            )
-            concrete = _concrete_int(tier)
-            if concrete is not None:  # eager: pick the branch in Python
-                y = run(concrete)
+            busiest = _concrete_int(max_count)
+            if busiest is not None and isinstance(num_tokens, int):
+                # Eager: shapes may follow the data. Round the busiest expert's load up to
+                # 1/16 of the balanced load (at least 8 rows), which wastes <= ~6% and keeps
+                # the set of shapes small for backends that compile per shape.
+                step = max(8, -(-num_tokens * k // (16 * e)))
+                y = run_with(min(num_tokens, max(step, -(-busiest // step) * step)))
             else:
+                # index of the smallest static capacity that holds the busiest expert
+                tier = ops.sum(
+                    ops.stack([ops.cast(max_count > c, "int32") for c in capacities[:-1]])
+                )
                 y = ops.switch(tier, [functools.partial(run, t) for t in range(len(capacities))])
         outputs = ops.reshape(y, tuple(in_shape[:-1]) + (ops.shape(y)[-1],))
         if return_aux_losses:
