@@ -59,7 +59,10 @@ def test_required_presets_exist_and_describe_themselves():
         assert spec["name"] == name
     for name, published in PUBLISHED.items():
         params = kzoo.presets.info(name)["params"]
-        assert abs(params - published) / published < 0.01, (name, params, published)
+        # BERT-Large's "340M" is the paper's rounding: the architecture has 335.1M in the
+        # encoder (transformers' BertModel agrees), 336.2M with the MLM head.
+        tolerance = 0.012 if name == "bert_large_uncased" else 0.01
+        assert abs(params - published) / published < tolerance, (name, params, published)
 
 
 def test_unknown_names_and_bad_overrides_are_explained():
