@@ -207,13 +207,13 @@ def test_fit_lowers_loss():
                                                       "attention_dropout": 0.1,
                                                       "activation_dropout": 0.1}))
     # XLA on JAX and TensorFlow; on torch "auto" runs eagerly (torch.compile takes minutes).
-    model.compile(keras.optimizers.Adam(3e-3), "mse", jit_compile="auto")
+    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile="auto")
     before = model.evaluate(data, verbose=0)
-    history = model.fit(data, epochs=12, verbose=0)
+    history = model.fit(data, epochs=20, verbose=0)
     after = model.evaluate(data, verbose=0)
     print("FreeSolv MSE before/after:", before, after)
     assert np.isfinite(history.history["loss"]).all()
-    assert after < 0.7 * before
+    assert after < 0.6 * before
 
 
 def test_frozen_layers_are_not_trainable():
@@ -468,6 +468,11 @@ def test_checkpoint_mismatches_are_reported(tmp_path):
     _write_hf(str(tmp_path / "shape"), {**config, "num_atoms": 100}, state)
     with pytest.raises(ValueError, match=r"atom_encoder.*\(4609, 16\).*\(101, 16\)"):
         kzoo.presets.load(str(tmp_path / "shape"))
+
+    pooler = dict(state)  # unused by the reference code and transformers: ignored
+    pooler["encoder.masked_lm_pooler.weight"] = np.ones((16, 16), np.float32)
+    _write_hf(str(tmp_path / "pooler"), config, pooler)
+    assert isinstance(kzoo.presets.load(str(tmp_path / "pooler")), GraphormerPredictor)
 
     bad_row = dict(state)
     name = "encoder.graph_encoder.graph_attn_bias.edge_encoder.weight"

@@ -53,6 +53,10 @@ ARCHITECTURES = {
     "GraphormerModel": "backbone",
 }
 
+# Unused by the forward pass of both the reference code and transformers (the reference
+# encoder's `masked_lm_pooler`); ignored if a converted checkpoint carries them.
+IGNORED_WEIGHTS = ("masked_lm_pooler.weight", "masked_lm_pooler.bias")
+
 # Hugging Face `activation_fn` (ACT2FN names) -> kzoo activation; the same functions.
 _ACTIVATIONS = {
     "gelu": "gelu",

@@ -824,8 +824,10 @@ class GraphormerPredictor(keras.Model):
                                   num_heads=4)
     model = GraphormerPredictor(backbone, num_classes=1)
     model.compile("adam", "mae")
+    # pad_to_nodes: every batch has the same shapes (one compiled graph, and TensorFlow's
+    # dataset adapter needs a fixed number of hops).
     data = graphs.smiles_dataset(["CCO", "c1ccccc1", "CC(=O)O"], [-5.0, -0.9, -6.7],
-                                 batch_size=2)
+                                 batch_size=2, pad_to_nodes=8)
     model.fit(data, epochs=2)
     ```
     """
