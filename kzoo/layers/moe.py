@@ -501,10 +501,14 @@ class MixtureOfExperts(keras.layers.Layer):
         weight_flat = ops.reshape(ops.transpose(top_p), (-1,))
         onehot = ops.one_hot(expert_flat, e, dtype="int32")
         if valid is not None:
-            onehot = onehot * ops.cast(ops.tile(valid, (k,)), "int32")[:, None]
-        # position of each assignment inside its expert; -1 for padded tokens
-        position = ops.sum(ops.cumsum(onehot, axis=0) * onehot, axis=-1) - 1
-        max_count = ops.max(ops.sum(onehot, axis=0))
+            valid_flat = ops.tile(valid, (k,))
+            onehot = onehot * ops.cast(valid_flat, "int32")[:, None]
+        # running count per expert; an assignment's position is its expert's count so far
+        running = ops.cumsum(onehot, axis=0)
+        position = ops.take_along_axis(running, expert_flat[:, None], axis=1)[:, 0] - 1
+        if valid is not None:
+            position = ops.where(valid_flat, position, -1)  # padded tokens: never kept
+        max_count = ops.max(running[-1])
 
         dropout_mask = None
         if training and self.dropout > 0:
