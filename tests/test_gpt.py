@@ -759,6 +759,134 @@ def test_hf_weight_errors(tmp_path):
         kzoo.presets.load(tmp_path)
 
 
-def test_to_hf_rejects_modern_configs(tmp_path):
-    with pytest.raises(ValueError, match="position='rotary'"):
-        kzoo.presets.save(shared_lm("modern"), tmp_path, format="hf")
+def test_to_hf_rejects_configs_without_hf_equivalent(tmp_path):
+    with pytest.raises(ValueError, match="norm='layernorm'"):
+        kzoo.presets.save(tiny_lm("gpt2", position="rotary"), tmp_path, format="hf")
+    with pytest.raises(ValueError, match="norm='rmsnorm'"):
+        kzoo.presets.save(tiny_lm("gpt2", norm="rmsnorm"), tmp_path, format="hf")
+    with pytest.raises(ValueError, match="capacity_factor"):
+        kzoo.presets.save(tiny_lm("moe", capacity_factor=1.0), tmp_path, format="hf")
+
+
+# === LLaMA / Mixtral: the modern configurations as Hugging Face checkpoints ===
+
+
+def _hf_modern(path, model_type="llama", **overrides):
+    import torch
+    import transformers
+
+    config = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1, bos_token_id=96,
+        eos_token_id=96, attn_implementation="eager",
+    )
+    if model_type == "mixtral":
+        config.update(num_local_experts=4, num_experts_per_tok=2)
+        cls, cfg_cls = transformers.MixtralForCausalLM, transformers.MixtralConfig
+    else:
+        cls, cfg_cls = transformers.LlamaForCausalLM, transformers.LlamaConfig
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = cls(cfg_cls(**config)).eval()
+    with torch.no_grad():  # non-trivial RMSNorm scales
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _load_modern(path):
+    """config_from_hf + load_weights of kzoo.convert.gpt (the converter contract), also
+    where kzoo.convert does not route model_type llama/mixtral to it."""
+    from kzoo import convert
+    from kzoo.convert import gpt as convert_gpt
+
+    family, config, task, task_config = convert_gpt.config_from_hf(convert.read_hf_config(path))
+    model = kzoo.presets.build(family, config, task=task, task_config=task_config)
+    reader = convert.WeightReader(convert.read_hf_state(path),
+                                  ignore=convert_gpt.IGNORED_WEIGHTS)
+    convert_gpt.load_weights(model, reader)
+    reader.finish()
+    return model
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4, "attention_bias": True,
+               "mlp_bias": True, "rope_theta": 500.0}),
+    ("mixtral", {}),
+])
+def test_hf_llama_mixtral_parity_and_round_trip(model_type, overrides, tmp_path):
+    import safetensors.numpy
+
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    hf = _hf_modern(src, model_type, **overrides)
+    model = _load_modern(src)
+    backbone = model.backbone
+    assert backbone.position == "rotary" and backbone.norm == "rmsnorm"
+    assert backbone.feedforward == ("moe" if model_type == "mixtral" else "gated")
+    ids, mask = _right_padded()
+    real = mask.astype(bool)
+    ours = to_numpy(_forward(model, _inputs(ids, mask)))
+    diff = np.abs(ours[real] - _hf_forward(hf, ids, mask)[real]).max()
+    print(f"{model_type} {sorted(overrides)} vs transformers: max |diff| logits {diff:.2e}")
+    assert diff <= 1e-5
+    # kzoo -> HF: the same tensors, and transformers reads them back
+    kzoo.presets.save(model, out, format="hf")
+    a = safetensors.numpy.load_file(os.path.join(src, "model.safetensors"))
+    b = safetensors.numpy.load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["modern", "moe"])
+def test_modern_kzoo_model_exports_to_transformers(kind, tmp_path):
+    import transformers
+
+    lm = tiny_lm(kind, initializer_range=0.1)
+    kzoo.presets.save(lm, tmp_path, format="hf")
+    cls = transformers.MixtralForCausalLM if kind == "moe" else transformers.LlamaForCausalLM
+    hf = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids, mask = _right_padded(vocab=VOCAB, lengths=(10, 6), width=10)
+    real = mask.astype(bool)
+    ours = to_numpy(_forward(lm, _inputs(ids, mask)))
+    diff = np.abs(_hf_forward(hf, ids, mask)[real] - ours[real]).max()
+    print(f"kzoo {kind} -> transformers {cls.__name__}: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_hf_llama_greedy_generation_left_padding(tmp_path):
+    import torch
+
+    hf = _hf_modern(tmp_path, initializer_range=0.3)
+    model = _load_modern(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
+    alone = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=20,
+                pad_token_id=0)
+        alone.append(out[0, len(prompt):].tolist())
+    ours = model.generate(prompts, max_new_tokens=20, stop_token_ids=[96])
+    assert ours == alone
+    assert len({tuple(o) for o in ours}) == 3
+
+
+@pytest.mark.parametrize("model_type, field, value", [
+    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("llama", "head_dim", 32),
+    ("llama", "mlp_bias", True),
+    ("llama", "hidden_act", "gelu_10"),
+    ("mixtral", "sliding_window", 16),
+])
+def test_hf_modern_config_errors(model_type, field, value):
+    from kzoo.convert import gpt as convert_gpt
+
+    config = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4,
+              "max_position_embeddings": 128, field: value}
+    with pytest.raises(ValueError, match=field):
+        convert_gpt.config_from_hf(config)

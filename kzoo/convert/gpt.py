@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 checkpoints <-> kzoo `GPTBackbone` / `GPTCausalLM`.
+"""Hugging Face GPT-2 (and LLaMA / Mixtral) checkpoints <-> kzoo `GPTBackbone` / `GPTCausalLM`.
 
 Reads `model_type="gpt2"` directories (`GPT2LMHeadModel` -> `causal_lm`, `GPT2Model` ->
 `backbone`), with or without the `transformer.` prefix (the original OpenAI checkpoints on the
@@ -13,9 +13,24 @@ Every field of `GPT2Config` that changes the computation is honoured or rejected
 (False -> attention scale 1.0) are honoured; `scale_attn_by_inverse_layer_idx`,
 `reorder_and_upcast_attn` and `add_cross_attention` raise `ValueError`.
 
+The modern configurations of the same backbone are LLaMA and Mixtral: `model_type="llama"`
+(`LlamaForCausalLM` / `LlamaModel`: RMSNorm, rotary "rotate-half" positions, SwiGLU, grouped-
+query attention) and `model_type="mixtral"` (`MixtralForCausalLM` / `MixtralModel`: the same
+with a top-k sparse mixture of SwiGLU experts). `config_from_hf` / `load_weights` read them and
+`to_hf` writes a kzoo model of such a configuration as a LLaMA or Mixtral checkpoint. Their
+projections are `nn.Linear` weights `(out, in)`, transposed to Keras kernels. Honoured:
+`hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
+`num_key_value_heads`, `hidden_act`, `max_position_embeddings`, `rms_norm_eps`, `rope_theta`,
+`attention_bias` / `mlp_bias` (equal), `tie_word_embeddings`, `num_local_experts`,
+`num_experts_per_tok`; rejected: `rope_scaling`, a `head_dim` other than
+hidden_size / num_attention_heads, a `sliding_window` shorter than `max_position_embeddings`,
+`attention_bias != mlp_bias`.
+
 Example:
 >>> lm = kzoo.presets.load("/path/to/gpt2")             # a save_pretrained directory
 >>> kzoo.presets.save(lm, "/tmp/gpt2_again", format="hf")
+>>> modern = kzoo.presets.load("gpt_modern_mini")
+>>> kzoo.presets.save(modern, "/tmp/llama", format="hf")  # transformers' LlamaForCausalLM
 """
 
 import warnings
@@ -26,11 +41,16 @@ import numpy as np
 from kzoo.convert import assign
 
 FAMILY = "gpt"
-MODEL_TYPES = ("gpt2",)
-# Causal-mask buffers that older checkpoints saved along with the weights.
-IGNORED_WEIGHTS = (".attn.bias", ".attn.masked_bias")
+MODEL_TYPES = ("gpt2", "llama", "mixtral")
+# Buffers that older checkpoints saved along with the weights (GPT-2's causal mask, LLaMA's
+# rotary frequencies).
+IGNORED_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 ARCHITECTURES = {"GPT2LMHeadModel": "causal_lm", "GPT2Model": "backbone"}
+MODERN_ARCHITECTURES = {
+    "llama": {"LlamaForCausalLM": "causal_lm", "LlamaModel": "backbone"},
+    "mixtral": {"MixtralForCausalLM": "causal_lm", "MixtralModel": "backbone"},
+}
 
 # Hugging Face `activation_function` -> kzoo activation name. "gelu_fast" is the same tanh
 # approximation written with the constant 0.7978845608 for sqrt(2 / pi) (equal in float32).
@@ -90,6 +110,8 @@ def config_from_hf(hf_config):
     Example:
     >>> config_from_hf({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2})
     """
+    if hf_config.get("model_type") in MODERN_ARCHITECTURES:
+        return _modern_config_from_hf(hf_config)
     cfg = {**_DEFAULTS, **hf_config}
     if hf_config.get("model_type") not in MODEL_TYPES:
         raise ValueError(
@@ -155,6 +177,101 @@ def config_from_hf(hf_config):
     return FAMILY, config, ARCHITECTURES[arch], {}
 
 
+# LlamaConfig / MixtralConfig defaults.
+_MODERN_DEFAULTS = {
+    "llama": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
+        max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None,
+        attention_bias=False, attention_dropout=0.0, mlp_bias=False, head_dim=None,
+    ),
+    "mixtral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+        max_position_embeddings=4096 * 32, initializer_range=0.02, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, rope_theta=1e6, sliding_window=None,
+        attention_dropout=0.0, num_experts_per_tok=2, num_local_experts=8,
+        router_jitter_noise=0.0, rope_scaling=None,
+    ),
+}
+
+
+def _modern_config_from_hf(hf_config):
+    model_type = hf_config["model_type"]
+    cfg = {**_MODERN_DEFAULTS[model_type], **hf_config}
+    archs = MODERN_ARCHITECTURES[model_type]
+    arch = (hf_config.get("architectures") or [next(iter(archs))])[0]
+    if arch not in archs:
+        raise ValueError(
+            f"Unsupported {model_type} architecture {arch!r} (config field `architectures`); "
+            f"kzoo reads {sorted(archs)}."
+        )
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    if hidden % heads:
+        raise ValueError(
+            f"{model_type} config: `num_attention_heads`={heads} must divide "
+            f"`hidden_size`={hidden}."
+        )
+    if cfg.get("head_dim") not in (None, hidden // heads):
+        raise ValueError(
+            f"{model_type} config field `head_dim`={cfg['head_dim']} is not supported: kzoo "
+            f"needs head_dim = hidden_size / num_attention_heads = {hidden // heads}."
+        )
+    if cfg.get("rope_scaling") is not None:
+        raise ValueError(
+            f"{model_type} config field `rope_scaling`={cfg['rope_scaling']!r} is not "
+            "supported (only rope_scaling=None)."
+        )
+    act = cfg["hidden_act"]
+    if act not in _ACTIVATIONS:
+        raise ValueError(
+            f"{model_type} config field `hidden_act`={act!r} is not supported; kzoo reads "
+            f"{sorted(_ACTIVATIONS)}."
+        )
+    bias = bool(cfg.get("attention_bias", False))
+    if bias != bool(cfg.get("mlp_bias", False)):
+        raise ValueError(
+            f"{model_type} config: `attention_bias`={cfg.get('attention_bias')} and "
+            f"`mlp_bias`={cfg.get('mlp_bias')} must be equal (kzoo has one use_bias)."
+        )
+    if cfg.get("pretraining_tp", 1) not in (None, 1):
+        warnings.warn(
+            f"{model_type} config: pretraining_tp={cfg['pretraining_tp']} only splits the "
+            "matrix products; the result is the same.", stacklevel=2,
+        )
+    window = cfg.get("sliding_window")
+    if window is not None and window < cfg["max_position_embeddings"]:
+        raise ValueError(
+            f"{model_type} config field `sliding_window`={window} is not supported (only None "
+            f"or >= max_position_embeddings={cfg['max_position_embeddings']})."
+        )
+    config = dict(
+        vocabulary_size=int(cfg["vocab_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=int(cfg["intermediate_size"]),
+        max_sequence_length=int(cfg["max_position_embeddings"]),
+        dropout=float(cfg.get("attention_dropout") or 0.0),
+        layer_norm_epsilon=float(cfg["rms_norm_eps"]),
+        activation=_ACTIVATIONS[act],
+        norm="rmsnorm",
+        position="rotary",
+        feedforward="moe" if model_type == "mixtral" else "gated",
+        num_kv_heads=int(cfg["num_key_value_heads"] or heads),
+        use_bias=bias,
+        rope_max_wavelength=float(cfg["rope_theta"]),
+        tie_embeddings=bool(cfg["tie_word_embeddings"]),
+        initializer_range=float(cfg["initializer_range"]),
+    )
+    if model_type == "mixtral":
+        config.update(num_experts=int(cfg["num_local_experts"]),
+                      top_k=int(cfg["num_experts_per_tok"]), capacity_factor=None,
+                      expert_type="gated")
+    return FAMILY, config, archs[arch], {}
+
+
 def _parts(model):
     task = getattr(model, "task_name", None)
     backbone = model.backbone if task else model
@@ -168,6 +285,8 @@ def load_weights(model, weights):
     >>> load_weights(model, WeightReader(read_hf_state("/path/to/gpt2")))
     """
     backbone, task = _parts(model)
+    if backbone.position == "rotary":
+        return _load_modern_weights(backbone, task, weights)
     if backbone.position != "learned" or backbone.norm != "layernorm" or (
         backbone.feedforward != "plain"
     ):
@@ -234,6 +353,69 @@ def load_weights(model, weights):
             assign(backbone.token_embedding.reverse_embeddings, head.T, "lm_head.weight")
 
 
+def _load_modern_weights(backbone, task, weights):
+    """LLaMA / Mixtral names (`nn.Linear` weights are `(out, in)`: transposed)."""
+    if backbone.norm != "rmsnorm" or backbone.feedforward not in ("gated", "moe"):
+        raise ValueError(
+            "LLaMA / Mixtral checkpoints need norm='rmsnorm' and feedforward='gated' or 'moe'; "
+            f"got norm={backbone.norm!r}, feedforward={backbone.feedforward!r}."
+        )
+    prefix = "model." if weights.has("model.embed_tokens.weight") else ""
+
+    def put(variable, name, transpose=False):
+        value = weights.take(name)
+        assign(variable, None if value is None else (value.T if transpose else value), name)
+
+    put(backbone.token_embedding.embeddings, prefix + "embed_tokens.weight")
+    for i, block in enumerate(backbone.transformer_layers):
+        p = f"{prefix}layers.{i}."
+        attn = block.self_attention
+        put(block.self_attention_norm.scale, p + "input_layernorm.weight")
+        for proj, dense in (("q_proj", attn.query_dense), ("k_proj", attn.key_dense),
+                            ("v_proj", attn.value_dense), ("o_proj", attn.output_dense)):
+            put(dense.kernel, p + f"self_attn.{proj}.weight", transpose=True)
+            if backbone.use_bias:
+                put(dense.bias, p + f"self_attn.{proj}.bias")
+        put(block.feedforward_norm.scale, p + "post_attention_layernorm.weight")
+        ff = block.feedforward_layer
+        if backbone.feedforward == "gated":
+            for proj, dense in (("gate_proj", ff.gate_dense), ("up_proj", ff.up_dense),
+                                ("down_proj", ff.output_dense)):
+                put(dense.kernel, p + f"mlp.{proj}.weight", transpose=True)
+                if backbone.use_bias:
+                    put(dense.bias, p + f"mlp.{proj}.bias")
+        else:
+            m = p + "block_sparse_moe."
+            put(ff.router.kernel, m + "gate.weight", transpose=True)
+            stacks = {"w1": [], "w3": [], "w2": []}
+            for j in range(backbone.num_experts):
+                for w in stacks:
+                    value = weights.take(f"{m}experts.{j}.{w}.weight")
+                    stacks[w].append(None if value is None else value.T)
+            for w, variable in (("w1", ff.gate_kernel), ("w3", ff.up_kernel),
+                                ("w2", ff.output_kernel)):
+                if all(v is not None for v in stacks[w]):
+                    shapes = {v.shape for v in stacks[w]}
+                    if len(shapes) != 1:
+                        raise ValueError(
+                            f"Experts of {m}experts.*.{w}.weight have different shapes "
+                            f"{sorted(shapes)}."
+                        )
+                    assign(variable, np.stack(stacks[w]), f"{m}experts.*.{w}.weight")
+    put(backbone.final_norm.scale, prefix + "norm.weight")
+    if backbone.tie_embeddings:
+        if weights.has("lm_head.weight"):
+            head = weights.take("lm_head.weight")
+            embed = weights.state.get(prefix + "embed_tokens.weight")
+            if embed is not None and not np.array_equal(np.asarray(embed, head.dtype), head):
+                raise ValueError(
+                    "The checkpoint's `lm_head.weight` differs from `embed_tokens.weight` but "
+                    "the model ties them; load with tie_embeddings=False."
+                )
+    elif task is not None or weights.has("lm_head.weight"):
+        put(backbone.token_embedding.reverse_embeddings, "lm_head.weight", transpose=True)
+
+
 def to_hf(model):
     """`(config.json dict, {name: array})` of a GPT-2-configured kzoo model for transformers.
 
@@ -241,6 +423,8 @@ def to_hf(model):
     >>> hf_config, state = to_hf(kzoo.presets.load("gpt_mini"))
     """
     backbone, task = _parts(model)
+    if backbone.position == "rotary":
+        return _modern_to_hf(backbone, task)
     problems = []
     if backbone.position != "learned":
         problems.append(f"position={backbone.position!r} (GPT-2: 'learned')")
@@ -258,8 +442,8 @@ def to_hf(model):
         problems.append(f"attention_scale={backbone.attention_scale} (GPT-2: None or 1.0)")
     if problems:
         raise ValueError(
-            "Only GPT-2-configured models can be written as Hugging Face GPT-2 checkpoints; "
-            "this model has " + ", ".join(problems) + "."
+            "Only GPT-2-configured models (or rotary LLaMA / Mixtral configurations) can be "
+            "written as Hugging Face checkpoints; this model has " + ", ".join(problems) + "."
         )
     hf_config = {
         "model_type": "gpt2",
@@ -319,6 +503,101 @@ def to_hf(model):
         state["lm_head.weight"] = np.ascontiguousarray(
             val(backbone.token_embedding.reverse_embeddings).T
         )
+    return hf_config, state
+
+
+def _val(variable):
+    return np.asarray(keras.ops.convert_to_numpy(variable.value), dtype=np.float32)
+
+
+def _modern_to_hf(backbone, task):
+    """A rotary GPT configuration as a LLaMA (gated) or Mixtral (MoE) checkpoint."""
+    problems = []
+    if backbone.norm != "rmsnorm":
+        problems.append(f"norm={backbone.norm!r} (LLaMA: 'rmsnorm')")
+    if backbone.feedforward not in ("gated", "moe"):
+        problems.append(f"feedforward={backbone.feedforward!r} (LLaMA: 'gated'; Mixtral: 'moe')")
+    if backbone.attention_scale is not None:
+        problems.append(f"attention_scale={backbone.attention_scale} (LLaMA: None)")
+    if backbone.activation not in _HF_ACTIVATIONS:
+        problems.append(f"activation={backbone.activation!r}")
+    moe = backbone.feedforward == "moe"
+    if moe:
+        if backbone.use_bias:
+            problems.append("use_bias=True (Mixtral has no biases)")
+        if backbone.expert_type != "gated":
+            problems.append(f"expert_type={backbone.expert_type!r} (Mixtral: 'gated')")
+        if backbone.capacity_factor is not None:
+            problems.append(f"capacity_factor={backbone.capacity_factor} (Mixtral: None)")
+    if problems:
+        raise ValueError(
+            "This rotary GPT configuration has no Hugging Face equivalent (LLaMA / Mixtral): "
+            + ", ".join(problems) + "."
+        )
+    act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh"}.get(
+        backbone.activation, _HF_ACTIVATIONS[backbone.activation])
+    model_type = "mixtral" if moe else "llama"
+    name = {"llama": "Llama", "mixtral": "Mixtral"}[model_type]
+    hf_config = {
+        "model_type": model_type,
+        "architectures": [f"{name}ForCausalLM" if task == "causal_lm" else f"{name}Model"],
+        "vocab_size": backbone.vocabulary_size,
+        "hidden_size": backbone.hidden_dim,
+        "intermediate_size": backbone.intermediate_dim,
+        "num_hidden_layers": backbone.num_layers,
+        "num_attention_heads": backbone.num_heads,
+        "num_key_value_heads": backbone.num_kv_heads or backbone.num_heads,
+        "head_dim": backbone.hidden_dim // backbone.num_heads,
+        "hidden_act": act,
+        "max_position_embeddings": backbone.max_sequence_length,
+        "rms_norm_eps": backbone.layer_norm_epsilon,
+        "rope_theta": float(backbone.rope_max_wavelength),
+        "rope_scaling": None,
+        "attention_dropout": backbone.dropout,
+        "initializer_range": backbone.initializer_range,
+        "tie_word_embeddings": backbone.tie_embeddings,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    if moe:
+        hf_config.update(num_local_experts=backbone.num_experts,
+                         num_experts_per_tok=backbone.top_k, sliding_window=None,
+                         router_jitter_noise=0.0)
+    else:
+        hf_config.update(attention_bias=backbone.use_bias, mlp_bias=backbone.use_bias)
+    prefix = "model." if task is not None else ""
+    state = {prefix + "embed_tokens.weight": _val(backbone.token_embedding.embeddings),
+             prefix + "norm.weight": _val(backbone.final_norm.scale)}
+
+    def linear(name, dense):
+        state[name + ".weight"] = np.ascontiguousarray(_val(dense.kernel).T)
+        if backbone.use_bias:
+            state[name + ".bias"] = _val(dense.bias)
+
+    for i, block in enumerate(backbone.transformer_layers):
+        p = f"{prefix}layers.{i}."
+        attn = block.self_attention
+        state[p + "input_layernorm.weight"] = _val(block.self_attention_norm.scale)
+        state[p + "post_attention_layernorm.weight"] = _val(block.feedforward_norm.scale)
+        for proj, dense in (("q_proj", attn.query_dense), ("k_proj", attn.key_dense),
+                            ("v_proj", attn.value_dense), ("o_proj", attn.output_dense)):
+            linear(p + "self_attn." + proj, dense)
+        ff = block.feedforward_layer
+        if not moe:
+            for proj, dense in (("gate_proj", ff.gate_dense), ("up_proj", ff.up_dense),
+                                ("down_proj", ff.output_dense)):
+                linear(p + "mlp." + proj, dense)
+        else:
+            m = p + "block_sparse_moe."
+            state[m + "gate.weight"] = np.ascontiguousarray(_val(ff.router.kernel).T)
+            for w, variable in (("w1", ff.gate_kernel), ("w3", ff.up_kernel),
+                                ("w2", ff.output_kernel)):
+                stack = _val(variable)
+                for j in range(backbone.num_experts):
+                    state[f"{m}experts.{j}.{w}.weight"] = np.ascontiguousarray(stack[j].T)
+    if task is not None and not backbone.tie_embeddings:
+        state["lm_head.weight"] = np.ascontiguousarray(
+            _val(backbone.token_embedding.reverse_embeddings).T)
     return hf_config, state
 
 
