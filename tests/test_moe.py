@@ -324,6 +324,9 @@ def test_compiled_fit_lowers_the_loss_and_logs_router_metrics():
             assert len(history[name]) == 5 and all(v > 0 for v in history[name])
         # balanced-ish router: the load-balancing loss stays close to its optimum of 1
         assert 0.9 < history["moe_load_balance_loss"][-1] < 1.5
+        # evaluate (training=False) records them too
+        logs = model.evaluate(x[:16], y[:16], verbose=0, return_dict=True)
+        assert 0.9 < logs["moe_load_balance_loss"] < 1.5 and logs["moe_router_z_loss"] > 0
 
 
 @pytest.mark.slow

@@ -193,14 +193,23 @@ class MixtureOfExperts(keras.layers.Layer):
     - router z-loss (ST-MoE, Zoph et al., 2022): mean over tokens of
       `logsumexp(router_logits)^2`.
 
-    When called with `training=True` the layer adds `load_balance_loss_weight * lb` and
-    `router_z_loss_weight * z` to `layer.losses` / `model.losses` (a weight of 0 adds
-    nothing) and updates two `keras.metrics.Mean` trackers with the *unweighted* values, so
-    `model.fit` logs show them as `"<layer name>_load_balance_loss"` and
-    `"<layer name>_router_z_loss"`. The unweighted values of the latest call are also kept
-    in `layer.last_load_balance_loss` / `layer.last_router_z_loss` (meaningful after an
-    eager call; under `jit` they are the traced values), and `call(...,
-    return_aux_losses=True)` returns them functionally.
+    Where to find them:
+
+    - `training=True` adds `load_balance_loss_weight * lb` and `router_z_loss_weight * z`
+      to `layer.losses` / `model.losses` (a weight of 0 adds nothing), so `model.fit`
+      minimises them.
+    - With `training` set (True or False, i.e. inside `fit`, `evaluate`, `predict`) two
+      `keras.metrics.Mean` trackers record the *unweighted* values, and the logs show them
+      as `"<layer name>_load_balance_loss"` and `"<layer name>_router_z_loss"` (plus
+      `val_...` with validation data). TensorFlow and PyTorch only: Keras' JAX trainer
+      runs the forward pass in a stateless scope that carries no metric state, so on JAX
+      the trackers are not reported (use `return_aux_losses=True`).
+    - `call(..., return_aux_losses=True)` returns the unweighted values functionally
+      (works under `jit` on every backend).
+    - `layer.last_load_balance_loss` / `layer.last_router_z_loss` keep the unweighted
+      values of the latest call that computed them (any call with `training` set or
+      `return_aux_losses=True`; plain inference calls skip the computation). Meaningful
+      after eager calls; under `jit` they hold traced values.
 
     Args:
         num_experts: number of experts (positive int).
@@ -227,7 +236,8 @@ class MixtureOfExperts(keras.layers.Layer):
         padding_mask: optional boolean `(batch, seq)` (i.e. `inputs.shape[:-1]`); False
             tokens are not routed (their output is zero), take no capacity and are left out
             of the auxiliary losses.
-        training: adds the losses, updates the trackers, enables dropout.
+        training: True adds the losses and enables dropout; True or False updates the
+            trackers.
         return_aux_losses: also return `{"load_balance_loss", "router_z_loss"}` (unweighted
             float32 scalars).
 
