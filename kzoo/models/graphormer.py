@@ -27,8 +27,9 @@ port of the fairseq-based reference code) exactly:
   `spatial_pos_max`); transformers adds it to the bias twice, and so does this model for its
   finite entries, while its `-inf` entries become a boolean mask (so a row whose keys are
   all masked gives finite output instead of NaN);
-- embedding ids 0 are padding: as torch's `padding_idx`, they look up a zero vector (here
-  the row is multiplied by 0, so it also stays zero under training);
+- embedding ids 0 are padding: as with torch's `padding_idx=0` (whose row is zero in every
+  checkpoint), they look up a zero vector; here row 0 is multiplied by 0 before the lookup,
+  so its stored value never matters and it gets no gradient;
 - the output of the last encoder layer goes through `LayerNorm(act(Dense(x)))`
   (`lm_head_transform_weight`, the activation, `layer_norm` of transformers'
   `GraphormerModel`); that is the backbone's output, `GraphormerModel`'s
@@ -85,17 +86,42 @@ def _check_bool(name, value):
     return value
 
 
-def _lookup(table, ids, padding, dtype):
-    """Rows of `table` for integer `ids` (clipped into range, as `TokenEmbedding` does);
-    with `padding`, id 0 gives a zero vector (torch's `padding_idx=0`)."""
+def _table(table, padding, dtype):
+    """`table` in `dtype`; with `padding`, row 0 multiplied by 0 (torch's `padding_idx=0`:
+    id 0 looks up a zero vector, and the row gets no gradient)."""
     table = ops.cast(table, dtype)
     if padding:
-        keep = ops.cast(ops.arange(ops.shape(table)[0]) > 0, dtype)
+        keep = ops.cast(ops.arange(table.shape[0]) > 0, dtype)
         table = table * ops.expand_dims(keep, -1)
+    return table
+
+
+def _take(table, ids):
+    """Rows of `table` for integer `ids`, clipped into range as `TokenEmbedding` does."""
     if "int" not in keras.backend.standardize_dtype(ids.dtype):
         ids = ops.cast(ids, "int32")
     ids = ops.clip(ids, 0, table.shape[0] - 1)
     return ops.take(table, ids, axis=0)
+
+
+def _lookup(table, ids, padding, dtype):
+    return _take(_table(table, padding, dtype), ids)
+
+
+def _lookup_reduce(table, ids, padding, dtype, mean):
+    """`sum` (or `mean`) over the last axis of `ids` of `lookup(table, ids)`: the summed
+    (mean) embedding of the feature columns. Accumulated one column at a time when their
+    number is static, so that the `(..., columns, dim)` lookup, the largest tensor of the
+    node features and of the multi-hop edge encoding, never exists at once."""
+    table = _table(table, padding, dtype)
+    columns = ids.shape[-1]
+    if columns is None:
+        rows = _take(table, ids)
+        return ops.mean(rows, axis=-2) if mean else ops.sum(rows, axis=-2)
+    total = _take(table, ids[..., 0])
+    for column in range(1, columns):
+        total = total + _take(table, ids[..., column])
+    return total / columns if mean else total
 
 
 # === Layers ===
@@ -162,7 +188,7 @@ class GraphormerNodeFeature(keras.layers.Layer):
 
     def call(self, input_nodes, in_degree, out_degree):
         dtype = self.compute_dtype
-        nodes = ops.sum(_lookup(self.atom_embeddings, input_nodes, True, dtype), axis=-2)
+        nodes = _lookup_reduce(self.atom_embeddings, input_nodes, True, dtype, mean=False)
         nodes = nodes + _lookup(self.in_degree_embeddings, in_degree, True, dtype)
         nodes = nodes + _lookup(self.out_degree_embeddings, out_degree, True, dtype)
         token = ops.cast(self.graph_token, dtype)[None]  # (1, 1, hidden)
@@ -272,14 +298,13 @@ class GraphormerAttentionBias(keras.layers.Layer):
     def _edge_bias(self, spatial_pos, input_edges, attn_edge_type, dtype):
         """(B, N, N, heads)."""
         if self.edge_type == "single_hop":
-            edges = _lookup(self.edge_embeddings, attn_edge_type, True, dtype)
-            return ops.mean(edges, axis=-2)
+            return _lookup_reduce(self.edge_embeddings, attn_edge_type, True, dtype, mean=True)
         hops = ops.where(ops.equal(spatial_pos, 0), 1, spatial_pos)
         hops = ops.where(ops.greater(hops, 1), hops - 1, hops)
         if self.multi_hop_max_dist > 0:
             hops = ops.clip(hops, 0, self.multi_hop_max_dist)
             input_edges = input_edges[:, :, :, : self.multi_hop_max_dist, :]
-        edges = ops.mean(_lookup(self.edge_embeddings, input_edges, True, dtype), axis=-2)
+        edges = _lookup_reduce(self.edge_embeddings, input_edges, True, dtype, mean=True)
         num_hops = edges.shape[3] if edges.shape[3] is not None else ops.shape(edges)[3]
         if isinstance(num_hops, int) and num_hops > self.num_edge_dis:
             raise ValueError(
