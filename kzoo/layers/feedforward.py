@@ -212,14 +212,12 @@ class GatedFeedForward(keras.layers.Layer):
 
     `y = W_o(dropout(act(x W_gate) * (x W_up)))`. The activation picks the variant:
 
-    | activation                 | variant                                            |
-    |----------------------------|----------------------------------------------------|
-    | `"sigmoid"`                | GLU (Dauphin et al., 2017)                         |
-    | `"relu"`                   | ReGLU                                              |
-    | `"gelu"`                   | GEGLU, exact erf GELU                              |
-    | `"gelu_tanh"` / `"gelu_new"` | GEGLU with tanh GELU (T5 v1.1 "gated-gelu")      |
-    | `"silu"` / `"swish"`       | SwiGLU (LLaMA, Mixtral)                            |
-    | `"linear"`                 | bilinear                                           |
+    - `"sigmoid"`: GLU (Dauphin et al., 2017).
+    - `"relu"`: ReGLU.
+    - `"gelu"`: GEGLU with the exact erf GELU.
+    - `"gelu_tanh"` (alias `"gelu_new"`): GEGLU with the tanh GELU (T5 v1.1 "gated-gelu").
+    - `"silu"` (alias `"swish"`): SwiGLU (LLaMA, Mixtral).
+    - `"linear"`: bilinear.
 
     Any other name of `get_activation` is accepted as well.
 
