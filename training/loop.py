@@ -197,7 +197,9 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
     epoch_steps = max(1, min(task.steps_per_epoch, int(cfg.max_epoch_steps)))
     num_epochs = math.ceil(steps_total / epoch_steps)
 
-    model.compile(optimizer=make_optimizer(cfg), loss=loss, metrics=metrics)
+    # `weighted_metrics`: the metrics count what the loss counts (Keras' plain `metrics`
+    # ignore sample weights: BERT's accuracy would include the unmasked tokens).
+    model.compile(optimizer=make_optimizer(cfg), loss=loss, weighted_metrics=metrics)
     model.optimizer.build(model.trainable_variables)
 
     state = cb.RunState()
