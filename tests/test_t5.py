@@ -171,6 +171,12 @@ def test_initialisation_follows_t5():
         assert abs(value.mean()) < 0.1 * expected[key], v.path
         assert abs(value.std() / expected[key] - 1) < 0.1, (v.path, value.std(), expected[key])
     assert seen == set(expected)
+    # Every kernel is its own draw (no two layers share values).
+    kernels = [to_numpy(v) for v in lm.weights if "query_dense" in v.path]
+    kernels += [to_numpy(v) for v in lm.weights if "feedforward/output_dense" in v.path]
+    for i in range(len(kernels)):
+        for j in range(i):
+            assert kernels[i].shape != kernels[j].shape or not np.allclose(kernels[i], kernels[j])
 
 
 # === Decoding ===
@@ -277,7 +283,7 @@ def test_generate_with_tokenizer():
         {w: i for i, w in enumerate(words)}, unk_token="w0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["<pad>", "</s>"])
-    lm = tiny_lm("v1_0")
+    lm = shared_lm("v1_0")
     lm.tokenizer = tok
     options = dict(max_new_tokens=4, stop_token_ids=None, compile=False)
     ids = lm.generate(np.array([[5, 6, 7]], "int32"), **options)

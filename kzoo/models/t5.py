@@ -313,25 +313,26 @@ class T5Backbone(_FunctionalModel):
         self._t5_initialize()
 
     def _t5_initialize(self):
-        """Rescale the two kernels whose T5 initialiser `TransformerBlock` cannot express.
+        """Redraw the kernels whose T5 initialiser `TransformerBlock` cannot express.
 
-        The blocks draw every kernel but the attention output from N(0, hidden_dim^-1/2).
-        T5 draws the query from N(0, (hidden_dim * key_value_dim)^-1/2) and the feed-forward
-        output from N(0, intermediate_dim^-1/2): multiplying the N(0, hidden_dim^-1/2) draw
-        by `key_value_dim^-1/2`, resp. `(hidden_dim / intermediate_dim)^1/2`, gives exactly
-        those distributions.
+        A block takes one initialiser for the query, key, value and feed-forward input
+        kernels (here N(0, hidden_dim^-1/2)) and one for the attention output. T5 draws the
+        query from N(0, (hidden_dim * key_value_dim)^-1/2) and the feed-forward output from
+        N(0, intermediate_dim^-1/2): those kernels are redrawn here, once, at construction.
         """
-        q_factor = self.key_value_dim ** -0.5
-        wo_factor = (self.hidden_dim / self.intermediate_dim) ** 0.5
+        # A fresh initialiser for every kernel: an unseeded Keras initialiser instance
+        # fixes its seed when created and would draw the same values at every call.
+        query_std = (self.hidden_dim * self.key_value_dim) ** -0.5
+        ffn_output_std = self.intermediate_dim ** -0.5
         for block in self.encoder_layers + self.decoder_layers:
             attentions = [block.self_attention]
             if block.cross_attention:
                 attentions.append(block.cross_attention_layer)
             for attention in attentions:
                 kernel = attention.query_dense.kernel
-                kernel.assign(kernel * q_factor)
+                kernel.assign(_normal(query_std)(kernel.shape, dtype=kernel.dtype))
             kernel = block.feedforward_layer.output_dense.kernel
-            kernel.assign(kernel * wo_factor)
+            kernel.assign(_normal(ffn_output_std)(kernel.shape, dtype=kernel.dtype))
 
     # === Stacks (shared by the functional graph and the decoding methods) ===
 
