@@ -510,6 +510,9 @@ def chunked_attention(
         out = ops.where(denom > 0, acc / ops.maximum(denom, 1e-30), 0.0)
         return ops.cast(out, out_dtype)
 
+    if keras.backend.backend() == "jax":
+        return _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk)
+
     outputs = []
     for q_start in range(0, q_len, bq):
         q_stop = min(q_start + bq, q_len)
@@ -535,6 +538,103 @@ def chunked_attention(
     if len(outputs) == 1:
         return outputs[0]
     return ops.concatenate(outputs, axis=1)
+
+
+def _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk):
+    """The chunked kernel as two nested `lax.scan`s (JAX).
+
+    An unrolled Python loop lets XLA schedule every block at once, which keeps the whole
+    score matrix alive; a scan runs one block at a time in the forward pass and, with the
+    query-block body under `jax.checkpoint`, in the backward pass too. Key blocks that a
+    causal mask hides entirely are skipped with `lax.cond`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    b, q_len, h, d = query.shape
+    k_len = key.shape[1]
+    bq, bk = min(bq, q_len), min(bk, k_len)
+    nq, nk = -(-q_len // bq), -(-k_len // bk)
+    pad_q, pad_k = nq * bq - q_len, nk * bk - k_len
+    offset = k_len - q_len
+    out_dtype = query.dtype
+
+    def pad(x, axis, amount, value=0):
+        if amount == 0 or x.shape[axis] == 1:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, amount)
+        return jnp.pad(x, widths, constant_values=value)
+
+    q = pad(query, 1, pad_q)
+    k = pad(key, 1, pad_k)
+    v = pad(value, 1, pad_k)
+    if mask is not None:
+        mask = pad(pad(mask, 2, pad_q, True), 3, pad_k, False)
+    if bias is not None:
+        bias = pad(pad(bias.astype(jnp.float32), 2, pad_q), 3, pad_k)
+
+    def q_rows(x, i):
+        if x is None or x.shape[2] == 1:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=2)
+
+    def k_cols(x, j):
+        if x is None or x.shape[3] == 1:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=3)
+
+    def q_block(i):
+        q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
+        m_rows, b_rows = q_rows(mask, i), q_rows(bias, i)
+        q_pos = i * bq + jnp.arange(bq)[:, None] + offset
+
+        def k_step(carry, j):
+            def update(carry):
+                run_max, run_sum, acc = carry
+                k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
+                v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+                sc = _grouped_scores(q_blk, k_blk).astype(jnp.float32) * scale
+                if b_rows is not None:
+                    sc = sc + k_cols(b_rows, j)
+                k_pos = j * bk + jnp.arange(bk)[None, :]
+                allowed = jnp.broadcast_to(k_pos < k_len, (bq, bk))
+                if is_causal:
+                    allowed = allowed & (k_pos <= q_pos)
+                allowed = allowed[None, None]
+                if m_rows is not None:
+                    allowed = allowed & k_cols(m_rows, j)
+                sc = jnp.where(allowed, sc, _NEG)
+                new_max = jnp.maximum(run_max, sc.max(-1))
+                p = jnp.where(allowed, jnp.exp(sc - new_max[..., None]), 0.0)
+                alpha = jnp.exp(run_max - new_max)
+                pv = _grouped_output(p, v_blk, "float32")
+                acc = acc * jnp.swapaxes(alpha, 1, 2)[..., None] + pv
+                return new_max, run_sum * alpha + p.sum(-1), acc
+
+            # Rematerialise each key block too: the backward pass then keeps only the small
+            # running statistics per key block, not its (bq, bk) scores.
+            step = jax.checkpoint(update)
+            if is_causal:
+                visible = j * bk <= i * bq + bq - 1 + offset
+                return jax.lax.cond(visible, step, lambda c: c, carry), None
+            return step(carry), None
+
+        init = (
+            jnp.full((b, h, bq), _NEG, jnp.float32),
+            jnp.zeros((b, h, bq), jnp.float32),
+            jnp.zeros((b, bq, h, d), jnp.float32),
+        )
+        (_, run_sum, acc), _ = jax.lax.scan(k_step, init, jnp.arange(nk))
+        denom = jnp.swapaxes(run_sum, 1, 2)[..., None]
+        return jnp.where(denom > 0, acc / jnp.maximum(denom, 1e-30), 0.0).astype(out_dtype)
+
+    def q_step(carry, i):
+        return carry, jax.checkpoint(q_block)(i)
+
+    _, blocks = jax.lax.scan(q_step, None, jnp.arange(nq))  # (nq, b, bq, h, d)
+    out = jnp.moveaxis(blocks, 0, 1).reshape(b, nq * bq, h, d)
+    return out[:, :q_len]
 
 
 # === Fused (backend-native) kernels ===
