@@ -178,7 +178,8 @@ class GPTBackbone(_FunctionalModel):
         capacity_factor: MoE expert capacity (None = never drop a token).
         expert_type: "gated" (SwiGLU experts, Mixtral) or "plain" experts.
         tie_embeddings: the language-model head reuses the token embedding matrix; False adds
-            a separate `(hidden_dim, vocabulary_size)` matrix (`token_embedding.reverse_embeddings`).
+            a separate `(hidden_dim, vocabulary_size)` matrix
+            (`token_embedding.reverse_embeddings`).
         attention_scale: attention score scale (None = `head_dim ** -0.5`).
         initializer_range: standard deviation of the normal initialiser.
         dtype: dtype policy of every layer.
@@ -699,9 +700,9 @@ class GPTCausalLM(_FunctionalModel):
         """Continue each prompt with up to `max_new_tokens` tokens on a key/value cache.
 
         The prompts are left-padded to a common length (a multiple of 8) and run through the
-        model in one pass (prefill), then one token is decoded per step for the whole batch. Each row
-        keeps its own positions (a left-padded row sees positions 0, 1, ... as it would
-        alone) and never attends to padding, so a prompt continues the same way alone or in
+        model in one pass (prefill), then one token is decoded per step for the whole batch.
+        Each row keeps its own positions (a left-padded row sees positions 0, 1, ... as it
+        would alone) and never attends to padding, so a prompt continues the same way alone or in
         a batch. The step function is compiled with `jax.jit` / `tf.function` (torch runs
         eagerly under `no_grad`). A row stops after producing one of `stop_token_ids`; the
         loop ends when every row has stopped.
