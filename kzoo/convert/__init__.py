@@ -25,6 +25,8 @@ import numpy as np
 CONVERTER_MODULES = {
     "bert": "kzoo.convert.bert",
     "gpt2": "kzoo.convert.gpt",
+    "llama": "kzoo.convert.gpt",  # the modern GPT configuration (RMSNorm, RoPE, SwiGLU, GQA)
+    "mixtral": "kzoo.convert.gpt",  # ... with a mixture-of-experts feed-forward
     "t5": "kzoo.convert.t5",
     "vit": "kzoo.convert.vit",
     "graphormer": "kzoo.convert.graphormer",
