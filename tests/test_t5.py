@@ -232,9 +232,12 @@ def test_generate_greedy_equals_recompute(version):
     np.testing.assert_array_equal(out, dec[:, 1:])
     # Raw id arrays: the padding mask is ids != 0; compiled and eager steps agree.
     np.testing.assert_array_equal(lm.generate(enc, max_new_tokens=6, stop_token_ids=None), out)
-    # A row alone gives the same tokens as in the batch.
+    # A row alone, or rows of different lengths, give the same tokens as in the batch.
     alone = lm.generate(enc[1:, :5], max_new_tokens=6, stop_token_ids=None, compile=False)
     np.testing.assert_array_equal(alone[0], out[1])
+    ragged = lm.generate([list(enc[0]), list(enc[1, :5])], max_new_tokens=6,
+                         stop_token_ids=None, compile=False)
+    np.testing.assert_array_equal(ragged, out)
 
 
 def test_generate_stop_tokens():

@@ -637,6 +637,17 @@ class T5Seq2SeqLM(_FunctionalModel):
                 )
             ids = _to_numpy(encoder_inputs["encoder_token_ids"]).astype("int32")
             mask = encoder_inputs.get("encoder_padding_mask")
+        elif isinstance(encoder_inputs, (list, tuple)) and encoder_inputs and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in encoder_inputs
+        ):
+            # Rows of token ids of different lengths: right-pad them.
+            rows = [np.asarray(row, "int32").reshape(-1) for row in encoder_inputs]
+            length = max(1, max(len(row) for row in rows))
+            ids = np.full((len(rows), length), pad_token_id, "int32")
+            mask = np.zeros((len(rows), length), "int32")
+            for i, row in enumerate(rows):
+                ids[i, : len(row)] = row
+                mask[i, : len(row)] = 1
         else:
             ids = _to_numpy(encoder_inputs).astype("int32")
             mask = None
@@ -677,9 +688,9 @@ class T5Seq2SeqLM(_FunctionalModel):
 
         Args:
             encoder_inputs: token ids `(batch, enc_len)` (the padding mask is
-                `ids != pad_token_id`), a dict with "encoder_token_ids" and optionally
-                "encoder_padding_mask", or (with a `tokenizer` attribute) a string or a
-                list of strings.
+                `ids != pad_token_id`), a list of id rows of any lengths (right-padded),
+                a dict with "encoder_token_ids" and optionally "encoder_padding_mask", or
+                (with a `tokenizer` attribute) a string or a list of strings.
             max_new_tokens: most tokens generated per row.
             strategy: "greedy" or "sample".
             temperature, top_k, top_p: sampling options (see
