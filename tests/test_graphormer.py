@@ -54,6 +54,14 @@ def _predictor(num_classes=1, **overrides):
                                num_classes=num_classes)
 
 
+def _run(model, x):
+    """The model's outputs for `x` as NumPy. On JAX through `predict_on_batch` (one XLA
+    program per shape instead of compiling every op eagerly, which is slow there)."""
+    if keras.backend.backend() == "jax":
+        return np.asarray(model.predict_on_batch(x))
+    return to_numpy(model(x))
+
+
 def _randomize(model, seed=1):
     """Non-trivial weights: every variable (LayerNorms and biases too) gets noise."""
     rng = np.random.default_rng(seed)
@@ -149,17 +157,17 @@ def test_padding_invariance():
     model = _predictor(num_classes=2)
     _randomize(model)
     small = SMILES[:2]
-    alone = to_numpy(model(_inputs(small)))
+    alone = _run(model, _inputs(small))
     bigger = _inputs(SMILES)  # + caffeine (14 atoms), a salt, methane
-    with_big = to_numpy(model(bigger))
-    padded = to_numpy(model(_inputs(small, pad_to_nodes=14)))
+    with_big = _run(model, bigger)
+    padded = _run(model, _inputs(small, pad_to_nodes=14))
     print("padding max |diff|:", np.abs(with_big[:2] - alone).max(),
           np.abs(padded - alone).max())
     np.testing.assert_allclose(with_big[:2], alone, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(padded, alone, atol=1e-5, rtol=1e-5)
 
-    nodes_alone = to_numpy(model.backbone(_inputs(small)))
-    nodes_big = to_numpy(model.backbone(bigger))
+    nodes_alone = _run(model.backbone, _inputs(small))
+    nodes_big = _run(model.backbone, bigger)
     real = _inputs(small, return_node_mask=True)["node_mask"]
     n = nodes_alone.shape[1]
     for b in range(2):
@@ -180,7 +188,7 @@ def test_node_order_invariance():
     a = graphs.batch([graphs.from_rdkit(mol)])
     b = graphs.batch([graphs.from_rdkit(shuffled)])
     assert not np.array_equal(a["input_nodes"], b["input_nodes"])
-    np.testing.assert_allclose(to_numpy(model(b)), to_numpy(model(a)), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_run(model, b), _run(model, a), atol=1e-5, rtol=1e-5)
 
 
 def test_fully_masked_rows_stay_finite():
@@ -188,10 +196,10 @@ def test_fully_masked_rows_stay_finite():
     _randomize(model)
     x = _inputs(["CCO", "c1ccccc1"], spatial_pos_max=2)  # only neighbours may attend
     assert np.isinf(x["attn_bias"]).sum() > 0
-    out = to_numpy(model.backbone(x))
+    out = _run(model.backbone, x)
     assert np.all(np.isfinite(out))
     x["attn_bias"][0, 1, :] = -np.inf  # a node that may attend to nothing at all
-    out = to_numpy(model.backbone(x))
+    out = _run(model.backbone, x)
     assert np.all(np.isfinite(out))
 
 
@@ -211,7 +219,7 @@ def test_fit_lowers_loss():
     everything = _inputs(smiles)
 
     def mse():
-        return float(np.mean((to_numpy(model(everything))[:, 0] - y) ** 2))
+        return float(np.mean((_run(model, everything)[:, 0] - y) ** 2))
 
     before = mse()
     history = model.fit(data, epochs=12, verbose=0)
@@ -241,7 +249,7 @@ def test_keras_file_roundtrip(tmp_path):
     restored = keras.saving.load_model(path)
     assert isinstance(restored, GraphormerPredictor)
     assert restored.backbone.get_config() == model.backbone.get_config()
-    np.testing.assert_allclose(to_numpy(restored(x)), to_numpy(model(x)), atol=1e-6)
+    np.testing.assert_allclose(_run(restored, x), _run(model, x), atol=1e-6)
 
 
 def test_preset_directory_roundtrip(tmp_path):
@@ -251,9 +259,9 @@ def test_preset_directory_roundtrip(tmp_path):
     x = _inputs(SMILES)
     kzoo.presets.save(model, str(tmp_path))
     restored = kzoo.presets.load(str(tmp_path))
-    np.testing.assert_allclose(to_numpy(restored(x)), to_numpy(model(x)), atol=1e-6)
+    np.testing.assert_allclose(_run(restored, x), _run(model, x), atol=1e-6)
     backbone = kzoo.presets.load(str(tmp_path), task="backbone")
-    np.testing.assert_allclose(to_numpy(backbone(x)), to_numpy(model.backbone(x)), atol=1e-6)
+    np.testing.assert_allclose(_run(backbone, x), _run(model.backbone, x), atol=1e-6)
 
 
 # === Configuration ===
@@ -293,6 +301,10 @@ def _preset_params(name):
 def test_slim_preset_parameter_count():
     count, expected = _preset_params("graphormer_slim")
     assert count == expected == 952593
+
+
+@pytest.mark.slow
+def test_slim_preset_with_zinc_tables():
     # With ZINC's tables (single atom/bond feature) the count is the reference code's
     # 489,481 plus the head transform (80 x 80 + 80 + LayerNorm 160).
     zinc = kzoo.presets.load("graphormer_slim", num_atoms=63, num_edges=63, num_in_degree=64,
@@ -362,6 +374,20 @@ def test_predictor_matches_transformers(tmp_path, config):
         worst = max(worst, float(np.abs(actual - expected).max()))
     print(f"{keras.backend.backend()} max |diff| vs transformers logits: {worst:.3g}")
     assert worst <= 1e-5
+
+
+def test_preset_with_transformers_weights(tmp_path):
+    """`load(preset, weights=hf_dir)`: the preset's architecture (graphormer_slim's flags,
+    shrunk) filled with a transformers checkpoint of the same architecture."""
+    hf = _hf_model(encoder_normalize_before=True, apply_graphormer_init=True, dropout=0.0)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = kzoo.presets.load("graphormer_slim", weights=str(tmp_path), num_layers=2,
+                              hidden_dim=16, intermediate_dim=24, num_heads=4, num_classes=2)
+    batch = _hf_batch(SMILES)
+    with torch.no_grad():
+        expected = hf(**batch).logits.numpy()
+    actual = to_numpy(model({k: v.numpy() for k, v in batch.items()}))
+    np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=0)
 
 
 def test_backbone_matches_transformers_model(tmp_path):
