@@ -76,7 +76,11 @@ INPUT_KEYS = (
 
 def graphormer_initializer(stddev=0.02):
     """Graphormer's initialiser: normal(0, 0.02) for embeddings and (with
-    `apply_graphormer_init`) every dense kernel."""
+    `apply_graphormer_init`) every dense kernel.
+
+    Example:
+    >>> keras.layers.Dense(8, kernel_initializer=graphormer_initializer())
+    """
     return keras.initializers.RandomNormal(stddev=stddev)
 
 
