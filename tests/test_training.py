@@ -285,3 +285,24 @@ def test_sigkill_then_restart_ends_like_an_uninterrupted_run(tmp_path):
     assert resumed["best"] == expected["best"]
     assert _read_csv(os.path.join(out, "log.csv")) == _read_csv(
         os.path.join(reference, "log.csv"))
+
+
+@pytest.mark.slow
+def test_bert_accuracy_counts_masked_tokens_only(tmp_path):
+    from training.cli import config_from_args
+    from training.recipes import bert_mlm
+
+    out = str(tmp_path / "bert")
+    argv = ["bert_mlm", "--steps", "2", "--max-epoch-steps", "2", "--out", out,
+            "--verbose", "0"] + RECIPE_ARGS["bert_mlm"]
+    assert main(argv) == 0
+    reported = _metrics(out)["metrics"]["val_masked_accuracy"]
+    _, task = bert_mlm.build(config_from_args(build_parser().parse_args(argv)))
+    trained = kzoo.presets.load(os.path.join(out, "model"))
+    x, y, w = task.validation
+    predicted = np.argmax(np.asarray(trained.predict(x, verbose=0)), -1)
+    picked = w > 0
+    expected = float(np.mean(predicted[picked] == y[picked]))
+    unweighted = float(np.mean(predicted == y))
+    assert reported == pytest.approx(expected, abs=1e-6)
+    assert abs(expected - unweighted) > 1e-3  # the check can tell the two apart
