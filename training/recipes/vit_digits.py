@@ -8,6 +8,8 @@ token), one input channel, 10 classes and a smaller width/depth (overrides).
 Loss: cross-entropy with label smoothing 0.1. Reports the test accuracy.
 """
 
+import os
+
 import keras
 import numpy as np
 
@@ -49,16 +51,29 @@ def build(cfg):
     return model, task
 
 
-def evaluate(model, task):
+def test_accuracy(model, task):
     x, y = task.test
     logits = model.predict(x, batch_size=256, verbose=0)
-    accuracy = float(np.mean(np.argmax(np.asarray(logits), -1) == y))
-    return {"test_accuracy": accuracy, "test_examples": int(len(y))}
+    return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
+
+
+def make_evaluate(cfg):
+    def evaluate(model, task):
+        out = {"test_accuracy": test_accuracy(model, task),
+               "test_examples": int(len(task.test[1]))}
+        best_dir = os.path.join(cfg.out, "best")
+        if os.path.isdir(best_dir):
+            out["best_test_accuracy"] = test_accuracy(kzoo.presets.load(best_dir), task)
+        return out
+    return evaluate
 
 
 def report(model, task, metrics):
-    print(f"Test accuracy on {metrics['test_examples']} held-out digits: "
-          f"{metrics['test_accuracy']:.4f}")
+    line = (f"Test accuracy on {metrics['test_examples']} held-out digits: "
+            f"{metrics['test_accuracy']:.4f}")
+    if "best_test_accuracy" in metrics:
+        line += f" (best-validation model: {metrics['best_test_accuracy']:.4f})"
+    print(line)
 
 
 def train(cfg):
@@ -70,5 +85,5 @@ def train(cfg):
                loss=SmoothedSparseCrossentropy(cfg.label_smoothing),
                metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                monitor="val_accuracy", mode="max",
-               evaluate=evaluate, report=report,
+               evaluate=make_evaluate(cfg), report=report,
                extra_run_info={"data": task.info["sizes"]})
