@@ -195,9 +195,8 @@ def test_damaged_and_half_written_checkpoints_are_skipped(tmp_path):
 # === Recipes ===
 
 
-# The recipes whose families trace slowly (T5's encoder-decoder and generate, Graphormer,
-# BERT) and `demo` (the gpt_text code path with another default) run with `-m slow`.
-SLOW_RECIPES = ("bert_mlm", "demo", "graphormer_freesolv", "t5_numbers")
+# `demo` is the gpt_text code path with another default preset and length: `-m slow`.
+SLOW_RECIPES = ("demo",)
 
 
 @pytest.mark.parametrize("recipe", [
