@@ -30,6 +30,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
+from kzoo.models.base import FunctionalModel, TaskModel
 
 FAMILY = "bert"
 
@@ -170,24 +171,8 @@ class OutputBias(keras.layers.Layer):
 # === Backbone ===
 
 
-class _FunctionalModel(keras.Model):
-    """A functional `keras.Model` subclass that may set attributes before `__init__`.
-
-    With the torch backend, `torch.nn.Module.__setattr__` refuses sub-modules before
-    `Module.__init__` has run; all state lives in the functional graph, so attributes set
-    before `super().__init__` (and properties) are plain Python attributes there.
-    """
-
-    def __setattr__(self, name, value):
-        is_property = isinstance(getattr(type(self), name, None), property)
-        uninitialized = not hasattr(self, "_initialized")
-        if keras.config.backend() == "torch" and (is_property or uninitialized):
-            return object.__setattr__(self, name, value)
-        return super().__setattr__(name, value)
-
-
 @keras.saving.register_keras_serializable(package="kzoo")
-class BertBackbone(_FunctionalModel):
+class BertBackbone(FunctionalModel):
     """The BERT encoder (Devlin et al., 2019, arXiv:1810.04805).
 
     `embeddings = LayerNorm(token + position + segment)` then dropout; `num_layers` post-LN
@@ -346,9 +331,7 @@ class BertBackbone(_FunctionalModel):
 
     def get_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            **self._base_config(),
             "vocabulary_size": self.vocabulary_size,
             "num_layers": self.num_layers,
             "num_heads": self.num_heads,
@@ -363,42 +346,14 @@ class BertBackbone(_FunctionalModel):
             "initializer_range": self.initializer_range,
         }
 
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
-
 
 # === Task models ===
 
 
-class _BertTask(_FunctionalModel):
-    """Shared plumbing of the BERT task models (config, serialisation)."""
+class _BertTask(TaskModel):
+    """Shared plumbing of the BERT task models."""
 
     family = FAMILY
-    task_name = None
-
-    def _task_config(self):
-        return {}
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "backbone": keras.layers.serialize(self.backbone),
-            **self._task_config(),
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.layers.deserialize(config["backbone"])
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
 
 
 def _check_backbone(backbone):

@@ -41,6 +41,7 @@ from kzoo.layers.utils import (
     check_rate,
 )
 from kzoo.models import sampling
+from kzoo.models.base import FunctionalModel, TaskModel
 
 FAMILY = "gpt"
 
@@ -126,24 +127,8 @@ class GPTBlock(TransformerBlock):
 # === Backbone ===
 
 
-class _FunctionalModel(keras.Model):
-    """A functional `keras.Model` subclass that may set attributes before `__init__`.
-
-    With the torch backend `torch.nn.Module.__setattr__` refuses sub-modules before
-    `Module.__init__` has run; all state lives in the functional graph, so attributes set
-    before `super().__init__` (and properties) are plain Python attributes there.
-    """
-
-    def __setattr__(self, name, value):
-        is_property = isinstance(getattr(type(self), name, None), property)
-        uninitialized = not hasattr(self, "_initialized")
-        if keras.config.backend() == "torch" and (is_property or uninitialized):
-            return object.__setattr__(self, name, value)
-        return super().__setattr__(name, value)
-
-
 @keras.saving.register_keras_serializable(package="kzoo")
-class GPTBackbone(_FunctionalModel):
+class GPTBackbone(FunctionalModel):
     """The GPT decoder stack: GPT-2 by default, a LLaMA-style decoder by configuration.
 
     `x = token_embedding(ids) [+ position_embedding]`, dropout, `num_layers` pre-norm causal
@@ -467,9 +452,7 @@ class GPTBackbone(_FunctionalModel):
 
     def get_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            **self._base_config(),
             "vocabulary_size": self.vocabulary_size,
             "num_layers": self.num_layers,
             "num_heads": self.num_heads,
@@ -494,13 +477,6 @@ class GPTBackbone(_FunctionalModel):
             "initializer_range": self.initializer_range,
         }
 
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
-
 
 # === Task model ===
 
@@ -511,7 +487,7 @@ def _encode(tokenizer, text):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GPTCausalLM(_FunctionalModel):
+class GPTCausalLM(TaskModel):
     """A GPT backbone with its language-model head: next-token logits at every position.
 
     `logits = hidden @ E^T` with `E` the token embedding matrix (tied, GPT-2), or
@@ -793,24 +769,6 @@ class GPTCausalLM(_FunctionalModel):
         tokenizer = self.tokenizer
         texts = [tokenizer.decode(rows[b] + outputs[b]) for b in range(batch)]
         return texts[0] if single else texts
-
-    # === Config ===
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "backbone": keras.layers.serialize(self.backbone),
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.layers.deserialize(config["backbone"])
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
 
 
 BACKBONE = GPTBackbone

@@ -60,6 +60,7 @@ from kzoo.layers.utils import (
     check_rate,
     serialize_initializer,
 )
+from kzoo.models.base import FunctionalModel, TaskModel
 
 FAMILY = "graphormer"
 EDGE_TYPES = ("multi_hop", "single_hop")
@@ -545,7 +546,7 @@ class GraphormerDecoderHead(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GraphormerBackbone(keras.Model):
+class GraphormerBackbone(FunctionalModel):
     """Graphormer encoder (Ying et al., 2021, arXiv:2106.05234), as transformers'
     `GraphormerModel`.
 
@@ -791,9 +792,7 @@ class GraphormerBackbone(keras.Model):
 
     def get_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            **self._base_config(),
             "num_atoms": self.num_atoms,
             "num_in_degree": self.num_in_degree,
             "num_out_degree": self.num_out_degree,
@@ -819,16 +818,9 @@ class GraphormerBackbone(keras.Model):
             "num_frozen_layers": self.num_frozen_layers,
         }
 
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
-
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GraphormerPredictor(keras.Model):
+class GraphormerPredictor(TaskModel):
     """Graph-level regression or classification from the graph token of a
     `GraphormerBackbone` (transformers' `GraphormerForGraphClassification`).
 
@@ -880,26 +872,17 @@ class GraphormerPredictor(keras.Model):
         x = backbone(inputs)
         outputs = head(x[:, 0, :])
         kwargs.setdefault("name", "graphormer_predictor")
-        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
 
         # === Config ===
         self.backbone = backbone
         self.num_classes = num_classes
         self.head = head
 
-    def get_config(self):
+    def _task_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "backbone": keras.layers.serialize(self.backbone),
             "num_classes": self.num_classes,
         }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.layers.deserialize(config["backbone"])
-        return cls(**config)
 
 
 BACKBONE = GraphormerBackbone

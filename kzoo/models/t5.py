@@ -38,6 +38,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
+from kzoo.models.base import FunctionalModel, TaskModel
 
 FAMILY = "t5"
 
@@ -70,27 +71,8 @@ def _normal(stddev):
     return keras.initializers.RandomNormal(mean=0.0, stddev=float(stddev))
 
 
-class _FunctionalModel(keras.Model):
-    """A functional `keras.Model` whose layers are attributes set before `super().__init__`.
-
-    With the torch backend `torch.nn.Module.__setattr__` refuses sub-modules before
-    `Module.__init__` has run; all state lives in the functional graph, so attributes set
-    before `super().__init__` (and properties) are plain Python attributes there.
-    """
-
-    def __setattr__(self, name, value):
-        is_property = isinstance(getattr(type(self), name, None), property)
-        uninitialized = not hasattr(self, "_initialized")
-        if keras.config.backend() == "torch" and (is_property or uninitialized):
-            return object.__setattr__(self, name, value)
-        return super().__setattr__(name, value)
-
-
-# === Backbone ===
-
-
 @keras.saving.register_keras_serializable(package="kzoo")
-class T5Backbone(_FunctionalModel):
+class T5Backbone(FunctionalModel):
     """The T5 encoder-decoder transformer (Raffel et al., 2020, arXiv:1910.10683).
 
     Encoder: `x = dropout(E[ids])`; `num_layers` pre-LN blocks
@@ -469,9 +451,7 @@ class T5Backbone(_FunctionalModel):
 
     def get_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            **self._base_config(),
             "vocabulary_size": self.vocabulary_size,
             "num_layers": self.num_layers,
             "num_decoder_layers": self.num_decoder_layers,
@@ -488,13 +468,6 @@ class T5Backbone(_FunctionalModel):
             "kernel": self.kernel,
         }
 
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
-
 
 # === Task model ===
 
@@ -504,7 +477,7 @@ def _to_numpy(x):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class T5Seq2SeqLM(_FunctionalModel):
+class T5Seq2SeqLM(TaskModel):
     """T5 with its language-model head: vocabulary logits at every decoder position.
 
     With `backbone.tie_embeddings` (v1.0) the logits are
@@ -766,24 +739,6 @@ class T5Seq2SeqLM(_FunctionalModel):
             [row.tolist() for row in out], skip_special_tokens=True
         )
         return texts[0] if strings == "single" else texts
-
-    # === Config ===
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "backbone": keras.layers.serialize(self.backbone),
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.layers.deserialize(config["backbone"])
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
 
 
 BACKBONE = T5Backbone

@@ -30,6 +30,7 @@ from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
+from kzoo.models.base import FunctionalModel, TaskModel
 
 FAMILY = "vit"
 POOLINGS = ("token", "mean")
@@ -361,7 +362,7 @@ class ViTEncoderLayer(TransformerBlock):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class ViTBackbone(keras.Model):
+class ViTBackbone(FunctionalModel):
     """Vision Transformer encoder (Dosovitskiy et al., 2021, arXiv:2010.11929).
 
     images -> `ViTEmbedding` (patches, class token, learned positions) -> `num_layers`
@@ -504,9 +505,7 @@ class ViTBackbone(keras.Model):
 
     def get_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            **self._base_config(),
             "image_size": self.image_size,
             "patch_size": self.patch_size,
             "num_channels": self.num_channels,
@@ -522,16 +521,9 @@ class ViTBackbone(keras.Model):
             "qkv_bias": self.qkv_bias,
         }
 
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.deserialize(config["dtype"])
-        return cls(**config)
-
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class ViTClassifier(keras.Model):
+class ViTClassifier(TaskModel):
     """Image classifier on a `ViTBackbone`: pooled features -> dropout -> Dense logits.
 
     `pooling="token"` takes the class token's final state (the paper); `pooling="mean"` the
@@ -594,7 +586,7 @@ class ViTClassifier(keras.Model):
             x = ops.mean(x[:, backbone.embedding.num_prefix:, :], axis=1)
         outputs = head(dropout_layer(x))
         kwargs.setdefault("name", "vit_classifier")
-        super().__init__(inputs=images, outputs=outputs, **kwargs)
+        super().__init__(inputs=images, outputs=outputs, dtype=dtype, **kwargs)
 
         # === Config ===
         self.backbone = backbone
@@ -603,21 +595,12 @@ class ViTClassifier(keras.Model):
         self.dropout = dropout
         self.head = head
 
-    def get_config(self):
+    def _task_config(self):
         return {
-            "name": self.name,
-            "trainable": self.trainable,
-            "backbone": keras.layers.serialize(self.backbone),
             "num_classes": self.num_classes,
             "pooling": self.pooling,
             "dropout": self.dropout,
         }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.layers.deserialize(config["backbone"])
-        return cls(**config)
 
 
 BACKBONE = ViTBackbone
