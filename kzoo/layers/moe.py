@@ -29,8 +29,11 @@ Capacity:
     branch has static shapes; only the chosen one runs. A balanced router costs ~1.25x the
     ideal `top_k` FLOPs; a collapsed router (all tokens to one expert) falls back to
     capacity = tokens, `num_experts / top_k` times the ideal, and is still exact.
-  * Eager (PyTorch's default, TF/JAX outside `jit`): shapes may follow the data, so the
-    capacity is the busiest expert's load rounded up to 1/16 of the balanced load.
+  * Eager PyTorch (its default) and eager TensorFlow: shapes may follow the data, so the
+    kept rows are gathered expert after expert and each expert multiplies exactly its own
+    rows (one matmul per expert, no padding): compute is exactly `top_k` dense layers.
+  * Eager JAX (outside `jit`) compiles every op per shape, so there the capacity is the
+    busiest expert's load rounded up to 1/16 of the balanced load.
 
 Gradients of the two gathers (tokens -> slots, slots -> assignments) are written by hand as
 gathers the other way round, so the backward pass has no scatter-add.
@@ -56,6 +59,10 @@ NO_DROP_CAPACITY_FACTORS = (1.25, 1.5, 2.0, 3.0)
 
 def _TRACKERS_SUPPORTED():
     return keras.backend.backend() != "jax"
+
+
+def _RAGGED_EAGER():
+    return keras.backend.backend() in ("torch", "tensorflow")
 
 
 def _concrete_int(value):
@@ -404,8 +411,26 @@ class MixtureOfExperts(keras.layers.Layer):
         out_b = None if self.output_bias is None else ops.convert_to_tensor(self.output_bias)
         return first, out_k, out_b
 
-    def _experts(self, xe, weights, hidden_mask):
-        """Batched expert FFNs: xe (E, C, dim) -> (E, C, dim)."""
+    def _experts(self, xe, weights, hidden_mask, counts=None):
+        """Expert FFNs: xe (E, C, dim) -> (E, C, dim) as batched matmuls or, with `counts`
+        (rows per expert, Python ints), xe (sum(counts), dim) -> (sum(counts), dim) with
+        one matmul per expert on its own rows (no padding)."""
+        if counts is not None:
+            first, out_k, out_b = weights
+            outputs, start = [], 0
+            for expert, count in enumerate(counts):
+                if count == 0:
+                    continue
+                rows = slice(start, start + count)
+                expert_weights = (
+                    tuple(None if w is None else w[expert:expert + 1] for w in first),
+                    out_k[expert:expert + 1],
+                    None if out_b is None else out_b[expert:expert + 1],
+                )
+                mask = None if hidden_mask is None else hidden_mask[None, rows]
+                outputs.append(self._experts(xe[None, rows], expert_weights, mask)[0])
+                start += count
+            return ops.concatenate(outputs, axis=0)
         first, out_k, out_b = weights
         if self.expert_type == "gated":
             gate_k, gate_b, up_k, up_b = first
@@ -429,13 +454,24 @@ class MixtureOfExperts(keras.layers.Layer):
         return y
 
     def _dispatch_and_run(self, capacity, x, expert_flat, position, weight_flat, weights,
-                          dropout_mask):
+                          dropout_mask, counts=None):
+        """Run the experts on a grid of `capacity` rows per expert or, with `counts`
+        (eager only: Python ints, kept rows per expert), on exactly those rows."""
         e, k = self.num_experts, self.top_k
         num_tokens = ops.shape(x)[0]
-        slots = e * capacity
-        keep = ops.logical_and(position >= 0, position < capacity)
-        # assignment -> slot (dropped and padded ones -> the extra, discarded slot `slots`)
-        slot = ops.where(keep, expert_flat * capacity + position, slots)
+        if counts is None:
+            slots = e * capacity
+            keep = ops.logical_and(position >= 0, position < capacity)
+            # assignment -> slot (dropped and padded ones -> the extra, discarded slot)
+            slot = ops.where(keep, expert_flat * capacity + position, slots)
+        else:
+            slots = sum(counts)
+            if slots == 0:
+                return ops.zeros_like(x)
+            starts = ops.convert_to_tensor([sum(counts[:i]) for i in range(e)], "int32")
+            kept = ops.take(ops.convert_to_tensor(list(counts), "int32"), expert_flat)
+            keep = ops.logical_and(position >= 0, position < kept)
+            slot = ops.where(keep, ops.take(starts, expert_flat) + position, slots)
         # slot -> 1 + assignment index (0 = empty slot). Kept slots are unique, so a scatter
         # *update* is exact; all dropped assignments land on the extra slot, cut off here.
         slot_assignment = ops.scatter_update(
@@ -447,15 +483,15 @@ class MixtureOfExperts(keras.layers.Layer):
         assignment_of_slot = ops.maximum(slot_assignment - 1, 0)
         slot_token = assignment_of_slot % num_tokens
         xe = _dispatch(x, slot_token, slot, k)
-        xe = ops.reshape(xe, (e, capacity, ops.shape(x)[1]))
         hidden_mask = None
         if dropout_mask is not None:
             # Each (token, expert) assignment has its own mask row; route it like the token.
-            hidden_mask = ops.reshape(
-                ops.take(dropout_mask, assignment_of_slot, axis=0),
-                (e, capacity, self.intermediate_dim),
-            )
-        ye = self._experts(xe, weights, hidden_mask)
+            hidden_mask = ops.take(dropout_mask, assignment_of_slot, axis=0)
+        if counts is None:
+            xe = ops.reshape(xe, (e, capacity, ops.shape(x)[1]))
+            if hidden_mask is not None:
+                hidden_mask = ops.reshape(hidden_mask, (e, capacity, self.intermediate_dim))
+        ye = self._experts(xe, weights, hidden_mask, counts)
         out_dim = ops.shape(ye)[-1]
         y = _combine(ops.reshape(ye, (slots, out_dim)), slot, slot_assignment)
         weight = ops.where(keep, weight_flat, 0.0)
@@ -540,22 +576,31 @@ class MixtureOfExperts(keras.layers.Layer):
             return run_with(self._capacities(ops.shape(x)[0])[tier])
 
         capacities = self._capacities(num_tokens)
-        if len(capacities) == 1:
+        busiest = _concrete_int(max_count)
+        eager = busiest is not None and isinstance(num_tokens, int)
+        if eager and _RAGGED_EAGER():
+            # Eager torch / TensorFlow: shapes may follow the data and small ops are cheap,
+            # so each expert runs on exactly its kept rows (no padding to a capacity).
+            limit = num_tokens if self.capacity_factor is None else capacities[0]
+            counts = [min(int(c), limit) for c in ops.convert_to_numpy(running[-1])]
+            y = self._dispatch_and_run(
+                None, x, expert_flat, position, weight_flat, weights, dropout_mask,
+                counts=counts,
+            )
+        elif len(capacities) == 1:
             y = run(0)
+        elif eager:
+            # Eager JAX compiles every op per shape: round the busiest expert's load up to
+            # 1/16 of the balanced load (at least 8 rows), which wastes <= ~6% and keeps
+            # the set of shapes small.
+            step = max(8, -(-num_tokens * k // (16 * e)))
+            y = run_with(min(num_tokens, max(step, -(-busiest // step) * step)))
         else:
-            busiest = _concrete_int(max_count)
-            if busiest is not None and isinstance(num_tokens, int):
-                # Eager: shapes may follow the data. Round the busiest expert's load up to
-                # 1/16 of the balanced load (at least 8 rows), which wastes <= ~6% and keeps
-                # the set of shapes small for backends that compile per shape.
-                step = max(8, -(-num_tokens * k // (16 * e)))
-                y = run_with(min(num_tokens, max(step, -(-busiest // step) * step)))
-            else:
-                # index of the smallest static capacity that holds the busiest expert
-                tier = ops.sum(
-                    ops.stack([ops.cast(max_count > c, "int32") for c in capacities[:-1]])
-                )
-                y = ops.switch(tier, [functools.partial(run, t) for t in range(len(capacities))])
+            # index of the smallest static capacity that holds the busiest expert
+            tier = ops.sum(
+                ops.stack([ops.cast(max_count > c, "int32") for c in capacities[:-1]])
+            )
+            y = ops.switch(tier, [functools.partial(run, t) for t in range(len(capacities))])
         outputs = ops.reshape(y, tuple(in_shape[:-1]) + (ops.shape(y)[-1],))
         if return_aux_losses:
             return outputs, {"load_balance_loss": load_balance, "router_z_loss": z_loss}
