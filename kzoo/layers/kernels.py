@@ -614,11 +614,14 @@ def _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk):
 
             # Rematerialise each key block too: the backward pass then keeps only the small
             # running statistics per key block, not its (bq, bk) scores.
-            step = jax.checkpoint(update)
             if is_causal:
                 visible = j * bk <= i * bq + bq - 1 + offset
-                return jax.lax.cond(visible, step, lambda c: c, carry), None
-            return step(carry), None
+
+                def step(carry):
+                    return jax.lax.cond(visible, update, lambda c: c, carry)
+            else:
+                step = update
+            return jax.checkpoint(step)(carry), None
 
         init = (
             jnp.full((b, h, bq), _NEG, jnp.float32),
