@@ -95,6 +95,8 @@ def _cases():
     cases["cross"] = dict(shape=dict(t=5, s=9), kw=dict(mask=cross_pad))
     cases["decode_offset"] = dict(shape=dict(t=1, s=7, hk=2), kw=dict(causal=True))
     cases["decode_chunk"] = dict(shape=dict(t=3, s=7), kw=dict(causal=True))
+    # More queries than keys: bottom-right alignment leaves the first 3 rows no key at all.
+    cases["causal_more_queries"] = dict(shape=dict(t=7, s=4), kw=dict(causal=True))
     # batch == heads: a 3-D mask must never be misread as (heads, q, k).
     bh = r.random((4, 6, 6)) > 0.4
     cases["batch_eq_heads"] = dict(shape=dict(b=4, h=4), kw=dict(mask=bh[:, None]))
@@ -140,6 +142,23 @@ def test_chunked_small_blocks_match_numpy():
             is_causal=kw.get("causal", False), query_block_size=4, key_block_size=3,
         )
         assert_close(out, expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_small_blocks_gradients_match_reference(monkeypatch, causal):
+    """Backward pass over many blocks, with key blocks that trailing padding hides in every
+    row (skipped by the chunked kernel) and, with `causal`, blocks in the future."""
+    from kzoo.layers import kernels
+
+    monkeypatch.setattr(kernels, "DEFAULT_BLOCK_SIZE", 3)
+    q, k, v = _data(t=13, s=13, h=4, hk=2)
+    kw = dict(mask=_pad(2, 13, [7, 5])[:, None, None, :], causal=causal)
+    ref = _grad_fn("reference", kw)(q, k, v, None)
+    got = _grad_fn("chunked", kw)(q, k, v, None)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+    out = dot_product_attention(q, k, v, mask=kw["mask"], is_causal=causal, kernel="chunked")
+    assert_close(out, np_attention(q, k, v, **kw))
 
 
 def _grad_fn(kernel, kw):

@@ -393,16 +393,27 @@ def reference_attention(
     scores = ops.cast(_grouped_scores(query, key), "float32") * scale
     if bias is not None:
         scores = scores + ops.cast(bias, "float32")
+    # A causal mask alone (bottom-right aligned, q_len <= k_len) leaves every row a key.
+    causal_only_full_rows = (
+        isinstance(q_len, int) and isinstance(k_len, int) and q_len <= k_len
+    )
+    may_empty_rows = mask is not None or (is_causal and not causal_only_full_rows)
     mask = _full_mask(mask, is_causal, q_len, k_len)
     if mask is not None:
         scores = ops.where(mask, scores, _NEG)
     weights = ops.softmax(scores, axis=-1)
-    if mask is not None:
-        # A fully masked row would otherwise average every value uniformly.
-        weights = ops.where(mask, weights, 0.0)
+    # Masked keys already get exactly 0 (exp(_NEG - max) underflows); a fully masked row
+    # would average every value uniformly instead, so such rows are zeroed. That is done on
+    # the (…, q, 1) row flags and the output, not on the (q, k) weights, unless the
+    # weights themselves are returned or dropped out.
+    rows = _rows_with_any_key(mask) if may_empty_rows else None
+    if rows is not None and (return_weights or dropout_rate > 0):
+        weights = ops.where(rows, weights, 0.0)
     if dropout_rate > 0:
         weights = keras.random.dropout(weights, dropout_rate, seed=seed_generator)
     out = _grouped_output(weights, value, query.dtype)
+    if rows is not None:
+        out = ops.where(ops.transpose(rows, (0, 2, 1, 3)), out, ops.zeros((), out.dtype))
     if return_weights:
         return out, weights
     return out
@@ -614,13 +625,19 @@ def _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk):
 
             # Rematerialise each key block too: the backward pass then keeps only the small
             # running statistics per key block, not its (bq, bk) scores.
+            # Skip key blocks that no query of this block may see: those in the causal
+            # future, and those a mask hides entirely (e.g. trailing padding).
+            visible = None
             if is_causal:
                 visible = j * bk <= i * bq + bq - 1 + offset
-
+            if m_rows is not None:
+                any_key = jnp.any(k_cols(m_rows, j))
+                visible = any_key if visible is None else visible & any_key
+            if visible is None:
+                step = update
+            else:
                 def step(carry):
                     return jax.lax.cond(visible, update, lambda c: c, carry)
-            else:
-                step = update
             return jax.checkpoint(step)(carry), None
 
         init = (
