@@ -32,11 +32,12 @@ import warnings
 import keras
 import numpy as np
 
+import kzoo.data
 import kzoo.presets
 from kzoo.schedules import WarmupInverseSqrt
 from training import data as D
 
-BYTE = D.ByteTokenizer()
+BYTE = kzoo.data.ByteTokenizer()
 
 
 def _optimizer(lr, warmup):
@@ -74,10 +75,15 @@ def _fixed_count_mask(windows, rng, rate=0.15):
     return inputs, positions.astype(np.int32), targets
 
 
+def _pydoc_ids():
+    """Byte ids of the pydoc text: (training ids, held-out ids), the last 10% held out."""
+    train_text, val_text = kzoo.data.train_val_split(kzoo.data.load_text("pydoc"), 0.1)
+    return (np.asarray(BYTE.encode(train_text), np.int32),
+            np.asarray(BYTE.encode(val_text), np.int32))
+
+
 def gpt_data(args):
-    text = D.load_text("pydoc")
-    train_text, val_text = D.split_text(text)
-    train_ids, val_ids = BYTE.encode(train_text), BYTE.encode(val_text)
+    train_ids, val_ids = _pydoc_ids()
     task = D.WindowTask(train_ids, args.seq_len + 1, args.batch_size, args.seed,
                         transform=lambda w, rng: D.causal_lm_batch(w))
     train = task.segment(0, args.steps)
@@ -86,9 +92,7 @@ def gpt_data(args):
 
 
 def bert_data(args):
-    text = D.load_text("pydoc")
-    train_text, val_text = D.split_text(text)
-    train_ids, val_ids = BYTE.encode(train_text), BYTE.encode(val_text)
+    train_ids, val_ids = _pydoc_ids()
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(train_ids) - args.seq_len, args.steps * args.batch_size)
     windows = np.stack([train_ids[s:s + args.seq_len] for s in starts])

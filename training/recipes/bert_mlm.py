@@ -44,10 +44,10 @@ def build(cfg):
     tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     seq_len = int(cfg.options.get("seq_len", 128))
     windows = D.tile_windows(val_ids, seq_len, max_windows=VALIDATION_WINDOWS)
-    validation = D.mask_tokens(windows, D.step_rng(cfg.seed, 7), tokenizer, MASK_RATE)
+    validation = D.masked_lm_batch(windows, D.step_rng(cfg.seed, 7), tokenizer, MASK_RATE)
     task = D.WindowTask(
         train_ids, seq_len, cfg.batch_size, cfg.seed,
-        transform=lambda w, rng: D.mask_tokens(w, rng, tokenizer, MASK_RATE),
+        transform=lambda w, rng: D.masked_lm_batch(w, rng, tokenizer, MASK_RATE),
         validation=validation)
     task.info.update(info)
     task.info["tokenizer_object"] = tokenizer

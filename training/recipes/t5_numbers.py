@@ -16,6 +16,7 @@ import os
 import keras
 import numpy as np
 
+import kzoo.data
 import kzoo.presets
 from training import data as D
 from training.loop import set_seed
@@ -56,22 +57,36 @@ def _check(options):
                          f"{max_number // 2}]; got {heldout!r}.")
     language = options.get("target_language", "fr")
     try:
-        D.number_words(21, language)
-    except NotImplementedError:
+        kzoo.data.number_words(21, language)
+    except ValueError:
         raise ValueError(f"--target-language={language!r} is not a num2words language.") \
             from None
     return max_number, heldout, language
 
 
+def split_numbers(max_number, heldout, seed):
+    """(training numbers, held-out numbers), each sorted: a random `heldout` of
+    `0 .. max_number - 1`, drawn from its own stream of the seed, is never trained on."""
+    held, train = kzoo.data.random_split(
+        max_number, (heldout / max_number, 1.0 - heldout / max_number),
+        seed=D.step_rng(seed, 5))
+    return train, held
+
+
+def number_pairs(numbers, language):
+    return [(kzoo.data.number_words(n, "en"), kzoo.data.number_words(n, language))
+            for n in numbers]
+
+
 def build(cfg):
     set_seed(cfg.seed)
     max_number, heldout, language = _check(cfg.options)
-    train_numbers, held = D.split_numbers(max_number, heldout, cfg.seed)
+    train_numbers, held = split_numbers(max_number, heldout, cfg.seed)
     val_numbers, test_numbers = held[: heldout // 2], held[heldout // 2:]
-    train_pairs = D.number_pairs(train_numbers, "en", language)
+    train_pairs = number_pairs(train_numbers, language)
     vocab = D.WordVocabulary([s for pair in train_pairs for s in pair])
-    val_pairs = D.number_pairs(val_numbers, "en", language)
-    test_pairs = D.number_pairs(test_numbers, "en", language)
+    val_pairs = number_pairs(val_numbers, language)
+    test_pairs = number_pairs(test_numbers, language)
     every = train_pairs + val_pairs + test_pairs
     source_length = max(len(vocab.encode(s)) for s, _ in every)
     target_length = max(len(vocab.encode(t)) for _, t in every)

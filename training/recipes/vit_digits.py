@@ -13,6 +13,7 @@ import os
 import keras
 import numpy as np
 
+import kzoo.data
 import kzoo.presets
 from training import data as D
 from training.loop import set_seed
@@ -41,12 +42,13 @@ def add_arguments(parser):
 
 def build(cfg):
     set_seed(cfg.seed)
-    train, val, test = D.load_digits_split(seed=cfg.seed)
+    x_train, y_train, x_val, y_val, x_test, y_test = kzoo.data.load_digits_split(
+        test_size=0.2, seed=cfg.seed, validation_size=0.1)
     augment = None if cfg.options.get("no_augment") else D.shift_images
-    task = D.ArrayTask((train[0], train[1], None), cfg.batch_size, cfg.seed,
-                       validation=(val[0], val[1]), test=(test[0], test[1]), augment=augment)
-    task.info["sizes"] = {"train": len(train[1]), "validation": len(val[1]),
-                          "test": len(test[1])}
+    task = D.ArrayTask((x_train, y_train, None), cfg.batch_size, cfg.seed,
+                       validation=(x_val, y_val), test=(x_test, y_test), augment=augment)
+    task.info["sizes"] = {"train": len(y_train), "validation": len(y_val),
+                          "test": len(y_test)}
     model = kzoo.presets.load(cfg.preset, dtype=cfg.dtype, **cfg.overrides)
     return model, task
 
