@@ -359,6 +359,8 @@ def test_choose_kernel_decisions_for_accelerators():
                          key_length=8192, head_dim=64) == "chunked"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
                          query_length=8192, key_length=8192, head_dim=64) == "chunked"
+    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
+                         query_length=2048, key_length=2048, head_dim=64) == "reference"
     assert choose_kernel(backend="tensorflow", device="gpu", dtype="float32",
                          query_length=128, key_length=128, head_dim=64) == "fused"
     # Decoding one token never chunks.
