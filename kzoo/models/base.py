@@ -9,6 +9,9 @@ model built on a backbone (`get_config` serialises the backbone; `from_config` r
 
 import keras
 
+from kzoo.layers.feedforward import get_activation
+from kzoo.layers.utils import check_positive_float, serialize_initializer
+
 
 def _deserialize_dtype(config):
     if isinstance(config.get("dtype"), dict):
@@ -81,3 +84,55 @@ class TaskModel(FunctionalModel):
         config = _deserialize_dtype(dict(config))
         config["backbone"] = keras.layers.deserialize(config["backbone"])
         return cls(**config)
+
+
+class HeadTransform(keras.layers.Layer):
+    """`LayerNorm(act(Dense(x)))` at the input's width: the transform in front of an output
+    head (BERT's masked-LM head, Graphormer's head). Sublayers `dense` and `layer_norm`.
+
+    Args:
+        activation: activation name (see `kzoo.layers.get_activation`).
+        layer_norm_epsilon: epsilon of the layer norm.
+        kernel_initializer: initialiser of the dense kernel.
+    """
+
+    def __init__(self, activation="gelu", layer_norm_epsilon=1e-5,
+                 kernel_initializer="glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        get_activation(activation)
+        self.activation = activation
+        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self._activation_fn = get_activation(activation)
+        self.dense = None
+        self.layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
+        )
+
+    def build(self, input_shape):
+        self.dense = keras.layers.Dense(
+            input_shape[-1],
+            kernel_initializer=keras.initializers.get(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="dense",
+        )
+        self.dense.build(input_shape)
+        self.layer_norm.build(input_shape)
+        self.built = True
+
+    def call(self, inputs):
+        return self.layer_norm(self._activation_fn(self.dense(inputs)))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "activation": self.activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "kernel_initializer": self.kernel_initializer,
+            }
+        )
+        return config

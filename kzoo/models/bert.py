@@ -22,7 +22,7 @@ from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
-from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward, get_activation
+from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_choice,
@@ -30,7 +30,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import FunctionalModel, TaskModel
+from kzoo.models.base import FunctionalModel, HeadTransform, TaskModel
 
 FAMILY = "bert"
 
@@ -84,7 +84,7 @@ class BertEncoderBlock(TransformerBlock):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class BertMaskedLMTransform(keras.layers.Layer):
+class BertMaskedLMTransform(HeadTransform):
     """The transform of BERT's masked-LM head: `LayerNorm(act(Dense(x)))`.
 
     Args:
@@ -106,46 +106,7 @@ class BertMaskedLMTransform(keras.layers.Layer):
 
     def __init__(self, activation="gelu", layer_norm_epsilon=1e-12,
                  kernel_initializer="glorot_uniform", **kwargs):
-        super().__init__(**kwargs)
-        get_activation(activation)
-        self.activation = activation
-        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        self.kernel_initializer = keras.initializers.serialize(
-            keras.initializers.get(kernel_initializer)
-        )
-        self._activation_fn = get_activation(activation)
-        self.dense = None
-        self.layer_norm = keras.layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
-        )
-
-    def build(self, input_shape):
-        self.dense = keras.layers.Dense(
-            input_shape[-1],
-            kernel_initializer=keras.initializers.get(self.kernel_initializer),
-            dtype=self.dtype_policy,
-            name="dense",
-        )
-        self.dense.build(input_shape)
-        self.layer_norm.build(input_shape)
-        self.built = True
-
-    def call(self, inputs):
-        return self.layer_norm(self._activation_fn(self.dense(inputs)))
-
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "activation": self.activation,
-                "layer_norm_epsilon": self.layer_norm_epsilon,
-                "kernel_initializer": self.kernel_initializer,
-            }
-        )
-        return config
+        super().__init__(activation, layer_norm_epsilon, kernel_initializer, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")

@@ -51,7 +51,7 @@ from keras import ops
 
 from kzoo.layers.attention import MultiHeadAttention
 from kzoo.layers.blocks import TransformerBlock
-from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward, get_activation
+from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward
 from kzoo.layers.utils import (
     check_choice,
     check_non_negative_int,
@@ -60,7 +60,7 @@ from kzoo.layers.utils import (
     check_rate,
     serialize_initializer,
 )
-from kzoo.models.base import FunctionalModel, TaskModel
+from kzoo.models.base import FunctionalModel, HeadTransform, TaskModel
 
 FAMILY = "graphormer"
 EDGE_TYPES = ("multi_hop", "single_hop")
@@ -440,7 +440,7 @@ class GraphormerEncoderLayer(TransformerBlock):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GraphormerHeadTransform(keras.layers.Layer):
+class GraphormerHeadTransform(HeadTransform):
     """`LayerNorm(act(Dense(x)))` on every token (transformers' `lm_head_transform_weight`,
     `activation_fn` and `layer_norm` of `GraphormerModel`).
 
@@ -456,46 +456,8 @@ class GraphormerHeadTransform(keras.layers.Layer):
 
     def __init__(self, activation="gelu", layer_norm_epsilon=1e-5, kernel_initializer=None,
                  **kwargs):
-        super().__init__(**kwargs)
-        get_activation(activation)
-        self.activation = activation
-        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        self.kernel_initializer = serialize_initializer(
-            kernel_initializer or graphormer_initializer()
-        )
-        self._activation_fn = get_activation(activation)
-        self.dense = None
-        self.layer_norm = keras.layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
-        )
-
-    def build(self, input_shape):
-        self.dense = keras.layers.Dense(
-            input_shape[-1],
-            kernel_initializer=keras.initializers.get(self.kernel_initializer),
-            dtype=self.dtype_policy,
-            name="dense",
-        )
-        self.dense.build(input_shape)
-        self.layer_norm.build(input_shape)
-        self.built = True
-
-    def call(self, inputs):
-        return self.layer_norm(self._activation_fn(self.dense(inputs)))
-
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "activation": self.activation,
-                "layer_norm_epsilon": self.layer_norm_epsilon,
-                "kernel_initializer": self.kernel_initializer,
-            }
-        )
-        return config
+        super().__init__(activation, layer_norm_epsilon,
+                         kernel_initializer or graphormer_initializer(), **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
