@@ -358,7 +358,11 @@ def test_choose_kernel_decisions_for_accelerators():
     assert choose_kernel(backend="jax", device="cpu", dtype="float32", query_length=8192,
                          key_length=8192, head_dim=64) == "chunked"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=8192, key_length=8192, head_dim=64) == "chunked"
+                         query_length=8192, key_length=8192, head_dim=64,
+                         mask_kind="causal") == "chunked"
+    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
+                         query_length=8192, key_length=8192, head_dim=64,
+                         mask_kind="general") == "reference"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
                          query_length=2048, key_length=2048, head_dim=64) == "reference"
     assert choose_kernel(backend="tensorflow", device="gpu", dtype="float32",
