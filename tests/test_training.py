@@ -314,3 +314,14 @@ def test_bert_accuracy_counts_masked_tokens_only(tmp_path):
     unweighted = float(np.mean(predicted == y))
     assert reported == pytest.approx(expected, abs=1e-6)
     assert abs(unweighted - expected) > 1e-3  # the check can tell the two apart
+
+
+def test_sample_prompt_starts_at_the_first_prose_line():
+    from training.recipes.gpt_text import _prose_start
+
+    tokenizer = D.ByteTokenizer()
+    text = ">>> c['red'] += 1\n         1\n\n      The example above shows part of it.\n"
+    ids = tokenizer.encode(text)
+    assert _prose_start(tokenizer, ids, 16) == text.index("The example")
+    code_only = tokenizer.encode("x = {'a': [1, 2]}\n" * 4)
+    assert _prose_start(tokenizer, code_only, 16) == 0

@@ -65,12 +65,28 @@ def lm_metrics():
             keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="nll")]
 
 
+def _prose_start(tokenizer, ids, length, window=2000):
+    """Index of the first word in `ids[:window]` that starts with a capital letter and whose
+    next `length` tokens decode to prose (mostly letters and spaces), so that the sample's
+    prompt is a sentence rather than a code listing; 0 when there is none."""
+    for start in range(0, max(1, min(window, len(ids) - length))):
+        if start and not tokenizer.decode([int(ids[start - 1])]).isspace():
+            continue
+        text = tokenizer.decode([int(t) for t in ids[start:start + length]])
+        letters = sum(ch.isalpha() or ch == " " for ch in text)
+        if text[:1].isupper() and letters >= 0.9 * max(1, len(text)):
+            return start
+    return 0
+
+
 def sample(model, task, cfg, prompt_tokens=32, strategy="sample"):
-    """(prompt text, generated text) from the start of the held-out text."""
+    """(prompt text, generated text): the prompt is the first prose line of the held-out
+    text (see `_prose_start`)."""
     tokenizer = task.info["tokenizer_object"]
     val_ids = task.info["val_ids"]
     prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
-    prompt = [int(t) for t in val_ids[:prompt_tokens]]
+    start = _prose_start(tokenizer, val_ids, prompt_tokens)
+    prompt = [int(t) for t in val_ids[start:start + prompt_tokens]]
     room = model.backbone.max_sequence_length - len(prompt)
     new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
     out = model.generate([prompt], max_new_tokens=new_tokens, strategy=strategy,
