@@ -11,8 +11,10 @@ the process' resident set during one call after a warm-up (the mark is reset thr
 /proc/self/clear_refs), minus the resident set before the call; glibc is told to return
 large blocks to the system so that freed buffers are not silently reused. TensorFlow keeps
 XLA's buffers pooled after the first call, so its peak is taken over the first call,
-compilation included (an upper bound for every method alike). At 8192 one timed call
-follows the warm-up (the dense methods take minutes per call).
+compilation included (an upper bound for every method alike). Up to 2048 tokens the times
+are medians of calls interleaved method by method in one process (15 calls at 512, 7 at
+2048), so that load changes hit all methods alike; at 8192 one timed call per method
+follows its warm-up, each in its own process (the dense methods take seconds per call).
 """
 
 import argparse
@@ -162,8 +164,38 @@ def _child(args):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def _child_times(args):
+    """Time every method in this one process, interleaved call by call, so that a change in
+    machine load hits all methods alike; print the medians as JSON."""
+    runs = {m: _build(m, args.mask, args.length, args.backward)[0] for m in METHODS}
+    for run in runs.values():
+        run()  # warm-up: compilation and first allocations
+    times = {m: [] for m in METHODS}
+    for _ in range(args.repeats):
+        for method, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[method].append(time.perf_counter() - t0)
+    medians = {m: 1000 * sorted(t)[len(t) // 2] for m, t in times.items()}
+    print("TIMES " + json.dumps(medians), flush=True)
+
+
 def _repeats(length):
-    return 5 if length <= 512 else (3 if length <= 2048 else 1)
+    return 15 if length <= 512 else (7 if length <= 2048 else 1)
+
+
+# Up to this length the three methods are also timed together in one process, interleaved
+# (the medians reported); longer ones would hold several score matrices at once.
+INTERLEAVE_MAX_LENGTH = 2048
+
+
+def _interleaved_times(env, mask, length, backward):
+    cmd = [sys.executable, "-m", "benchmarks.attention", "--child-times", "--mask", mask,
+           "--length", str(length), "--repeats", str(_repeats(length))]
+    cmd += ["--backward"] if backward else []
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("TIMES ")]
+    return json.loads(line[0][len("TIMES "):]) if proc.returncode == 0 and line else {}
 
 
 def run_backend(backend, lengths, out_rows):
@@ -172,10 +204,15 @@ def run_backend(backend, lengths, out_rows):
     for length in lengths:
         for mask in ("causal", "padded"):
             for backward in (False, True):
+                interleaved = {}
+                if length <= INTERLEAVE_MAX_LENGTH:
+                    interleaved = _interleaved_times(env, mask, length, backward)
                 for method in METHODS:
+                    # Memory (and, for long sequences, time) from a fresh process per method.
+                    repeats = 1 if interleaved else _repeats(length)
                     cmd = [sys.executable, "-m", "benchmarks.attention", "--child",
                            "--method", method, "--mask", mask, "--length", str(length),
-                           "--repeats", str(_repeats(length))] + (["--backward"] if backward else [])
+                           "--repeats", str(repeats)] + (["--backward"] if backward else [])
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                     if proc.returncode != 0 or not line:
@@ -186,6 +223,8 @@ def run_backend(backend, lengths, out_rows):
                                "error": " | ".join(tail)}
                     else:
                         row = json.loads(line[0][len("RESULT "):])
+                        if method in interleaved:
+                            row["ms"] = interleaved[method]
                     row["backend"] = backend
                     out_rows.append(row)
                     print(f"  {backend:10s} {length:5d} {mask:6s} {row['pass']:7s} {method:6s} "
@@ -233,6 +272,7 @@ def main(argv=None):
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     parser.add_argument("--json", default=None, help="also write the raw rows here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-times", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--mask", choices=("causal", "padded"), help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -241,6 +281,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return _child(args)
+    if args.child_times:
+        return _child_times(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     backends = ("jax", "torch", "tensorflow") if args.all_backends else (
         os.environ.get("KERAS_BACKEND", "jax"),)
