@@ -4,7 +4,9 @@ Data: `sklearn.datasets.load_digits` (1797 images, 10 classes), a stratified 20%
 held out for the final accuracy and a stratified 10% of the rest for validation (the best
 model is picked on it); training images are shifted by up to one pixel at random.
 Model: the `vit_tiny_patch16_224` preset at 8x8 with 2x2 patches (16 patches + a class
-token), one input channel, 10 classes and a smaller width/depth (overrides).
+token), one input channel, 10 classes, and narrower but deeper (overrides: width 64, MLP
+128, 6 layers, 203K parameters). On 1,293 training images this generalises better than
+width 128 / 4 layers (96-97% however long it trained).
 Loss: cross-entropy with label smoothing 0.1. Reports the test accuracy.
 """
 
@@ -22,7 +24,7 @@ NAME = "vit_digits"
 HELP = "ViT on sklearn's 8x8 digits; stratified held-out test accuracy (target >= 98%)."
 DEFAULTS = dict(
     preset="vit_tiny_patch16_224",
-    epochs=100,
+    epochs=150,
     batch_size=64,
     learning_rate=2e-3,
     warmup_steps=200,
@@ -30,7 +32,7 @@ DEFAULTS = dict(
     label_smoothing=0.1,
     save_every=200,
     overrides=dict(image_size=8, patch_size=2, num_channels=1, num_classes=10,
-                   num_layers=4, num_heads=4, hidden_dim=128, intermediate_dim=256,
+                   num_layers=6, num_heads=4, hidden_dim=64, intermediate_dim=128,
                    dropout=0.1),
 )
 
