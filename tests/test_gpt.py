@@ -611,6 +611,14 @@ def test_hf_gpt2_parity(variant, tmp_path):
     assert diff <= 1e-5
 
 
+def test_hf_gpt2_untied_head_refuses_a_tied_model(tmp_path):
+    """An untied checkpoint's lm_head differs from wte: loading it into a tied model must
+    fail with the fix named, never silently drop the head."""
+    _hf_gpt2(tmp_path, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r"wte\.weight.*tie_embeddings=False"):
+        kzoo.presets.load(tmp_path, tie_embeddings=True)
+
+
 def test_hf_gpt2_backbone_parity(tmp_path):
     hf = _hf_gpt2(tmp_path, lm_head=False)
     model = kzoo.presets.load(tmp_path)

@@ -278,6 +278,20 @@ def _parts(model):
     return backbone, task
 
 
+def _check_tied_head(weights, embedding_name):
+    """A tied model takes the checkpoint's `lm_head.weight` only if it equals the
+    embedding `embedding_name`; a different head needs tie_embeddings=False."""
+    if not weights.has("lm_head.weight"):
+        return
+    head = weights.take("lm_head.weight")
+    embedding = weights.state.get(embedding_name)
+    if embedding is not None and not np.array_equal(np.asarray(embedding, head.dtype), head):
+        raise ValueError(
+            f"The checkpoint's `lm_head.weight` differs from `{embedding_name}` but the model "
+            "ties them (tie_word_embeddings=True); load with tie_embeddings=False."
+        )
+
+
 def load_weights(model, weights):
     """Copy a GPT-2 checkpoint (a `kzoo.convert.WeightReader`) into a kzoo GPT model.
 
@@ -338,15 +352,7 @@ def load_weights(model, weights):
     put(backbone.final_norm.beta, prefix + "ln_f.bias")
 
     if backbone.tie_embeddings:
-        if weights.has("lm_head.weight"):
-            head = weights.take("lm_head.weight")
-            wte = weights.state.get(prefix + "wte.weight")
-            if wte is not None and not np.array_equal(np.asarray(wte, head.dtype), head):
-                raise ValueError(
-                    "The checkpoint's `lm_head.weight` differs from `wte.weight` but the "
-                    "model ties them (tie_word_embeddings=True); load with "
-                    "tie_embeddings=False."
-                )
+        _check_tied_head(weights, prefix + "wte.weight")
     elif task is not None or weights.has("lm_head.weight"):
         head = weights.take("lm_head.weight")
         if head is not None:
@@ -404,14 +410,7 @@ def _load_modern_weights(backbone, task, weights):
                     assign(variable, np.stack(stacks[w]), f"{m}experts.*.{w}.weight")
     put(backbone.final_norm.scale, prefix + "norm.weight")
     if backbone.tie_embeddings:
-        if weights.has("lm_head.weight"):
-            head = weights.take("lm_head.weight")
-            embed = weights.state.get(prefix + "embed_tokens.weight")
-            if embed is not None and not np.array_equal(np.asarray(embed, head.dtype), head):
-                raise ValueError(
-                    "The checkpoint's `lm_head.weight` differs from `embed_tokens.weight` but "
-                    "the model ties them; load with tie_embeddings=False."
-                )
+        _check_tied_head(weights, prefix + "embed_tokens.weight")
     elif task is not None or weights.has("lm_head.weight"):
         put(backbone.token_embedding.reverse_embeddings, "lm_head.weight", transpose=True)
 

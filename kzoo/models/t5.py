@@ -476,6 +476,17 @@ def _to_numpy(x):
     return np.asarray(ops.convert_to_numpy(x))
 
 
+def _right_pad(rows, pad_token_id):
+    """Rows of token ids of different lengths -> (ids, mask) int32 arrays, right-padded."""
+    length = max(1, max(len(row) for row in rows))
+    ids = np.full((len(rows), length), pad_token_id, "int32")
+    mask = np.zeros((len(rows), length), "int32")
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
 class T5Seq2SeqLM(TaskModel):
     """T5 with its language-model head: vocabulary logits at every decoder position.
@@ -595,12 +606,7 @@ class T5Seq2SeqLM(TaskModel):
             strings = "single" if isinstance(encoder_inputs, str) else "batch"
             texts = [encoder_inputs] if strings == "single" else list(encoder_inputs)
             encoded = [e.ids for e in tokenizer.encode_batch(texts)]
-            length = max(1, max(len(e) for e in encoded))
-            ids = np.full((len(encoded), length), pad_token_id, "int32")
-            mask = np.zeros((len(encoded), length), "int32")
-            for row, e in enumerate(encoded):
-                ids[row, : len(e)] = e
-                mask[row, : len(e)] = 1
+            ids, mask = _right_pad(encoded, pad_token_id)
             return ids, mask, strings
         if isinstance(encoder_inputs, dict):
             if "encoder_token_ids" not in encoder_inputs:
@@ -615,12 +621,7 @@ class T5Seq2SeqLM(TaskModel):
         ):
             # Rows of token ids of different lengths: right-pad them.
             rows = [np.asarray(row, "int32").reshape(-1) for row in encoder_inputs]
-            length = max(1, max(len(row) for row in rows))
-            ids = np.full((len(rows), length), pad_token_id, "int32")
-            mask = np.zeros((len(rows), length), "int32")
-            for i, row in enumerate(rows):
-                ids[i, : len(row)] = row
-                mask[i, : len(row)] = 1
+            ids, mask = _right_pad(rows, pad_token_id)
         else:
             ids = _to_numpy(encoder_inputs).astype("int32")
             mask = None
