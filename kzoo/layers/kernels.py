@@ -441,10 +441,6 @@ def _remat(fn):
             return checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
         return wrapped
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.recompute_grad(fn)
     return fn
 
 
@@ -529,6 +525,8 @@ def chunked_attention(
 
     if keras.backend.backend() == "jax":
         return _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk)
+    if keras.backend.backend() == "tensorflow":
+        return _chunked_tf(query, key, value, mask, bias, is_causal, scale, bq, bk)
 
     outputs = []
     for q_start in range(0, q_len, bq):
@@ -542,19 +540,31 @@ def chunked_attention(
         def fn(*a, _q_start=q_start):
             return block_fn(*a, _q_start)
 
-        if has_mask and keras.backend.backend() == "tensorflow":
-            # tf.recompute_grad differentiates every input; boolean masks go in as floats.
-            args[3] = ops.cast(args[3], "float32")
-
-            def fn(*a, _q_start=q_start, _fn=fn):  # noqa: F811
-                a = list(a)
-                a[3] = ops.cast(a[3], "bool")
-                return block_fn(*a, _q_start)
-
         outputs.append(_remat(fn)(*args))
     if len(outputs) == 1:
         return outputs[0]
     return ops.concatenate(outputs, axis=1)
+
+
+_TF_CHUNKED = {}
+
+
+def _chunked_tf(query, key, value, mask, bias, is_causal, scale, bq, bk):
+    """TensorFlow's chunked kernel (`kernels_tf`), XLA-compiled when called eagerly."""
+    import tensorflow as tf
+
+    from kzoo.layers.kernels_tf import chunked_attention_tf
+
+    if not tf.executing_eagerly():
+        return chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk)
+    config = (is_causal, float(scale), bq, bk, mask is not None, bias is not None)
+    if config not in _TF_CHUNKED:
+
+        def run(q, k, v, m, b):
+            return chunked_attention_tf(q, k, v, m, b, is_causal, scale, bq, bk)
+
+        _TF_CHUNKED[config] = tf.function(run, jit_compile=True)
+    return _TF_CHUNKED[config](query, key, value, mask, bias)
 
 
 def _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk):
