@@ -161,6 +161,110 @@ def test_chunked_small_blocks_gradients_match_reference(monkeypatch, causal):
     assert_close(out, np_attention(q, k, v, **kw))
 
 
+def _multi_block_cases():
+    """Cases for the chunked kernel with blocks of 3: ragged last blocks, tiles a mask hides
+    before the first visible key (sliding window), broadcast and full biases (their
+    gradients too), grouped heads, cross-attention with a causal offset, empty rows."""
+    r = np.random.default_rng(7)
+    i = np.arange(13)
+    window = ((i[:, None] - i[None, :]) >= 0) & ((i[:, None] - i[None, :]) < 4)
+    empty = np.ones((2, 1, 13, 13), bool)
+    empty[0, 0, 4:9] = False  # rows 4..8 of example 0 see no key
+    pad = _pad(2, 13, [13, 6])[:, None, None, :]
+    return {
+        "full_bias_mask_causal": (dict(t=13, h=4, hk=2), dict(
+            mask=pad, causal=True, bias=r.normal(size=(2, 4, 13, 13)).astype("float32"))),
+        "key_bias_broadcast": (dict(t=13, h=4), dict(
+            bias=r.normal(size=(1, 4, 1, 13)).astype("float32"))),
+        "head_bias_broadcast": (dict(t=13, h=4, hk=1), dict(
+            causal=True, bias=r.normal(size=(1, 4, 13, 13)).astype("float32"))),
+        "sliding_window": (dict(t=13, h=4), dict(mask=window[None, None])),
+        "cross_causal_offset": (dict(t=5, s=13, h=4, hk=2), dict(causal=True)),
+        "more_queries_than_keys": (dict(t=13, s=7, h=2), dict(causal=True)),
+        "fully_masked_rows": (dict(t=13, h=2), dict(mask=empty)),
+    }
+
+
+MULTI_BLOCK_CASES = _multi_block_cases()
+
+
+@pytest.mark.parametrize("case", sorted(MULTI_BLOCK_CASES))
+def test_chunked_multi_block_forward_and_gradients(monkeypatch, case):
+    from kzoo.layers import kernels
+
+    monkeypatch.setattr(kernels, "DEFAULT_BLOCK_SIZE", 3)
+    shape, kw = MULTI_BLOCK_CASES[case]
+    q, k, v = _data(**shape)
+    out = dot_product_attention(q, k, v, mask=kw.get("mask"), bias=kw.get("bias"),
+                                is_causal=kw.get("causal", False), kernel="chunked")
+    assert_close(out, np_attention(q, k, v, **kw))
+    ref = _grad_fn("reference", kw)(q, k, v, kw.get("bias"))
+    got = _grad_fn("chunked", kw)(q, k, v, kw.get("bias"))
+    assert len(ref) == len(got) == (4 if "bias" in kw else 3)
+    for r, g in zip(ref, got):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_never_holds_a_score_matrix():
+    """The chunked forward and backward hold (block x block) tiles, never (q_len x k_len):
+    checked on what the backend keeps or compiles (XLA's optimised HLO on JAX and
+    TensorFlow; the tensors autograd saves on torch), with the reference as a control."""
+    from kzoo.layers import kernels
+
+    t, blk = 64, 16
+    q, k, v = _data(b=1, t=t, h=2, d=8)
+    mask = _pad(1, t, [50])[:, None, None, :]
+    b = backend()
+
+    def loss(kernel):
+        def f(q, k, v):
+            return ops.sum(dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                 kernel=kernel))
+        return f
+
+    def holds_square(kernel):
+        if b == "jax":
+            import jax
+
+            text = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2))).lower(q, k, v)
+            text = text.compile().as_text()
+            return f",{t},{t}]" in text
+        if b == "tensorflow":
+            import tensorflow as tf
+
+            @tf.function(jit_compile=True)
+            def g(q, k, v):
+                with tf.GradientTape() as tape:
+                    tape.watch([q, k, v])
+                    y = loss(kernel)(q, k, v)
+                return tape.gradient(y, [q, k, v])
+
+            text = g.experimental_get_compiler_ir(q, k, v)(stage="optimized_hlo")
+            return f",{t},{t}]" in text
+        import torch
+
+        shapes = []
+
+        def pack(x):
+            shapes.append(tuple(x.shape))
+            return x
+
+        ts = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            y = loss(kernel)(*ts)
+        y.backward()
+        return any(s[-2:] == (t, t) for s in shapes)
+
+    old = kernels.DEFAULT_BLOCK_SIZE
+    kernels.DEFAULT_BLOCK_SIZE = blk
+    try:
+        assert holds_square("reference")  # the control: the check can see a score matrix
+        assert not holds_square("chunked")
+    finally:
+        kernels.DEFAULT_BLOCK_SIZE = old
+
+
 def _grad_fn(kernel, kw):
     """Gradient of sum(out * w) with respect to q, k, v (and the bias) via the backend."""
     b = backend()
@@ -362,7 +466,16 @@ def test_choose_kernel_decisions_for_accelerators():
                          mask_kind="causal") == "chunked"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
                          query_length=8192, key_length=8192, head_dim=64,
+                         mask_kind="general") == "chunked"
+    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
+                         query_length=2048, key_length=2048, head_dim=64,
+                         mask_kind="causal") == "chunked"
+    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
+                         query_length=2048, key_length=2048, head_dim=64,
                          mask_kind="general") == "reference"
+    assert choose_kernel(backend="tensorflow", device="gpu", dtype="bfloat16",
+                         query_length=8192, key_length=8192, head_dim=64,
+                         has_bias=True) == "chunked"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
                          query_length=2048, key_length=2048, head_dim=64) == "reference"
     assert choose_kernel(backend="tensorflow", device="gpu", dtype="float32",

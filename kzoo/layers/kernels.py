@@ -10,9 +10,10 @@ runs. It takes `(batch, seq, heads, head_dim)` tensors and picks one of four ker
   JAX: `jax.nn.dot_product_attention` (cuDNN on CUDA for half precision, XLA elsewhere);
   TensorFlow: the reference computation compiled by XLA (TensorFlow has no fused kernel).
 - ``"chunked"``: exact memory-efficient attention on any backend: blocked over queries and
-  keys with an online softmax (Rabe & Staats 2021; Dao et al. 2022), each query block
-  rematerialised in the backward pass, so peak memory is O(seq x block) both ways. Key
-  blocks that a causal mask hides entirely are skipped.
+  keys with an online softmax (Rabe & Staats 2021; Dao et al. 2022), so peak memory is
+  O(seq x block) both ways: JAX rematerialises each block under `lax.scan`, TensorFlow runs
+  XLA while loops with a hand-written backward pass (`kernels_tf`), torch an unrolled loop
+  with activation checkpointing. Key blocks that a causal mask hides entirely are skipped.
 - ``"auto"``: what `attention_kernel` says is fastest for these arguments on this device.
 
 A process-wide override (`set_attention_kernel` or the `KZOO_ATTENTION_KERNEL` environment
@@ -32,11 +33,13 @@ _OVERRIDE = {"kernel": None}
 
 # Sequence length (number of keys) from which `auto` prefers the chunked kernel on backends
 # without an O(n)-memory fused kernel. Chosen from benchmarks/attention.py on a 2-core CPU:
-# on JAX the chunked scan is already faster at 2048 (causal blocks skipped); TensorFlow's
-# XLA reference is still faster at 2048, so it chunks causal-only calls from 4096. XLA
-# schedules TensorFlow's unrolled block loop freely, so there the chunked kernel does not
-# reach O(n) memory (measured at 8192: 2.8 GiB forward against the reference's 4.5 GiB).
-CHUNKED_MIN_LENGTH = {"jax": 2048, "tensorflow": 4096, "torch": None}
+# on JAX the chunked scan is already faster at 2048 (causal blocks skipped). On TensorFlow
+# the chunked while loops beat the XLA reference from 2048 for causal-only calls (forward
+# 0.61x, forward+backward 0.97x at 2048); with a general mask or none, its forward is faster
+# (0.68x at 2048) but its hand-written backward slower (1.10x at 2048, 1.41x at 4096) until
+# the reference's O(n^2) buffers dominate at 8192 (0.91x), so those chunk from 8192.
+CHUNKED_MIN_LENGTH = {"jax": 2048, "tensorflow": 8192, "torch": None}
+TF_CAUSAL_CHUNKED_MIN_LENGTH = 2048
 DEFAULT_BLOCK_SIZE = 512
 
 _NEG = -1e30  # finite "minus infinity" for float32 scores: exp(_NEG - m) == 0, never NaN
@@ -150,10 +153,11 @@ def choose_kernel(
             threshold = CHUNKED_MIN_LENGTH["jax"]
         return "chunked" if key_length >= threshold and query_length > 1 else "reference"
     if backend == "tensorflow":
-        # Under XLA the chunked loop only pays off for causal-only calls (half the blocks
-        # skipped); with a general mask it was slower and no smaller than the reference.
+        # XLA while loops (kernels_tf): O(n) memory forward and backward on every device.
         threshold = CHUNKED_MIN_LENGTH["tensorflow"]
-        if key_length >= threshold and query_length > 1 and mask_kind == "causal":
+        if mask_kind == "causal":
+            threshold = TF_CAUSAL_CHUNKED_MIN_LENGTH
+        if key_length >= threshold and query_length > 1:
             return "chunked"
         return "fused" if device == "gpu" else "reference"
     return "reference"
@@ -519,6 +523,8 @@ def chunked_attention(
                 running_sum = running_sum * alpha + ops.sum(p, axis=-1)
                 acc = acc * ops.transpose(alpha, (0, 2, 1))[..., None] + pv
             running_max = new_max
+        if running_max is None:  # every key lies in this block's future: no row sees one
+            return ops.zeros(tuple(ops.shape(q_blk)[:3]) + (d,), out_dtype)
         denom = ops.transpose(running_sum, (0, 2, 1))[..., None]  # (b,t,h,1)
         out = ops.where(denom > 0, acc / ops.maximum(denom, 1e-30), 0.0)
         return ops.cast(out, out_dtype)
