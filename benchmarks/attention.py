@@ -11,10 +11,11 @@ the process' resident set during one call after a warm-up (the mark is reset thr
 /proc/self/clear_refs), minus the resident set before the call; glibc is told to return
 large blocks to the system so that freed buffers are not silently reused. TensorFlow keeps
 XLA's buffers pooled after the first call, so its peak is taken over the first call,
-compilation included (an upper bound for every method alike). Up to 2048 tokens the times
-are medians of calls interleaved method by method in one process (15 calls at 512, 7 at
-2048), so that load changes hit all methods alike; at 8192 one timed call per method
-follows its warm-up, each in its own process (the dense methods take seconds per call).
+compilation included (an upper bound for every method alike). Before it is measured, each
+method runs once at 128 tokens, so that the process' one-time start-up is not counted.
+Times are medians of calls interleaved method by method in one process (15 calls at 512, 7
+at 2048, 3 at 8192), so that load changes hit all methods alike; each call frees its
+buffers before the next, so interleaving does not inflate memory.
 """
 
 import argparse
@@ -200,12 +201,12 @@ def _child_times(args):
 
 
 def _repeats(length):
-    return 15 if length <= 512 else (7 if length <= 2048 else 1)
+    return 15 if length <= 512 else (7 if length <= 2048 else 3)
 
 
-# Up to this length the three methods are also timed together in one process, interleaved
-# (the medians reported); longer ones would hold several score matrices at once.
-INTERLEAVE_MAX_LENGTH = 2048
+# Up to this length the three methods are timed together in one process, interleaved (the
+# medians reported); beyond it, each method in its own process.
+INTERLEAVE_MAX_LENGTH = 8192
 
 
 def _interleaved_times(env, mask, length, backward):

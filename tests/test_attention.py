@@ -471,13 +471,16 @@ def test_choose_kernel_decisions_for_accelerators():
                          query_length=2048, key_length=2048, head_dim=64,
                          mask_kind="causal") == "chunked"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=2048, key_length=2048, head_dim=64,
-                         mask_kind="general") == "reference"
+                         query_length=512, key_length=512, head_dim=64,
+                         mask_kind="general") == "chunked"
+    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
+                         query_length=256, key_length=256, head_dim=64,
+                         mask_kind="causal") == "reference"
     assert choose_kernel(backend="tensorflow", device="gpu", dtype="bfloat16",
                          query_length=8192, key_length=8192, head_dim=64,
                          has_bias=True) == "chunked"
     assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=2048, key_length=2048, head_dim=64) == "reference"
+                         query_length=2048, key_length=2048, head_dim=64) == "chunked"
     assert choose_kernel(backend="tensorflow", device="gpu", dtype="float32",
                          query_length=128, key_length=128, head_dim=64) == "fused"
     # Decoding one token never chunks.

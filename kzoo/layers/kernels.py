@@ -34,13 +34,15 @@ _OVERRIDE = {"kernel": None}
 # Sequence length (number of keys) from which `auto` prefers the chunked kernel on backends
 # without an O(n)-memory fused kernel. Chosen from benchmarks/attention.py on a 2-core CPU:
 # on JAX the chunked scan is already faster at 2048 (causal blocks skipped). On TensorFlow
-# the chunked while loops beat the XLA reference from 2048 for causal-only calls (forward
-# 0.61x, forward+backward 0.97x at 2048); with a general mask or none, its forward is faster
-# (0.68x at 2048) but its hand-written backward slower (1.10x at 2048, 1.41x at 4096) until
-# the reference's O(n^2) buffers dominate at 8192 (0.91x), so those chunk from 8192.
-CHUNKED_MIN_LENGTH = {"jax": 2048, "tensorflow": 8192, "torch": None}
-TF_CAUSAL_CHUNKED_MIN_LENGTH = 2048
+# the chunked XLA while loops (256x128 tiles) take 0.43-0.84x the XLA reference's time from
+# 512 keys up, with a causal mask, a padding mask, forward and forward+backward; at 256 they
+# are slower (1.05-1.54x), at 128 level.
+CHUNKED_MIN_LENGTH = {"jax": 2048, "tensorflow": 512, "torch": None}
 DEFAULT_BLOCK_SIZE = 512
+# (query block, key block) where a backend measured better with other tiles, capped by
+# DEFAULT_BLOCK_SIZE. TensorFlow at 8192 tokens, forward+backward (2-core CPU, median of 4
+# interleaved): 512x512 2463 ms causal / 3029 ms padded; 256x128 1584 / 2066 ms.
+BLOCK_SIZES = {"tensorflow": (256, 128)}
 
 _NEG = -1e30  # finite "minus infinity" for float32 scores: exp(_NEG - m) == 0, never NaN
 
@@ -154,10 +156,7 @@ def choose_kernel(
         return "chunked" if key_length >= threshold and query_length > 1 else "reference"
     if backend == "tensorflow":
         # XLA while loops (kernels_tf): O(n) memory forward and backward on every device.
-        threshold = CHUNKED_MIN_LENGTH["tensorflow"]
-        if mask_kind == "causal":
-            threshold = TF_CAUSAL_CHUNKED_MIN_LENGTH
-        if key_length >= threshold and query_length > 1:
+        if key_length >= CHUNKED_MIN_LENGTH["tensorflow"] and query_length > 1:
             return "chunked"
         return "fused" if device == "gpu" else "reference"
     return "reference"
@@ -472,8 +471,9 @@ def chunked_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     block_size = block_size or DEFAULT_BLOCK_SIZE
-    bq = query_block_size or block_size
-    bk = key_block_size or block_size
+    pref_q, pref_k = BLOCK_SIZES.get(keras.backend.backend(), (block_size, block_size))
+    bq = query_block_size or min(pref_q, block_size)
+    bk = key_block_size or min(pref_k, block_size)
     q_len, k_len = query.shape[1], key.shape[1]
     if q_len is None or k_len is None:
         raise ValueError("chunked attention needs static sequence lengths.")

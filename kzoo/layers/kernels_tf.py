@@ -48,9 +48,34 @@ def _from_blocks(x, length):
     return x if x.shape[1] == length else x[:, :length]
 
 
-def _block_index(batch, i):
-    """Scatter indices (batch, 2) that address block `i` of every example."""
-    return tf.stack([tf.range(batch), tf.fill(tf.reshape(batch, (1,)), i)], axis=1)
+def _write_block(buf, i, blk, add=False):
+    """`buf` with block `i` of axis 1 set to (or, with `add`, increased by) `blk`, which has
+    size 1 there dropped: (b, n, size, ...) <- (b, size, ...).
+
+    XLA's dynamic-update-slice, which updates a loop-carried buffer in place; a scatter
+    (`tensor_scatter_nd_*`) is copied whole on every iteration by XLA on CPU, which cost a
+    second of the 8192-token backward pass."""
+    if add:
+        blk = tf.gather(buf, i, axis=1) + blk
+    start = [0, i] + [0] * (len(buf.shape) - 2)
+    return _dynamic_update_slice(buf, tf.expand_dims(blk, 1), start)
+
+
+def _write_tile(buf, index, tile, add=False):
+    """`buf` (n1, n2, ...) with tile `index` = (i, j) of its two leading axes set to (or
+    increased by) `tile`."""
+    if add:
+        tile = tf.gather_nd(buf, index) + tile
+    start = [index[0], index[1]] + [0] * (len(buf.shape) - 2)
+    return _dynamic_update_slice(buf, tile[None, None], start)
+
+
+def _dynamic_update_slice(buf, update, start):
+    # XLA's DynamicUpdateSlice as a TensorFlow op; it also runs outside XLA (compiled on
+    # demand), so graph-mode training without `jit_compile` works too.
+    from tensorflow.compiler.tf2xla.python import xla
+
+    return xla.dynamic_update_slice(buf, update, tf.stack([tf.cast(x, tf.int32) for x in start]))
 
 
 def _tile_layout(x, nq, bq, nk, bk):
@@ -223,9 +248,8 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
             out_i = tf.where(denom > 0, acc / tf.maximum(denom, 1e-30), 0.0)
             lse_i = tf.where(run_sum > 0, run_max + tf.math.log(tf.maximum(run_sum, 1e-30)),
                              _LSE_EMPTY)
-            idx = _block_index(batch, i)
-            out_b = tf.tensor_scatter_nd_update(out_b, idx, out_i)
-            lse_b = tf.tensor_scatter_nd_update(lse_b, idx, lse_i)
+            out_b = _write_block(out_b, i, out_i)
+            lse_b = _write_block(lse_b, i, lse_i)
             return i + 1, out_b, lse_b
 
         _, out_b, lse_b = tf.while_loop(
@@ -253,9 +277,7 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
                     dv_j = dv_j + _weighted_t(p, do_i, hk)
                     dp = _scores(do_i, tf.cast(v_j, tf.float32))
                     ds = p * (dp - tf.gather(delta_b, i, axis=1)[..., None])
-                    dq_b = tf.tensor_scatter_nd_add(
-                        dq_b, _block_index(batch, i), _weighted(ds, k_j) * scale
-                    )
+                    dq_b = _write_block(dq_b, i, _weighted(ds, k_j) * scale, add=True)
                     dk_j = dk_j + _weighted_t(ds, q_i, hk) * scale
                     if has_bias:
                         red = [a for a in (0, 1) if bias_tiles.shape[2 + a] == 1]
@@ -264,9 +286,8 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
                             ds_b = tf.reduce_sum(ds_b, axis=2, keepdims=True)
                         if not b_cols:
                             ds_b = tf.reduce_sum(ds_b, axis=3, keepdims=True)
-                        db_t = tf.tensor_scatter_nd_add(
-                            db_t, tile_index(i, j, b_rows, b_cols)[None], ds_b[None]
-                        )
+                        db_t = _write_tile(db_t, tile_index(i, j, b_rows, b_cols), ds_b,
+                                           add=True)
                     return i + 1, dq_b, dk_j, dv_j, db_t
 
                 zeros_kv = tf.zeros(tf.stack([batch, bk, hk, d]), tf.float32)
@@ -274,9 +295,8 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
                     lambda i, *_: i <= q_last[j], i_body,
                     (q_first[j], dq_b, zeros_kv, zeros_kv, db_t),
                 )
-                idx = _block_index(batch, j)
-                dk_b = tf.tensor_scatter_nd_update(dk_b, idx, dk_j)
-                dv_b = tf.tensor_scatter_nd_update(dv_b, idx, dv_j)
+                dk_b = _write_block(dk_b, j, dk_j)
+                dv_b = _write_block(dv_b, j, dv_j)
                 return j + 1, dq_b, dk_b, dv_b, db_t
 
             kv_shape = tf.stack([batch, nk, bk, hk, d])
