@@ -14,7 +14,7 @@ XLA's buffers pooled after the first call, so its peak is taken over the first c
 compilation included (an upper bound for every method alike). Before it is measured, each
 method runs once at 128 tokens, so that the process' one-time start-up is not counted.
 Times are medians of calls interleaved method by method in one process (15 calls at 512, 7
-at 2048, 3 at 8192), so that load changes hit all methods alike; each call frees its
+at 2048, 3 at 8192; 41 at 512, where one call takes milliseconds), so that load changes hit all methods alike; each call frees its
 buffers before the next, so interleaving does not inflate memory.
 """
 
@@ -201,7 +201,7 @@ def _child_times(args):
 
 
 def _repeats(length):
-    return 15 if length <= 512 else (7 if length <= 2048 else 3)
+    return 41 if length <= 512 else (7 if length <= 2048 else 3)
 
 
 # Up to this length the three methods are timed together in one process, interleaved (the
