@@ -472,10 +472,12 @@ def test_fit_lowers_loss(kind):
     assert after < before - 0.5
 
 
-def test_chunked_kernel_trains_like_reference(monkeypatch):
-    """A compiled training step with every attention forced onto the chunked kernel (blocks of
-    3, so 3 query and key blocks with padding) gives the loss and updated weights of the
-    reference kernel: its backward pass runs inside the model's traced step."""
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
+def test_chunked_kernel_trains_like_reference(monkeypatch, jit_compile):
+    """A training step with every attention forced onto the chunked kernel (blocks of 3, so
+    3 query and key blocks with padding) gives the loss and updated weights of the reference
+    kernel: its backward pass runs inside the model's traced step, with XLA ("auto") and
+    without (TensorFlow graph mode, eager JAX and torch)."""
     from kzoo.layers import kernels, set_attention_kernel
 
     monkeypatch.setattr(kernels, "DEFAULT_BLOCK_SIZE", 3)
@@ -489,7 +491,7 @@ def test_chunked_kernel_trains_like_reference(monkeypatch):
         keras.utils.set_random_seed(3)
         lm = tiny_lm("modern")
         initial = [to_numpy(v) for v in lm.weights]
-        lm.compile(optimizer=keras.optimizers.SGD(0.5), jit_compile="auto",
+        lm.compile(optimizer=keras.optimizers.SGD(0.5), jit_compile=jit_compile,
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         set_attention_kernel(kernel)
         try:
