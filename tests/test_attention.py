@@ -461,26 +461,21 @@ def test_choose_kernel_decisions_for_accelerators():
                          key_length=512, head_dim=64) == "reference"
     assert choose_kernel(backend="jax", device="cpu", dtype="float32", query_length=8192,
                          key_length=8192, head_dim=64) == "chunked"
-    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=8192, key_length=8192, head_dim=64,
-                         mask_kind="causal") == "chunked"
-    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=8192, key_length=8192, head_dim=64,
-                         mask_kind="general") == "chunked"
-    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=2048, key_length=2048, head_dim=64,
-                         mask_kind="causal") == "chunked"
-    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=512, key_length=512, head_dim=64,
-                         mask_kind="general") == "chunked"
-    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=256, key_length=256, head_dim=64,
-                         mask_kind="causal") == "reference"
-    assert choose_kernel(backend="tensorflow", device="gpu", dtype="bfloat16",
-                         query_length=8192, key_length=8192, head_dim=64,
-                         has_bias=True) == "chunked"
-    assert choose_kernel(backend="tensorflow", device="cpu", dtype="float32",
-                         query_length=2048, key_length=2048, head_dim=64) == "chunked"
+    # TensorFlow: the chunked XLA while loops from 512 keys, whatever the mask or device.
+    tf_cases = [  # (device, dtype, length, mask_kind, has_bias) -> kernel
+        (("cpu", "float32", 8192, "causal", False), "chunked"),
+        (("cpu", "float32", 8192, "general", False), "chunked"),
+        (("cpu", "float32", 2048, "causal", False), "chunked"),
+        (("cpu", "float32", 2048, "none", False), "chunked"),
+        (("cpu", "float32", 512, "general", False), "chunked"),
+        (("cpu", "float32", 256, "causal", False), "reference"),
+        (("gpu", "bfloat16", 8192, "none", True), "chunked"),
+    ]
+    for (device, dtype, length, mask_kind, has_bias), want in tf_cases:
+        got = choose_kernel(backend="tensorflow", device=device, dtype=dtype,
+                            query_length=length, key_length=length, head_dim=64,
+                            mask_kind=mask_kind, has_bias=has_bias)
+        assert got == want, (device, dtype, length, mask_kind, has_bias, got)
     assert choose_kernel(backend="tensorflow", device="gpu", dtype="float32",
                          query_length=128, key_length=128, head_dim=64) == "fused"
     # Decoding one token never chunks.

@@ -112,16 +112,19 @@ def _scores(q, k):
     return tf.cast(tf.reshape(out, tf.stack([o[0], h, o[3], o[4]])), tf.float32)
 
 
+def _group_heads(w, hk):
+    """(b, h, t, s) -> (b, hk, h // hk, t, s): query heads grouped by their kv head."""
+    s = tf.shape(w)
+    return tf.reshape(w, tf.stack([s[0], hk, w.shape[1] // hk, s[2], s[3]]))
+
+
 def _weighted(w, x):
     """w (b,h,t,s) float32, x (b,s,hk,d) -> (b,t,h,d) float32: sum_s w * x."""
     h, hk, d = w.shape[1], x.shape[2], x.shape[3]
     x = tf.cast(x, tf.float32)
     if h == hk:
         return tf.einsum("bhts,bshd->bthd", w, x)
-    g = h // hk
-    s = tf.shape(w)
-    w5 = tf.reshape(w, tf.stack([s[0], hk, g, s[2], s[3]]))
-    out = tf.einsum("bkgts,bskd->btkgd", w5, x)
+    out = tf.einsum("bkgts,bskd->btkgd", _group_heads(w, hk), x)
     o = tf.shape(out)
     return tf.reshape(out, tf.stack([o[0], o[1], h, d]))
 
@@ -129,15 +132,11 @@ def _weighted(w, x):
 def _weighted_t(w, x, hk):
     """w (b,h,t,s) float32, x (b,t,h,d) -> (b,s,hk,d) float32: sum_t w * x, summed over
     the query heads that share a kv head."""
-    h, d = w.shape[1], x.shape[3]
     x = tf.cast(x, tf.float32)
-    if h == hk:
+    if w.shape[1] == hk:
         return tf.einsum("bhts,bthd->bshd", w, x)
-    g = h // hk
-    s = tf.shape(w)
-    w5 = tf.reshape(w, tf.stack([s[0], hk, g, s[2], s[3]]))
-    x5 = tf.reshape(x, tf.stack([s[0], s[2], hk, g, d]))
-    return tf.einsum("bkgts,btkgd->bskd", w5, x5)
+    x5 = tf.reshape(x, tf.stack([tf.shape(x)[0], tf.shape(x)[1], hk, -1, x.shape[3]]))
+    return tf.einsum("bkgts,btkgd->bskd", _group_heads(w, hk), x5)
 
 
 def _block_ranges(mask_tiles, nq, nk, bq, bk, offset, is_causal):
