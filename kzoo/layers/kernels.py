@@ -464,9 +464,13 @@ def chunked_attention(
 
     Queries are processed in blocks of `query_block_size`; within a block, keys are visited
     in blocks of `key_block_size` with a running maximum and a running sum (online softmax),
-    so no `(q_len, k_len)` score matrix ever exists. Each query block is rematerialised in the
-    backward pass. With `is_causal`, key blocks that lie entirely in a query block's future
-    are skipped, which halves the work of long causal sequences.
+    so no `(q_len, k_len)` score matrix ever exists. The backward pass recomputes each block
+    (JAX: `jax.checkpoint` under `lax.scan`; torch: activation checkpointing; TensorFlow: a
+    hand-written FlashAttention backward in XLA while loops, see `kernels_tf`). Key blocks that
+    lie entirely in a query block's causal future are skipped, which halves the work of long
+    causal sequences; JAX and TensorFlow also skip blocks a mask hides for the whole block.
+    Block sizes default to `DEFAULT_BLOCK_SIZE`, or the backend's `BLOCK_SIZES` entry
+    (capped by it); `block_size` sets both, the other two each one.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
