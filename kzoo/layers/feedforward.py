@@ -114,8 +114,48 @@ def _dense(layer, units, name):
     )
 
 
+class _FeedForwardBase(keras.layers.Layer):
+    """What FeedForward and GatedFeedForward share: argument checks, the output projection,
+    the output shape and the config."""
+
+    def __init__(self, intermediate_dim, activation, use_bias, dropout, output_dim,
+                 kernel_initializer, bias_initializer, **kwargs):
+        super().__init__(**kwargs)
+        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
+        get_activation(activation)
+        self.activation = activation
+        self.use_bias = _check_bool("use_bias", use_bias)
+        self.dropout = check_rate("dropout", dropout)
+        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
+        self.kernel_initializer = serialize_initializer(kernel_initializer)
+        self.bias_initializer = serialize_initializer(bias_initializer)
+        self._activation_fn = get_activation(activation)
+        self.dropout_layer = keras.layers.Dropout(
+            self.dropout, dtype=self.dtype_policy, name="dropout"
+        )
+        self.output_dense = None
+
+    def _build_output(self, input_shape):
+        """Create the output projection for inputs of `input_shape`; returns nothing."""
+        dim = input_shape[-1]
+        if dim is None:
+            raise ValueError(
+                f"The last axis of the input to {self.__class__.__name__} must be known; "
+                f"got input shape {tuple(input_shape)}."
+            )
+        self.output_dense = _dense(self, self.output_dim or dim, "output_dense")
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.output_dim or input_shape[-1],)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(_ffn_config(self))
+        return config
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
-class FeedForward(keras.layers.Layer):
+class FeedForward(_FeedForwardBase):
     """Position-wise feed-forward network of the Transformer (Vaswani et al., 2017).
 
     `y = W_out(dropout(act(W_in x + b_in))) + b_out`, applied to the last axis.
@@ -160,33 +200,16 @@ class FeedForward(keras.layers.Layer):
         bias_initializer="zeros",
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
-        get_activation(activation)
-        self.activation = activation
-        self.use_bias = _check_bool("use_bias", use_bias)
-        self.dropout = check_rate("dropout", dropout)
-        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.bias_initializer = serialize_initializer(bias_initializer)
-        self._activation_fn = get_activation(activation)
+        super().__init__(
+            intermediate_dim, activation, use_bias, dropout, output_dim, kernel_initializer,
+            bias_initializer, **kwargs,
+        )
 
         # === Layers ===
         self.intermediate_dense = _dense(self, intermediate_dim, "intermediate_dense")
-        self.dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="dropout"
-        )
-        self.output_dense = None
 
     def build(self, input_shape):
-        dim = input_shape[-1]
-        if dim is None:
-            raise ValueError(
-                f"The last axis of the input to {self.__class__.__name__} must be known; "
-                f"got input shape {tuple(input_shape)}."
-            )
-        out_dim = self.output_dim or dim
-        self.output_dense = _dense(self, out_dim, "output_dense")
+        self._build_output(input_shape)
         self.intermediate_dense.build(input_shape)
         hidden_shape = tuple(input_shape[:-1]) + (self.intermediate_dim,)
         self.output_dense.build(hidden_shape)
@@ -197,17 +220,10 @@ class FeedForward(keras.layers.Layer):
         h = self.dropout_layer(h, training=training)
         return self.output_dense(h)
 
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape[:-1]) + (self.output_dim or input_shape[-1],)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(_ffn_config(self))
-        return config
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GatedFeedForward(keras.layers.Layer):
+class GatedFeedForward(_FeedForwardBase):
     """Gated linear unit feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer").
 
     `y = W_o(dropout(act(x W_gate) * (x W_up)))`. The activation picks the variant:
@@ -260,33 +276,17 @@ class GatedFeedForward(keras.layers.Layer):
         bias_initializer="zeros",
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
-        get_activation(activation)
-        self.activation = activation
-        self.use_bias = _check_bool("use_bias", use_bias)
-        self.dropout = check_rate("dropout", dropout)
-        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.bias_initializer = serialize_initializer(bias_initializer)
-        self._activation_fn = get_activation(activation)
+        super().__init__(
+            intermediate_dim, activation, use_bias, dropout, output_dim, kernel_initializer,
+            bias_initializer, **kwargs,
+        )
 
         # === Layers ===
         self.gate_dense = _dense(self, intermediate_dim, "gate_dense")
         self.up_dense = _dense(self, intermediate_dim, "up_dense")
-        self.dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="dropout"
-        )
-        self.output_dense = None
 
     def build(self, input_shape):
-        dim = input_shape[-1]
-        if dim is None:
-            raise ValueError(
-                f"The last axis of the input to {self.__class__.__name__} must be known; "
-                f"got input shape {tuple(input_shape)}."
-            )
-        self.output_dense = _dense(self, self.output_dim or dim, "output_dense")
+        self._build_output(input_shape)
         self.gate_dense.build(input_shape)
         self.up_dense.build(input_shape)
         self.output_dense.build(tuple(input_shape[:-1]) + (self.intermediate_dim,))
@@ -297,10 +297,3 @@ class GatedFeedForward(keras.layers.Layer):
         h = self.dropout_layer(h, training=training)
         return self.output_dense(h)
 
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape[:-1]) + (self.output_dim or input_shape[-1],)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(_ffn_config(self))
-        return config
