@@ -187,6 +187,10 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
     q_pos0 = tf.range(bq)[:, None] + offset
     k_pos0 = tf.range(bk)[None, :]
 
+    def tile_index(i, j, rows_full, cols_full):
+        """Index of tile (i, j) in a `_tile_layout`; a broadcast axis has only tile 0."""
+        return tf.stack([i if rows_full else 0, j if cols_full else 0])
+
     def allowed_tile(i, j):
         """(…, bq, bk) boolean: key padding, causal order and the mask for tile (i, j)."""
         k_pos = j * bk + k_pos0
@@ -194,12 +198,8 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
         if is_causal:
             allowed = allowed & (k_pos <= i * bq + q_pos0)
         if mask_tiles is not None:
-            idx = tf.stack([i if m_rows else 0, j if m_cols else 0])
-            allowed = allowed & tf.gather_nd(mask_tiles, idx)
+            allowed = allowed & tf.gather_nd(mask_tiles, tile_index(i, j, m_rows, m_cols))
         return allowed
-
-    def tile_index(i, j, rows_full, cols_full):
-        return tf.stack([i if rows_full else 0, j if cols_full else 0])
 
     def run(q, k, v, *maybe_bias):
         has_bias = bool(maybe_bias)
