@@ -190,3 +190,15 @@ def test_serialization_and_keras_file(tmp_path):
     restored = keras.saving.load_model(path)
     assert_close(restored(x), to_numpy(model(x)), atol=1e-6)
     assert [v.path for v in restored.weights] == [v.path for v in model.weights]
+
+
+def test_unknown_last_axis_is_a_clear_error():
+    from kzoo.layers.moe import MixtureOfExperts
+    from kzoo.layers.norm import RMSNorm
+
+    layers = [FeedForward(8), GatedFeedForward(8), RMSNorm(),
+              MixtureOfExperts(num_experts=2, intermediate_dim=8, top_k=1)]
+    for layer in layers:
+        name = layer.__class__.__name__
+        with pytest.raises(ValueError, match=f"last axis of the input to {name} must be known"):
+            layer.build((2, 3, None))

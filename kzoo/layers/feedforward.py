@@ -10,6 +10,7 @@ from keras import ops
 from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
+from kzoo.layers.utils import last_axis_size
 from kzoo.layers.utils import serialize_initializer
 
 
@@ -137,12 +138,7 @@ class _FeedForwardBase(keras.layers.Layer):
 
     def _build_output(self, input_shape):
         """Create the output projection for inputs of `input_shape`; returns nothing."""
-        dim = input_shape[-1]
-        if dim is None:
-            raise ValueError(
-                f"The last axis of the input to {self.__class__.__name__} must be known; "
-                f"got input shape {tuple(input_shape)}."
-            )
+        dim = last_axis_size(self.__class__.__name__, input_shape)
         self.output_dense = _dense(self, self.output_dim or dim, "output_dense")
 
     def compute_output_shape(self, input_shape):

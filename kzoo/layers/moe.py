@@ -50,6 +50,7 @@ from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
+from kzoo.layers.utils import last_axis_size
 from kzoo.layers.utils import serialize_initializer
 
 # Capacities tried, in order, when `capacity_factor is None` (multiples of the balanced load
@@ -350,12 +351,7 @@ class MixtureOfExperts(keras.layers.Layer):
         )
 
     def build(self, input_shape):
-        dim = input_shape[-1]
-        if dim is None:
-            raise ValueError(
-                f"The last axis of the input to MixtureOfExperts must be known; got input "
-                f"shape {tuple(input_shape)}."
-            )
+        dim = last_axis_size("MixtureOfExperts", input_shape)
         e, i = self.num_experts, self.intermediate_dim
         self.router.build((None, dim))
         if self.expert_type == "gated":

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from kzoo.layers.utils import check_positive_float
+from kzoo.layers.utils import last_axis_size
 from kzoo.layers.utils import serialize_initializer
 
 
@@ -51,12 +52,7 @@ class RMSNorm(keras.layers.Layer):
         self.supports_masking = True
 
     def build(self, input_shape):
-        dim = input_shape[-1]
-        if dim is None:
-            raise ValueError(
-                f"The last axis of the input to RMSNorm must be known; got input shape "
-                f"{tuple(input_shape)}."
-            )
+        dim = last_axis_size("RMSNorm", input_shape)
         if self.use_scale:
             self.scale = self.add_weight(
                 name="scale",

@@ -67,3 +67,14 @@ def compute_float32(x):
 
 def serialize_initializer(initializer):
     return keras.initializers.serialize(keras.initializers.get(initializer))
+
+
+def last_axis_size(layer_name, input_shape):
+    """The size of the last axis of `input_shape`; a clear error when it is unknown."""
+    dim = input_shape[-1]
+    if dim is None:
+        raise ValueError(
+            f"The last axis of the input to {layer_name} must be known; got input shape "
+            f"{tuple(input_shape)}."
+        )
+    return dim
