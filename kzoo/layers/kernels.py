@@ -556,25 +556,15 @@ def chunked_attention(
     return ops.concatenate(outputs, axis=1)
 
 
-_TF_CHUNKED = {}
-
-
 def _chunked_tf(query, key, value, mask, bias, is_causal, scale, bq, bk):
     """TensorFlow's chunked kernel (`kernels_tf`), XLA-compiled when called eagerly."""
-    import tensorflow as tf
-
     from kzoo.layers.kernels_tf import chunked_attention_tf
 
-    if not tf.executing_eagerly():
-        return chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk)
-    config = (is_causal, float(scale), bq, bk, mask is not None, bias is not None)
-    if config not in _TF_CHUNKED:
+    def run(q, k, v, m, b):
+        return chunked_attention_tf(q, k, v, m, b, is_causal, scale, bq, bk)
 
-        def run(q, k, v, m, b):
-            return chunked_attention_tf(q, k, v, m, b, is_causal, scale, bq, bk)
-
-        _TF_CHUNKED[config] = tf.function(run, jit_compile=True)
-    return _TF_CHUNKED[config](query, key, value, mask, bias)
+    config = ("chunked", is_causal, float(scale), bq, bk, mask is not None, bias is not None)
+    return _tf_run_compiled(config, run, query, key, value, mask, bias)
 
 
 def _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk):
@@ -832,19 +822,22 @@ def _jax_attention(query, key, value, mask, bias, is_causal, scale):
 _TF_COMPILED = {}
 
 
-def _tf_xla_attention(query, key, value, mask, bias, is_causal, scale):
+def _tf_run_compiled(config, fn, *args):
+    """`fn(*args)` on TensorFlow: traced inline inside a graph (where `fit` may already
+    compile it with XLA); called eagerly, through one `tf.function(jit_compile=True)` per
+    static `config`."""
     import tensorflow as tf
 
-    if tf.executing_eagerly() is False:
-        # Already inside a traced (and, under `fit(jit_compile=True)`, XLA-compiled) graph.
-        return reference_attention(query, key, value, mask=mask, bias=bias,
-                                   is_causal=is_causal, scale=scale)
-    key_ = (is_causal, float(scale), mask is not None, bias is not None)
-    if key_ not in _TF_COMPILED:
+    if not tf.executing_eagerly():
+        return fn(*args)
+    if config not in _TF_COMPILED:
+        _TF_COMPILED[config] = tf.function(fn, jit_compile=True)
+    return _TF_COMPILED[config](*args)
 
-        def run(q, k, v, m, b):
-            return reference_attention(q, k, v, mask=m, bias=b, is_causal=is_causal,
-                                       scale=scale)
 
-        _TF_COMPILED[key_] = tf.function(run, jit_compile=True)
-    return _TF_COMPILED[key_](query, key, value, mask, bias)
+def _tf_xla_attention(query, key, value, mask, bias, is_causal, scale):
+    def run(q, k, v, m, b):
+        return reference_attention(q, k, v, mask=m, bias=b, is_causal=is_causal, scale=scale)
+
+    config = ("reference", is_causal, float(scale), mask is not None, bias is not None)
+    return _tf_run_compiled(config, run, query, key, value, mask, bias)
