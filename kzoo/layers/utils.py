@@ -1,22 +1,46 @@
-"""Small shared helpers: argument validation and dtype handling."""
+"""Small shared helpers: argument validation and dtype handling.
+
+These are the one set of validators every layer, family config and task uses: each raises a
+`ValueError` that names the argument, its value and what is allowed.
+"""
+
+import numbers
 
 import keras
+import numpy as np
 from keras import ops
 
 
-def check_positive_int(name, value, allow_none=False):
-    """Raise `ValueError` unless `value` is a positive integer (or None when allowed)."""
+def _is_int(value):
+    """True for Python and NumPy integers, never for bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_bool(name, value, allow_none=False):
+    """Raise `ValueError` unless `value` is True or False (or None when allowed)."""
     if value is None and allow_none:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer; got {name}={value!r}.")
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
     return value
+
+
+def check_positive_int(name, value, allow_none=False):
+    """Raise `ValueError` unless `value` is a positive integer (or None when allowed).
+
+    NumPy integers are accepted and returned as Python ints.
+    """
+    if value is None and allow_none:
+        return value
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer; got {name}={value!r}.")
+    return int(value)
 
 
 def check_non_negative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"`{name}` must be a non-negative integer; got {name}={value!r}.")
-    return value
+    return int(value)
 
 
 def check_rate(name, value):
