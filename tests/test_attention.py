@@ -633,7 +633,7 @@ def test_mha_mixed_bfloat16_and_finite_gradients():
 
 
 def test_tpu_flash_plan_decisions():
-    from kzoo.layers.kernels import tpu_flash_plan
+    from kzoo.layers.kernels_jax import tpu_flash_plan
 
     q = (2, 1024, 8, 64)
     assert tpu_flash_plan(q, q, is_causal=True) == "pallas"

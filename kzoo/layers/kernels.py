@@ -18,8 +18,14 @@ runs. It takes `(batch, seq, heads, head_dim)` tensors and picks one of four ker
 
 A process-wide override (`set_attention_kernel` or the `KZOO_ATTENTION_KERNEL` environment
 variable) replaces ``"auto"`` everywhere, for debugging.
+
+This file holds the public API, the choice of kernel, the argument checks and the reference
+formula. The fused and chunked kernels live in one module per backend (`kernels_jax`,
+`kernels_torch`, `kernels_tf`), imported only when that backend runs; backends without one
+(numpy, openvino) run the reference formula for every kernel.
 """
 
+import importlib
 import math
 import os
 
@@ -45,6 +51,27 @@ DEFAULT_BLOCK_SIZE = 512
 BLOCK_SIZES = {"tensorflow": (256, 128)}
 
 _NEG = -1e30  # finite "minus infinity" for float32 scores: exp(_NEG - m) == 0, never NaN
+
+
+# === Per-backend kernel modules ===
+
+_BACKEND_MODULES = {
+    "jax": "kzoo.layers.kernels_jax",
+    "torch": "kzoo.layers.kernels_torch",
+    "tensorflow": "kzoo.layers.kernels_tf",
+}
+
+
+def _backend_kernels():
+    """The running backend's kernel module, or None for a backend without one.
+
+    Each module defines `device()`, `fused(query, key, value, mask, bias, is_causal, scale)`
+    and `chunked(..., scale, bq, bk)` on arguments already checked here. It is imported on
+    first use, so that a process never imports another backend's framework, and it may
+    import the shared helpers below from this module.
+    """
+    name = _BACKEND_MODULES.get(keras.backend.backend())
+    return None if name is None else importlib.import_module(name)
 
 
 # === Kernel selection ===
@@ -80,23 +107,8 @@ def get_attention_kernel_override():
 
 def current_device():
     """'cpu', 'gpu' or 'tpu': where the current backend places new tensors."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        platform = jax.default_backend()
-        return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
-    if backend == "torch":
-        import torch
-
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        if tf.config.list_logical_devices("TPU"):
-            return "tpu"
-        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
-    return "cpu"
+    impl = _backend_kernels()
+    return "cpu" if impl is None else impl.device()
 
 
 def choose_kernel(
@@ -205,10 +217,6 @@ def _check_kernel_name(kernel):
 
 
 # === Argument checking ===
-
-
-def _static_dim(x, axis):
-    return x.shape[axis]
 
 
 def _check_broadcast(name, tensor, target):
@@ -383,6 +391,11 @@ def _grouped_output(weights, value, out_dtype):
     return ops.cast(out, out_dtype)
 
 
+def _rows_with_any_key(mask):
+    """(…, q, 1) boolean: the query row has at least one visible key."""
+    return ops.any(mask, axis=-1, keepdims=True)
+
+
 def _full_mask(mask, is_causal, q_len, k_len):
     if is_causal:
         c = causal_mask(q_len, k_len)
@@ -431,31 +444,6 @@ def reference_attention(
 # === Chunked (memory-efficient) kernel ===
 
 
-def _remat(fn):
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return jax.checkpoint(fn)
-    if backend == "torch":
-        import torch.utils.checkpoint as checkpoint
-
-        def wrapped(*args):
-            return checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-        return wrapped
-    return fn
-
-
-def _slice_axis(x, axis, start, stop):
-    """Slice `x` along `axis` unless that axis is broadcast (size 1)."""
-    if x is None or x.shape[axis] == 1:
-        return x
-    index = [slice(None)] * len(x.shape)
-    index[axis] = slice(start, stop)
-    return x[tuple(index)]
-
-
 def chunked_attention(
     query, key, value, *, mask=None, bias=None, is_causal=False, scale=None,
     block_size=None, query_block_size=None, key_block_size=None,
@@ -478,366 +466,37 @@ def chunked_attention(
     pref_q, pref_k = BLOCK_SIZES.get(keras.backend.backend(), (block_size, block_size))
     bq = query_block_size or min(pref_q, block_size)
     bk = key_block_size or min(pref_k, block_size)
-    q_len, k_len = query.shape[1], key.shape[1]
-    if q_len is None or k_len is None:
+    if query.shape[1] is None or key.shape[1] is None:
         raise ValueError("chunked attention needs static sequence lengths.")
-    offset = k_len - q_len  # bottom-right causal alignment
-    out_dtype = query.dtype
-    has_mask, has_bias = mask is not None, bias is not None
-
-    def block_fn(q_blk, k_all, v_all, *extras):
-        extras = list(extras)
-        m_blk = extras.pop(0) if has_mask else None
-        b_blk = extras.pop(0) if has_bias else None
-        q_start = extras.pop(0)  # static int closed over via partial below
-        t = q_blk.shape[1]
-        h = q_blk.shape[2]
-        d = v_all.shape[-1]
-        running_max = None
-        running_sum = None
-        acc = None
-        for k_start in range(0, k_len, bk):
-            k_stop = min(k_start + bk, k_len)
-            if is_causal and k_start > q_start + t - 1 + offset:
-                break  # this key block and all after it are in every query's future
-            s = ops.cast(
-                _grouped_scores(q_blk, k_all[:, k_start:k_stop]), "float32"
-            ) * scale
-            if b_blk is not None:
-                s = s + ops.cast(_slice_axis(b_blk, 3, k_start, k_stop), "float32")
-            allowed = None
-            if m_blk is not None:
-                allowed = _slice_axis(m_blk, 3, k_start, k_stop)
-            if is_causal and k_stop - 1 > q_start + offset:
-                c = causal_mask(t, k_stop - k_start, offset=q_start + offset - k_start)
-                allowed = c if allowed is None else ops.logical_and(allowed, c)
-            if allowed is not None:
-                s = ops.where(allowed, s, _NEG)
-            blk_max = ops.max(s, axis=-1)
-            new_max = blk_max if running_max is None else ops.maximum(running_max, blk_max)
-            p = ops.exp(s - new_max[..., None])
-            if allowed is not None:
-                p = ops.where(allowed, p, 0.0)
-            pv = _grouped_output(p, v_all[:, k_start:k_stop], "float32")  # (b,t,h,d)
-            if running_max is None:
-                running_sum = ops.sum(p, axis=-1)
-                acc = pv
-            else:
-                alpha = ops.exp(running_max - new_max)  # (b,h,t)
-                running_sum = running_sum * alpha + ops.sum(p, axis=-1)
-                acc = acc * ops.transpose(alpha, (0, 2, 1))[..., None] + pv
-            running_max = new_max
-        if running_max is None:  # every key lies in this block's future: no row sees one
-            return ops.zeros(tuple(ops.shape(q_blk)[:3]) + (d,), out_dtype)
-        denom = ops.transpose(running_sum, (0, 2, 1))[..., None]  # (b,t,h,1)
-        out = ops.where(denom > 0, acc / ops.maximum(denom, 1e-30), 0.0)
-        return ops.cast(out, out_dtype)
-
-    if keras.backend.backend() == "jax":
-        return _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk)
-    if keras.backend.backend() == "tensorflow":
-        return _chunked_tf(query, key, value, mask, bias, is_causal, scale, bq, bk)
-
-    outputs = []
-    for q_start in range(0, q_len, bq):
-        q_stop = min(q_start + bq, q_len)
-        args = [query[:, q_start:q_stop], key, value]
-        if has_mask:
-            args.append(_slice_axis(mask, 2, q_start, q_stop))
-        if has_bias:
-            args.append(_slice_axis(bias, 2, q_start, q_stop))
-
-        def fn(*a, _q_start=q_start):
-            return block_fn(*a, _q_start)
-
-        outputs.append(_remat(fn)(*args))
-    if len(outputs) == 1:
-        return outputs[0]
-    return ops.concatenate(outputs, axis=1)
+    impl = _backend_kernels()
+    if impl is None:  # no blocked kernel for this backend: the same numbers, O(n^2) memory
+        return reference_attention(query, key, value, mask=mask, bias=bias,
+                                   is_causal=is_causal, scale=scale)
+    return impl.chunked(query, key, value, mask, bias, is_causal, scale, bq, bk)
 
 
-def _chunked_tf(query, key, value, mask, bias, is_causal, scale, bq, bk):
-    """TensorFlow's chunked kernel (`kernels_tf`), XLA-compiled when called eagerly."""
-    from kzoo.layers.kernels_tf import chunked_attention_tf
-
-    def run(q, k, v, m, b):
-        return chunked_attention_tf(q, k, v, m, b, is_causal, scale, bq, bk)
-
-    config = ("chunked", is_causal, float(scale), bq, bk, mask is not None, bias is not None)
-    return _tf_run_compiled(config, run, query, key, value, mask, bias)
-
-
-def _chunked_scan_jax(query, key, value, mask, bias, is_causal, scale, bq, bk):
-    """The chunked kernel as two nested `lax.scan`s (JAX).
-
-    An unrolled Python loop lets XLA schedule every block at once, which keeps the whole
-    score matrix alive; a scan runs one block at a time in the forward pass and, with the
-    query-block body under `jax.checkpoint`, in the backward pass too. Key blocks that a
-    causal mask hides entirely are skipped with `lax.cond`.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    b, q_len, h, d = query.shape
-    k_len = key.shape[1]
-    bq, bk = min(bq, q_len), min(bk, k_len)
-    nq, nk = -(-q_len // bq), -(-k_len // bk)
-    pad_q, pad_k = nq * bq - q_len, nk * bk - k_len
-    offset = k_len - q_len
-    out_dtype = query.dtype
-
-    def pad(x, axis, amount, value=0):
-        if amount == 0 or x.shape[axis] == 1:
-            return x
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, amount)
-        return jnp.pad(x, widths, constant_values=value)
-
-    q = pad(query, 1, pad_q)
-    k = pad(key, 1, pad_k)
-    v = pad(value, 1, pad_k)
-    if mask is not None:
-        mask = pad(pad(mask, 2, pad_q, True), 3, pad_k, False)
-    if bias is not None:
-        bias = pad(pad(bias.astype(jnp.float32), 2, pad_q), 3, pad_k)
-
-    def q_rows(x, i):
-        if x is None or x.shape[2] == 1:
-            return x
-        return jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=2)
-
-    def k_cols(x, j):
-        if x is None or x.shape[3] == 1:
-            return x
-        return jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=3)
-
-    def q_block(i):
-        q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
-        m_rows, b_rows = q_rows(mask, i), q_rows(bias, i)
-        q_pos = i * bq + jnp.arange(bq)[:, None] + offset
-
-        def k_step(carry, j):
-            def update(carry):
-                run_max, run_sum, acc = carry
-                k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
-                v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-                sc = _grouped_scores(q_blk, k_blk).astype(jnp.float32) * scale
-                if b_rows is not None:
-                    sc = sc + k_cols(b_rows, j)
-                k_pos = j * bk + jnp.arange(bk)[None, :]
-                allowed = jnp.broadcast_to(k_pos < k_len, (bq, bk))
-                if is_causal:
-                    allowed = allowed & (k_pos <= q_pos)
-                allowed = allowed[None, None]
-                if m_rows is not None:
-                    allowed = allowed & k_cols(m_rows, j)
-                sc = jnp.where(allowed, sc, _NEG)
-                new_max = jnp.maximum(run_max, sc.max(-1))
-                p = jnp.where(allowed, jnp.exp(sc - new_max[..., None]), 0.0)
-                alpha = jnp.exp(run_max - new_max)
-                pv = _grouped_output(p, v_blk, "float32")
-                acc = acc * jnp.swapaxes(alpha, 1, 2)[..., None] + pv
-                return new_max, run_sum * alpha + p.sum(-1), acc
-
-            # Rematerialise each key block too: the backward pass then keeps only the small
-            # running statistics per key block, not its (bq, bk) scores.
-            # Skip key blocks that no query of this block may see: those in the causal
-            # future, and those a mask hides entirely (e.g. trailing padding).
-            visible = None
-            if is_causal:
-                visible = j * bk <= i * bq + bq - 1 + offset
-            if m_rows is not None:
-                any_key = jnp.any(k_cols(m_rows, j))
-                visible = any_key if visible is None else visible & any_key
-            if visible is None:
-                step = update
-            else:
-                def step(carry):
-                    return jax.lax.cond(visible, update, lambda c: c, carry)
-            return jax.checkpoint(step)(carry), None
-
-        init = (
-            jnp.full((b, h, bq), _NEG, jnp.float32),
-            jnp.zeros((b, h, bq), jnp.float32),
-            jnp.zeros((b, bq, h, d), jnp.float32),
-        )
-        (_, run_sum, acc), _ = jax.lax.scan(k_step, init, jnp.arange(nk))
-        denom = jnp.swapaxes(run_sum, 1, 2)[..., None]
-        return jnp.where(denom > 0, acc / jnp.maximum(denom, 1e-30), 0.0).astype(out_dtype)
-
-    def q_step(carry, i):
-        return carry, jax.checkpoint(q_block)(i)
-
-    _, blocks = jax.lax.scan(q_step, None, jnp.arange(nq))  # (nq, b, bq, h, d)
-    out = jnp.moveaxis(blocks, 0, 1).reshape(b, nq * bq, h, d)
-    return out[:, :q_len]
-
-
-# === Fused (backend-native) kernels ===
+# === Fused (backend-native) kernel ===
 
 
 def fused_attention(query, key, value, *, mask=None, bias=None, is_causal=False, scale=None):
     """The backend's native fused attention. See the module docstring."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    backend = keras.backend.backend()
-    if backend == "torch":
-        return _torch_sdpa(query, key, value, mask, bias, is_causal, scale)
-    if backend == "jax":
-        return _jax_attention(query, key, value, mask, bias, is_causal, scale)
-    if backend == "tensorflow":
-        return _tf_xla_attention(query, key, value, mask, bias, is_causal, scale)
-    return reference_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal,
-                               scale=scale)
+    impl = _backend_kernels()
+    if impl is None:
+        return reference_attention(query, key, value, mask=mask, bias=bias,
+                                   is_causal=is_causal, scale=scale)
+    return impl.fused(query, key, value, mask, bias, is_causal, scale)
 
 
-def _rows_with_any_key(mask):
-    """(…, q, 1) boolean: the query row has at least one visible key."""
-    return ops.any(mask, axis=-1, keepdims=True)
+# === Helpers shared with the backend modules ===
 
 
-def _torch_sdpa(query, key, value, mask, bias, is_causal, scale):
-    import torch
-    import torch.nn.functional as F
-
-    q = query.transpose(1, 2)
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
-    q_len, k_len = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    causal_flag = False
-    if is_causal:
-        if mask is None and bias is None and q_len == k_len:
-            causal_flag = True  # SDPA's is_causal is top-left aligned: only equal lengths
-        else:
-            c = torch.ones((q_len, k_len), dtype=torch.bool, device=q.device).tril(k_len - q_len)
-            c = c[None, None]
-            mask = c if mask is None else torch.logical_and(mask, c)
-    attn_mask = None
-    if bias is not None:
-        attn_mask = bias.to(q.dtype)
-        if mask is not None:
-            attn_mask = attn_mask.masked_fill(~mask, torch.finfo(attn_mask.dtype).min)
-    elif mask is not None:
-        attn_mask = mask
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=causal_flag, scale=scale, enable_gqa=gqa
-    )
-    out = out.transpose(1, 2)
-    if mask is not None:
-        # Fully masked rows: zeros on every SDPA backend (some return NaN for them).
-        visible = torch.any(mask, dim=-1, keepdim=True)  # (b|1, h|1, q, 1)
-        visible = visible.transpose(1, 2)  # (b|1, q, h|1, 1)
-        out = torch.where(visible, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out
-
-
-def tpu_flash_plan(query_shape, key_shape, mask_shape=None, has_bias=False, is_causal=False,
-                   block=128):
-    """How the JAX/TPU path runs a call: which form of the Pallas flash kernel, or XLA.
-
-    Returns one of:
-    - "pallas": Pallas TPU flash attention, causal flag only (no mask, no bias);
-    - "pallas_segments": key padding expressed as segment ids (no O(n^2) tensor);
-    - "pallas_bias": mask and bias folded into one additive bias `ab`;
-    - "xla": `jax.nn.dot_product_attention` (sequence lengths not multiples of `block`,
-      or causal attention with q_len != k_len, which the kernel aligns top-left).
-    """
-    q_len, k_len = query_shape[1], key_shape[1]
-    if q_len is None or k_len is None or q_len % block or k_len % block:
-        return "xla"
-    if is_causal and q_len != k_len:
-        return "xla"
-    if mask_shape is None and not has_bias:
-        return "pallas"
-    if (not has_bias and mask_shape is not None and len(mask_shape) == 4
-            and tuple(mask_shape[1:3]) == (1, 1)):
-        return "pallas_segments"
-    return "pallas_bias"
-
-
-def _jax_tpu_flash(query, key, value, mask, bias, is_causal, scale, plan):
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
-
-    groups = query.shape[2] // key.shape[2]
-    if groups > 1:  # the kernel wants equal head counts
-        key = jnp.repeat(key, groups, axis=2)
-        value = jnp.repeat(value, groups, axis=2)
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
-    kwargs = dict(causal=is_causal, sm_scale=scale)
-    if plan == "pallas_segments":
-        from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds
-
-        b = query.shape[0]
-        kv_seg = jnp.broadcast_to(mask[:, 0, 0, :], (b, key.shape[1])).astype(jnp.int32)
-        q_seg = jnp.ones((b, query.shape[1]), jnp.int32)
-        kwargs["segment_ids"] = SegmentIds(q=q_seg, kv=kv_seg)
-    elif plan == "pallas_bias":
-        full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-        ab = jnp.zeros(full, jnp.float32)
-        if bias is not None:
-            ab = ab + bias.astype(jnp.float32)
-        if mask is not None:
-            ab = jnp.where(mask, ab, _NEG)
-        kwargs["ab"] = ab
-    out = jnp.swapaxes(flash_attention(q, k, v, **kwargs), 1, 2)
-    if mask is not None:
-        visible = jnp.swapaxes(jnp.any(mask, axis=-1, keepdims=True), 1, 2)
-        out = jnp.where(visible, out, 0)
-    return out.astype(query.dtype)
-
-
-def _jax_attention(query, key, value, mask, bias, is_causal, scale):
-    import jax
-
-    if current_device() == "tpu":
-        plan = tpu_flash_plan(query.shape, key.shape, None if mask is None else mask.shape,
-                              bias is not None, is_causal)
-        if plan != "xla":
-            return _jax_tpu_flash(query, key, value, mask, bias, is_causal, scale, plan)
-
-    q_len, k_len = query.shape[1], key.shape[1]
-    if is_causal and q_len != k_len:
-        c = causal_mask(q_len, k_len)
-        mask = c if mask is None else ops.logical_and(mask, c)
-        is_causal = False
-    implementation = None
-    if current_device() == "gpu" and keras.backend.standardize_dtype(query.dtype) in (
-        "float16", "bfloat16"
-    ):
-        implementation = "cudnn"
-    if bias is not None:
-        bias = ops.cast(bias, query.dtype)
-    out = jax.nn.dot_product_attention(
-        query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
-        implementation=implementation,
-    )
-    if mask is not None:
-        visible = ops.transpose(_rows_with_any_key(mask), (0, 2, 1, 3))
-        out = ops.where(visible, out, ops.zeros((), dtype=out.dtype))
-    return out
-
-
-_TF_COMPILED = {}
-
-
-def _tf_run_compiled(config, fn, *args):
-    """`fn(*args)` on TensorFlow: traced inline inside a graph (where `fit` may already
-    compile it with XLA); called eagerly, through one `tf.function(jit_compile=True)` per
-    static `config`."""
-    import tensorflow as tf
-
-    if not tf.executing_eagerly():
-        return fn(*args)
-    if config not in _TF_COMPILED:
-        _TF_COMPILED[config] = tf.function(fn, jit_compile=True)
-    return _TF_COMPILED[config](*args)
-
-
-def _tf_xla_attention(query, key, value, mask, bias, is_causal, scale):
-    def run(q, k, v, m, b):
-        return reference_attention(q, k, v, mask=m, bias=b, is_causal=is_causal, scale=scale)
-
-    config = ("reference", is_causal, float(scale), mask is not None, bias is not None)
-    return _tf_run_compiled(config, run, query, key, value, mask, bias)
+def _pad_axis(x, axis, amount, value=0):
+    """`x` padded with `amount` trailing `value`s along `axis`, unless that axis is broadcast
+    (size 1)."""
+    if amount == 0 or x.shape[axis] == 1:
+        return x
+    widths = [[0, 0]] * len(x.shape)
+    widths[axis] = [0, amount]
+    return ops.pad(x, widths, constant_values=value)

@@ -1,6 +1,9 @@
-"""TensorFlow's chunked attention: FlashAttention's forward and backward as XLA while loops.
+"""TensorFlow's attention kernels: the reference formula compiled by XLA as the "fused" kernel
+(TensorFlow has no fused attention op), and the chunked kernel: FlashAttention's forward and
+backward as XLA while loops. Imported by `kernels` only when the TensorFlow backend runs; the
+arguments arrive checked and broadcast to 4-D there (see `kernels.dot_product_attention`).
 
-TensorFlow has no fused attention op, and XLA schedules an unrolled Python block loop freely,
+The chunked kernel. XLA schedules an unrolled Python block loop freely,
 so the score blocks of every iteration can be alive at once. Here both passes are
 `tf.while_loop`s, whose bodies XLA runs one iteration at a time in one set of buffers, and
 the gradient is written by hand (`tf.custom_gradient`), so no per-iteration intermediates
@@ -18,21 +21,58 @@ may see, and each key block over the range of query blocks that may see it.
 """
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
 
-_NEG = -1e30  # finite "minus infinity" for float32 scores
+from kzoo.layers.kernels import _NEG, _grouped_scores, _pad_axis, reference_attention
+
 _LSE_EMPTY = 1e30  # log-sum-exp of a row with no visible key: exp(s - 1e30) == 0
+
+
+def device():
+    """'tpu', 'gpu' or 'cpu': the fastest logical device TensorFlow sees."""
+    if tf.config.list_logical_devices("TPU"):
+        return "tpu"
+    return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+
+
+# === Eager calls compiled with XLA ===
+
+_COMPILED = {}
+
+
+def _run_compiled(config, fn, *args):
+    """`fn(*args)`: traced inline inside a graph (where `fit` may already compile it with
+    XLA); called eagerly, through one `tf.function(jit_compile=True)` per static `config`."""
+    if not tf.executing_eagerly():
+        return fn(*args)
+    if config not in _COMPILED:
+        _COMPILED[config] = tf.function(fn, jit_compile=True)
+    return _COMPILED[config](*args)
+
+
+def fused(query, key, value, mask, bias, is_causal, scale):
+    """TensorFlow has no fused attention op: the reference formula, compiled by XLA."""
+    def run(q, k, v, m, b):
+        return reference_attention(q, k, v, mask=m, bias=b, is_causal=is_causal, scale=scale)
+
+    config = ("reference", is_causal, float(scale), mask is not None, bias is not None)
+    return _run_compiled(config, run, query, key, value, mask, bias)
+
+
+def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
+    """`chunked_attention_tf`, XLA-compiled when called eagerly."""
+    def run(q, k, v, m, b):
+        return chunked_attention_tf(q, k, v, m, b, is_causal, scale, bq, bk)
+
+    config = ("chunked", is_causal, float(scale), bq, bk, mask is not None, bias is not None)
+    return _run_compiled(config, run, query, key, value, mask, bias)
+
+
+# === The chunked kernel's pieces ===
 
 
 def _ceil_div(a, b):
     return -(-a // b)
-
-
-def _pad_axis(x, axis, amount, value):
-    if amount == 0 or x.shape[axis] == 1:
-        return x
-    widths = [[0, 0]] * len(x.shape)
-    widths[axis] = [0, amount]
-    return tf.pad(x, widths, constant_values=value)
 
 
 def _to_blocks(x, n, size):
@@ -73,8 +113,6 @@ def _write_tile(buf, index, tile, add=False):
 def _dynamic_update_slice(buf, update, start):
     # XLA's DynamicUpdateSlice as a TensorFlow op; it also runs outside XLA (compiled on
     # demand), so graph-mode training without `jit_compile` works too.
-    from tensorflow.compiler.tf2xla.python import xla
-
     return xla.dynamic_update_slice(buf, update, tf.stack([tf.cast(x, tf.int32) for x in start]))
 
 
@@ -101,15 +139,7 @@ def _untile(x, shape_like, q_len, k_len):
 
 def _scores(q, k):
     """q (b,t,h,d), k (b,s,hk,d) -> (b,h,t,s) float32; query head i uses kv head i // g."""
-    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
-    if h == hk:
-        return tf.cast(tf.einsum("bthd,bshd->bhts", q, k), tf.float32)
-    g = h // hk
-    s = tf.shape(q)
-    q5 = tf.reshape(q, tf.stack([s[0], s[1], hk, g, d]))
-    out = tf.einsum("btkgd,bskd->bkgts", q5, k)
-    o = tf.shape(out)
-    return tf.cast(tf.reshape(out, tf.stack([o[0], h, o[3], o[4]])), tf.float32)
+    return tf.cast(_grouped_scores(q, k), tf.float32)
 
 
 def _group_heads(w, hk):

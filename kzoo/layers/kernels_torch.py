@@ -1,0 +1,142 @@
+"""PyTorch's attention kernels: `scaled_dot_product_attention` and the chunked kernel as a
+Python loop over query blocks under activation checkpointing. Imported by `kernels` only when
+the torch backend runs; the arguments arrive checked and broadcast to 4-D there (see
+`kernels.dot_product_attention`).
+"""
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from keras import ops
+
+from kzoo.layers.kernels import _NEG, _grouped_output, _grouped_scores
+from kzoo.layers.masks import causal_mask
+
+
+def device():
+    """'gpu' when CUDA is available (where keras places new tensors), else 'cpu'."""
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+# === Fused ===
+
+
+def fused(query, key, value, mask, bias, is_causal, scale):
+    """`F.scaled_dot_product_attention`: boolean masks stay boolean, a causal-only call of
+    equal lengths becomes `is_causal`, grouped heads use `enable_gqa`."""
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    q_len, k_len = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    causal_flag = False
+    if is_causal:
+        if mask is None and bias is None and q_len == k_len:
+            causal_flag = True  # SDPA's is_causal is top-left aligned: only equal lengths
+        else:
+            c = torch.ones((q_len, k_len), dtype=torch.bool, device=q.device).tril(k_len - q_len)
+            c = c[None, None]
+            mask = c if mask is None else torch.logical_and(mask, c)
+    attn_mask = None
+    if bias is not None:
+        attn_mask = bias.to(q.dtype)
+        if mask is not None:
+            attn_mask = attn_mask.masked_fill(~mask, torch.finfo(attn_mask.dtype).min)
+    elif mask is not None:
+        attn_mask = mask
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=causal_flag, scale=scale, enable_gqa=gqa
+    )
+    out = out.transpose(1, 2)
+    if mask is not None:
+        # Fully masked rows: zeros on every SDPA backend (some return NaN for them).
+        visible = torch.any(mask, dim=-1, keepdim=True)  # (b|1, h|1, q, 1)
+        visible = visible.transpose(1, 2)  # (b|1, q, h|1, 1)
+        out = torch.where(visible, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
+
+
+# === Chunked ===
+
+
+def _slice_axis(x, axis, start, stop):
+    """Slice `x` along `axis` unless that axis is broadcast (size 1)."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    index = [slice(None)] * len(x.shape)
+    index[axis] = slice(start, stop)
+    return x[tuple(index)]
+
+
+def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
+    """The chunked kernel as a Python loop over query blocks, each under activation
+    checkpointing (its backward pass recomputes the block), with an online softmax over the
+    key blocks inside. Key blocks in a query block's causal future are never visited."""
+    q_len, k_len = query.shape[1], key.shape[1]
+    offset = k_len - q_len  # bottom-right causal alignment
+    out_dtype = query.dtype
+    has_mask, has_bias = mask is not None, bias is not None
+
+    def block_fn(q_blk, k_all, v_all, *extras):
+        extras = list(extras)
+        m_blk = extras.pop(0) if has_mask else None
+        b_blk = extras.pop(0) if has_bias else None
+        q_start = extras.pop(0)  # static int, bound per block below
+        t = q_blk.shape[1]
+        d = v_all.shape[-1]
+        running_max = None
+        running_sum = None
+        acc = None
+        for k_start in range(0, k_len, bk):
+            k_stop = min(k_start + bk, k_len)
+            if is_causal and k_start > q_start + t - 1 + offset:
+                break  # this key block and all after it are in every query's future
+            s = ops.cast(
+                _grouped_scores(q_blk, k_all[:, k_start:k_stop]), "float32"
+            ) * scale
+            if b_blk is not None:
+                s = s + ops.cast(_slice_axis(b_blk, 3, k_start, k_stop), "float32")
+            allowed = None
+            if m_blk is not None:
+                allowed = _slice_axis(m_blk, 3, k_start, k_stop)
+            if is_causal and k_stop - 1 > q_start + offset:
+                c = causal_mask(t, k_stop - k_start, offset=q_start + offset - k_start)
+                allowed = c if allowed is None else ops.logical_and(allowed, c)
+            if allowed is not None:
+                s = ops.where(allowed, s, _NEG)
+            blk_max = ops.max(s, axis=-1)
+            new_max = blk_max if running_max is None else ops.maximum(running_max, blk_max)
+            p = ops.exp(s - new_max[..., None])
+            if allowed is not None:
+                p = ops.where(allowed, p, 0.0)
+            pv = _grouped_output(p, v_all[:, k_start:k_stop], "float32")  # (b,t,h,d)
+            if running_max is None:
+                running_sum = ops.sum(p, axis=-1)
+                acc = pv
+            else:
+                alpha = ops.exp(running_max - new_max)  # (b,h,t)
+                running_sum = running_sum * alpha + ops.sum(p, axis=-1)
+                acc = acc * ops.transpose(alpha, (0, 2, 1))[..., None] + pv
+            running_max = new_max
+        if running_max is None:  # every key lies in this block's future: no row sees one
+            return ops.zeros(tuple(ops.shape(q_blk)[:3]) + (d,), out_dtype)
+        denom = ops.transpose(running_sum, (0, 2, 1))[..., None]  # (b,t,h,1)
+        out = ops.where(denom > 0, acc / ops.maximum(denom, 1e-30), 0.0)
+        return ops.cast(out, out_dtype)
+
+    outputs = []
+    for q_start in range(0, q_len, bq):
+        q_stop = min(q_start + bq, q_len)
+        args = [query[:, q_start:q_stop], key, value]
+        if has_mask:
+            args.append(_slice_axis(mask, 2, q_start, q_stop))
+        if has_bias:
+            args.append(_slice_axis(bias, 2, q_start, q_stop))
+
+        def fn(*a, _q_start=q_start):
+            return block_fn(*a, _q_start)
+
+        outputs.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
+    if len(outputs) == 1:
+        return outputs[0]
+    return ops.concatenate(outputs, axis=1)
