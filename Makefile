@@ -6,8 +6,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BACKENDS := jax torch tensorflow
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: demo test test-all test-jax test-torch test-tensorflow bench install clean
+.PHONY: demo test test-all test-jax test-torch test-tensorflow bench bench-attention install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,7 +39,12 @@ test-all: $(STAMP)
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "" $(PYTEST_ARGS) || exit $$?; \
 	done
 
+# `make bench`: kzoo beside keras-hub and transformers (benchmarks/peers.py), e.g.
+# `make bench BENCH_ARGS="--quick"` or BENCH_ARGS="--only gpt --rounds 5".
 bench: $(STAMP)
+	$(PY) -m benchmarks.peers $(BENCH_ARGS)
+
+bench-attention: $(STAMP)
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(PY) -m benchmarks.attention || exit $$?; done
 
 clean:

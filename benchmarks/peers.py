@@ -1,0 +1,628 @@
+"""kzoo beside its peers: keras-hub (each Keras backend) and Hugging Face transformers (torch).
+
+Run (from the repository root):
+
+    python -m benchmarks.peers                      # 3 rounds, GPT, BERT and T5, 3 backends
+    python -m benchmarks.peers --quick              # tiny sizes, 1 round: a smoke test
+    python -m benchmarks.peers --only gpt --backends jax,torch --rounds 5
+
+Systems: kzoo and keras-hub on every backend in `--backends` (KERAS_BACKEND), and
+transformers on torch, eager (always run: it is the reference of the `kzoo/transformers`
+ratios of every backend). Every system runs in a fresh process (this same Python, started
+with KERAS_BACKEND set), one process per system per round, the systems interleaved (the order
+rotates each round) so that a change of the machine's load hits them alike. The table gives
+the median over the rounds.
+
+Models (random initialisation, float32, no dropout, same sizes everywhere):
+- GPT-2 style: vocabulary 8192, 4 pre-LN layers, width 256, 4 heads, feed-forward 1024,
+  tied LM head (kzoo `gpt_mini`, keras-hub `GPT2CausalLM`, transformers `GPT2LMHeadModel`).
+  `train`: AdamW steps on batches of 8 x 256 tokens, next-token cross-entropy (input
+  tokens/s); `forward`: logits for the same batch (tokens/s); `decode`: greedy decoding of 128
+  new tokens for 4 prompts of 32 tokens with the KV cache, stop tokens disabled so every
+  system makes all 4 x 128 (new tokens/s; prompts are not counted).
+- BERT of the same size (kzoo `bert_tiny_uncased` resized, keras-hub `BertMaskedLM`,
+  transformers `BertForMaskedLM`): `train` and `forward` at 8 x 256, masked-LM loss on 15%
+  of the positions. kzoo and transformers compute the LM head at every position;
+  keras-hub's head computes it at `mask_positions` only, so it is given every position
+  (with the loss weighted to the same 15%), so that all three do the same arithmetic.
+- T5 v1.0 style: width 256, 4 heads of 64, ReLU feed-forward 1024, 4 + 4 layers,
+  vocabulary 8192 (kzoo `t5_small` resized, keras-hub `T5Seq2SeqLM`, transformers
+  `T5ForConditionalGeneration.generate`): `decode` as for GPT, from encoder inputs of 32.
+
+Every measurement warms up first (compilation excluded) and takes the median of its timed
+calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX and
+TensorFlow, eager torch), `train_on_batch`, `predict_on_batch` and each library's
+`generate`; transformers runs a plain eager loop with `torch.optim.AdamW`.
+
+Training utilisation: each training row's model FLOPs per token (matmuls only: 2 x
+multiply-adds forward, 3x that for forward + backward; attention counted over all keys, the
+PaLM convention, embedding lookups not counted) times tokens/s, as GFLOP/s and as a fraction
+of this machine's float32 matmul peak, measured in the same run: the best of the square
+matmuls (`--matmul`, 2048) that every worker times on its own backend.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = ("gpt", "bert", "t5")
+METRICS = {"gpt": ("train", "forward", "decode"), "bert": ("train", "forward"),
+           "t5": ("decode",)}
+UNITS = {"train": "tokens/s", "forward": "tokens/s", "decode": "new tokens/s"}
+BACKENDS = ("jax", "torch", "tensorflow")
+LIBRARIES = ("kzoo", "keras-hub", "transformers")
+
+SIZES = {
+    "full": dict(vocab=8192, layers=4, width=256, heads=4, ff=1024, batch=8, seq=256,
+                 prompts=4, prompt_len=32, new_tokens=128, matmul=2048,
+                 warmup=2, steps=10, decode_calls=3),
+    "quick": dict(vocab=512, layers=2, width=64, heads=2, ff=256, batch=2, seq=32,
+                  prompts=2, prompt_len=8, new_tokens=8, matmul=512,
+                  warmup=1, steps=3, decode_calls=1),
+}
+RESULT_MARK = "PEERS_RESULT "
+
+
+# === Results: medians, ratios, FLOPs and the tables (no framework imported here) ===
+
+
+def system_key(library, backend):
+    return f"{library}/{backend}"
+
+
+def systems(backends):
+    """The (library, backend) pairs to run: kzoo and keras-hub per backend, transformers once."""
+    pairs = [(lib, b) for b in backends for lib in ("kzoo", "keras-hub")]
+    return pairs + [("transformers", "torch")]
+
+
+def median_results(rounds):
+    """Per-round results `[{system: {model: {metric: value|None}, "matmul": value}}]` ->
+    the same structure with each value the median over the rounds that measured it (None
+    where no round did)."""
+    out = {}
+    for result in rounds:
+        for system, per_system in result.items():
+            slot = out.setdefault(system, {})
+            for model, values in per_system.items():
+                if isinstance(values, dict):
+                    for metric, value in values.items():
+                        slot.setdefault(model, {}).setdefault(metric, []).append(value)
+                else:
+                    slot.setdefault(model, []).append(values)
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    return {s: {m: ({k: med(v) for k, v in vals.items()} if isinstance(vals, dict) else med(vals))
+                for m, vals in per.items()} for s, per in out.items()}
+
+
+def ratio(a, b):
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def forward_flops_per_token(model, size):
+    """Matmul FLOPs (2 x multiply-adds) of one token's forward pass at `size` (SIZES entry):
+    attention over all `seq` keys; GPT's tied LM head, BERT's head transform and LM head."""
+    d, ff, layers, seq, vocab = (size[k] for k in ("width", "ff", "layers", "seq", "vocab"))
+    per_layer = 2 * (4 * d * d + 2 * d * ff) + 2 * 2 * seq * d
+    if model == "gpt":
+        return layers * per_layer + 2 * d * vocab
+    if model == "bert":
+        return layers * per_layer + 2 * d * d + 2 * d * vocab
+    raise ValueError(f"`model` must be 'gpt' or 'bert' (trained here); got model={model!r}.")
+
+
+def train_flops_per_token(model, size):
+    """Forward + backward: three times the forward matmuls."""
+    return 3 * forward_flops_per_token(model, size)
+
+
+def matmul_peak(medians):
+    """(best GFLOP/s, {backend: GFLOP/s}) of the workers' matmuls."""
+    per_backend = {}
+    for system, per in medians.items():
+        value = per.get("matmul")
+        backend = system.split("/", 1)[1]
+        if value is not None:
+            per_backend[backend] = max(per_backend.get(backend, 0.0), value)
+    return (max(per_backend.values()) if per_backend else None), per_backend
+
+
+def comparison_rows(medians, backends, models):
+    """Rows (model, metric, backend, kzoo, keras-hub, transformers, kzoo/transformers,
+    kzoo/keras-hub); transformers (torch) is the same on every backend's row."""
+    rows = []
+    for model in models:
+        for metric in METRICS[model]:
+            hf = medians.get(system_key("transformers", "torch"), {}).get(model, {}).get(metric)
+            for backend in backends:
+                kz = medians.get(system_key("kzoo", backend), {}).get(model, {}).get(metric)
+                kh = medians.get(system_key("keras-hub", backend), {}).get(model, {}).get(
+                    metric)
+                rows.append((model, metric, backend, kz, kh, hf, ratio(kz, hf), ratio(kz, kh)))
+    return rows
+
+
+def utilisation_rows(medians, size, models, peak):
+    """Rows (model, system, train tokens/s, GFLOP/s, fraction of `peak`) for trained models."""
+    rows = []
+    for model in models:
+        if "train" not in METRICS[model]:
+            continue
+        flops = train_flops_per_token(model, size)
+        for system, per in medians.items():
+            tps = per.get(model, {}).get("train") if isinstance(per.get(model), dict) else None
+            if tps is None:
+                continue
+            gflops = flops * tps / 1e9
+            rows.append((model, system, tps, gflops, ratio(gflops, peak)))
+    return rows
+
+
+def token_count_notes(medians, models, expected):
+    """Notes for every system whose decode made other than `expected` new tokens (its rate
+    would not compare like with like)."""
+    notes = []
+    for system, per in medians.items():
+        for model in models:
+            values = per.get(model)
+            count = values.get("new_tokens") if isinstance(values, dict) else None
+            if count is not None and count != expected:
+                notes.append(f"{system} {model}: decoded {count:g} new tokens, "
+                             f"not {expected}; its decode rate is not comparable.")
+    return notes
+
+
+def _fmt(value, kind="num"):
+    if value is None:
+        return "n/a"
+    if kind == "ratio":
+        return f"{value:.2f}x"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:#.3g}"
+
+
+def format_table(header, rows, left=3):
+    """A plain-text table: columns padded to their widest cell; the first `left` columns
+    left-aligned, the others (numbers) right-aligned."""
+    cells = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths)))
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def report(medians, backends, models, size, rounds, notes=()):
+    """The text the benchmark prints: the comparison table, then training utilisation."""
+    rows = [(m, f"{metric} ({UNITS[metric]})", b, _fmt(kz), _fmt(kh), _fmt(hf),
+             _fmt(r1, "ratio"), _fmt(r2, "ratio"))
+            for m, metric, b, kz, kh, hf, r1, r2 in comparison_rows(medians, backends, models)]
+    text = [f"Medians of {rounds} round(s); higher is better; ratios > 1: kzoo is faster.",
+            format_table(("model", "metric", "backend", "kzoo", "keras-hub",
+                          "transformers(torch)", "kzoo/transformers", "kzoo/keras-hub"),
+                         rows)]
+    peak, per_backend = matmul_peak(medians)
+    util = utilisation_rows(medians, size, models, peak)
+    if util:
+        text.append("")
+        text.append(f"Training utilisation: float32 matmul {size['matmul']}^2 peak "
+                    + ", ".join(f"{b} {v:.1f}" for b, v in sorted(per_backend.items()))
+                    + f" GFLOP/s; fraction of the best ({_fmt(peak)} GFLOP/s).")
+        text.append(format_table(
+            ("model", "system", "train tokens/s", "GFLOP/s", "of peak"),
+            [(m, s, _fmt(t), _fmt(g), _fmt(f, "pct")) for m, s, t, g, f in util], left=2))
+    if notes:
+        text.append("")
+        text.extend(f"note: {n}" for n in notes)
+    return "\n".join(text)
+
+
+# === Workers: one system, in its own process ===
+
+
+def _median_time(fn, calls, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def count_new_tokens(out):
+    """New tokens in what a `generate` returned: a list of per-row lists, or an array."""
+    if hasattr(out, "shape"):
+        size = 1
+        for n in out.shape:
+            size *= int(n)
+        return size
+    return sum(len(row) for row in out)
+
+
+def _data(size, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    b, t, v = size["batch"], size["seq"], size["vocab"]
+    tokens = rng.integers(2, v, (b, t + 1)).astype("int32")
+    masked = np.zeros((b, t), bool)
+    count = max(1, round(0.15 * t))
+    for row in masked:
+        row[rng.choice(t, count, replace=False)] = True
+    mlm_inputs = np.where(masked, v - 1, tokens[:, :t]).astype("int32")  # id v-1: [MASK]
+    prompts = rng.integers(2, v, (size["prompts"], size["prompt_len"])).astype("int32")
+    return dict(tokens=tokens, masked=masked, mlm_inputs=mlm_inputs, mlm_targets=tokens[:, :t],
+                prompts=prompts)
+
+
+def _keras_matmul(backend, n):
+    import numpy as np
+
+    a = np.random.default_rng(0).normal(size=(n, n)).astype("float32")
+    if backend == "jax":
+        import jax
+
+        x = jax.numpy.asarray(a)
+        f = jax.jit(lambda p, q: p @ q)
+        run = lambda: f(x, x).block_until_ready()  # noqa: E731
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.constant(a)
+        f = tf.function(lambda p, q: tf.linalg.matmul(p, q), jit_compile=True)
+        run = lambda: f(x, x)[0, 0].numpy()  # noqa: E731
+    else:
+        return _torch_matmul(n)
+    return 2 * n ** 3 / _median_time(run, 3, 1) / 1e9
+
+
+def _torch_matmul(n):
+    import torch
+
+    x = torch.randn(n, n)
+    return 2 * n ** 3 / _median_time(lambda: torch.mm(x, x), 3, 1) / 1e9
+
+
+def _keras_optimizer():
+    import keras
+
+    return keras.optimizers.AdamW(learning_rate=1e-4, weight_decay=0.01)
+
+
+def _keras_train_forward(model, x, y, w, size):
+    """(train tokens/s, forward tokens/s) of a compiled Keras model."""
+    tokens = size["batch"] * size["seq"]
+    step = _median_time(lambda: model.train_on_batch(x, y, sample_weight=w),
+                        size["steps"], size["warmup"])
+    fwd = _median_time(lambda: model.predict_on_batch(x), size["steps"], size["warmup"])
+    return tokens / step, tokens / fwd
+
+
+def _kzoo_worker(models, size, data):
+    import keras
+
+    import kzoo.presets
+
+    shape = dict(num_layers=size["layers"], num_heads=size["heads"], hidden_dim=size["width"],
+                 intermediate_dim=size["ff"], vocabulary_size=size["vocab"])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    t, results = size["seq"], {}
+    if "gpt" in models:
+        model = kzoo.presets.load("gpt_mini", dropout=0.0, max_sequence_length=max(
+            t, size["prompt_len"] + size["new_tokens"]), **shape)
+        model.compile(optimizer=_keras_optimizer(), loss=loss)
+        x = {"token_ids": data["tokens"][:, :t], "padding_mask": data["tokens"][:, :t] >= 0}
+        train, fwd = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
+        prompts = data["prompts"].tolist()
+        new = {}
+
+        def decode():
+            out = model.generate(prompts, max_new_tokens=size["new_tokens"], strategy="greedy",
+                                 stop_token_ids=None)
+            new["n"] = count_new_tokens(out)
+
+        seconds = _median_time(decode, size["decode_calls"], 1)
+        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds, new_tokens=new["n"])
+    if "bert" in models:
+        model = kzoo.presets.load("bert_tiny_uncased", dropout=0.0, attention_dropout=0.0,
+                                  max_sequence_length=t, **shape)
+        model.compile(optimizer=_keras_optimizer(), loss=loss)
+        x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
+             "padding_mask": data["mlm_inputs"] >= 0}
+        w = data["masked"].astype("float32")
+        train, fwd = _keras_train_forward(model, x, data["mlm_targets"], w, size)
+        results["bert"] = dict(train=train, forward=fwd)
+    if "t5" in models:
+        model = kzoo.presets.load(
+            "t5_small", dropout=0.0, num_decoder_layers=size["layers"],
+            key_value_dim=size["width"] // size["heads"], **shape)
+        new = {}
+
+        def decode():
+            out = model.generate(data["prompts"], max_new_tokens=size["new_tokens"],
+                                 strategy="greedy", stop_token_ids=None)
+            new["n"] = count_new_tokens(out)
+
+        seconds = _median_time(decode, size["decode_calls"], 1)
+        results["t5"] = dict(decode=new["n"] / seconds, new_tokens=new["n"])
+    return results
+
+
+def _keras_hub_worker(models, size, data):
+    import keras
+    import keras_hub
+    import numpy as np
+
+    shape = dict(num_layers=size["layers"], num_heads=size["heads"], hidden_dim=size["width"],
+                 intermediate_dim=size["ff"], vocabulary_size=size["vocab"])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    t, results = size["seq"], {}
+    b, p, n = size["prompts"], size["prompt_len"], size["new_tokens"]
+    if "gpt" in models:
+        backbone = keras_hub.models.GPT2Backbone(
+            dropout=0.0, max_sequence_length=max(t, p + n), **shape)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model.compile(optimizer=_keras_optimizer(), loss=loss, weighted_metrics=None,
+                      sampler="greedy")
+        x = {"token_ids": data["tokens"][:, :t], "padding_mask": data["tokens"][:, :t] >= 0}
+        train, fwd = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
+        ids = np.zeros((b, p + n), "int32")
+        ids[:, :p] = data["prompts"]
+        inputs = {"token_ids": ids, "padding_mask": np.arange(p + n)[None].repeat(b, 0) < p}
+        new = {}
+
+        def decode():
+            out = model.generate(inputs, stop_token_ids=None)
+            new["n"] = int(np.sum(np.asarray(out["padding_mask"]))) - b * p
+
+        seconds = _median_time(decode, size["decode_calls"], 1)
+        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds, new_tokens=new["n"])
+    if "bert" in models:
+        backbone = keras_hub.models.BertBackbone(dropout=0.0, max_sequence_length=t, **shape)
+        model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
+        model.compile(optimizer=_keras_optimizer(), loss=loss, weighted_metrics=None)
+        x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
+             "padding_mask": data["mlm_inputs"] >= 0,
+             "mask_positions": np.arange(t, dtype="int32")[None].repeat(size["batch"], 0)}
+        w = data["masked"].astype("float32")
+        train, fwd = _keras_train_forward(model, x, data["mlm_targets"], w, size)
+        results["bert"] = dict(train=train, forward=fwd)
+    if "t5" in models:
+        if not hasattr(keras_hub.models, "T5Seq2SeqLM"):
+            results["t5"] = dict(decode=None, note="keras-hub has no T5 generate")
+        else:
+            backbone = keras_hub.models.T5Backbone(
+                dropout=0.0, key_value_dim=size["width"] // size["heads"], activation="relu",
+                use_gated_activation=False, tie_embedding_weights=True, **shape)
+            model = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
+            model.compile(sampler="greedy")
+            inputs = {
+                "encoder_token_ids": data["prompts"],
+                "encoder_padding_mask": np.ones(data["prompts"].shape, bool),
+                "decoder_token_ids": np.zeros((b, n + 1), "int32"),  # start token 0 first
+                "decoder_padding_mask": np.arange(n + 1)[None].repeat(b, 0) < 1,
+            }
+            new = {}
+
+            def decode():
+                out = model.generate(inputs, stop_token_ids=None)
+                new["n"] = int(np.sum(np.asarray(out["decoder_padding_mask"]))) - b
+
+            seconds = _median_time(decode, size["decode_calls"], 1)
+            results["t5"] = dict(decode=new["n"] / seconds, new_tokens=new["n"])
+    return results
+
+
+def _transformers_worker(models, size, data):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    t, results = size["seq"], {}
+    b, p, n = size["prompts"], size["prompt_len"], size["new_tokens"]
+    tokens_per_batch = size["batch"] * t
+
+    def train_forward(model, inputs, labels):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(**inputs, labels=labels).loss.backward()
+            opt.step()
+
+        model.train()
+        train = _median_time(step, size["steps"], size["warmup"])
+        model.eval()
+
+        def forward():
+            with torch.no_grad():
+                model(**inputs).logits
+
+        fwd = _median_time(forward, size["steps"], size["warmup"])
+        return tokens_per_batch / train, tokens_per_batch / fwd
+
+    def decode_rate(model, inputs, prompt_width):
+        model.eval()
+        model.generation_config.eos_token_id = None  # every row makes all n tokens
+        new = {}
+
+        def decode():
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=n,
+                                     do_sample=False, num_beams=1, pad_token_id=0)
+            new["n"] = (out.shape[1] - prompt_width) * out.shape[0]
+
+        return new, _median_time(decode, size["decode_calls"], 1)
+
+    if "gpt" in models:
+        config = transformers.GPT2Config(
+            vocab_size=size["vocab"], n_positions=max(t, p + n), n_embd=size["width"],
+            n_layer=size["layers"], n_head=size["heads"], n_inner=size["ff"],
+            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=True)
+        model = transformers.GPT2LMHeadModel(config)
+        ids = torch.as_tensor(data["tokens"][:, :t], dtype=torch.long)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        train, fwd = train_forward(model, inputs, ids)
+        prompts = torch.as_tensor(data["prompts"], dtype=torch.long)
+        new, seconds = decode_rate(
+            model, {"input_ids": prompts, "attention_mask": torch.ones_like(prompts)}, p)
+        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds, new_tokens=new["n"])
+    if "bert" in models:
+        config = transformers.BertConfig(
+            vocab_size=size["vocab"], hidden_size=size["width"],
+            num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+            intermediate_size=size["ff"], hidden_act="gelu", hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, max_position_embeddings=t, type_vocab_size=2)
+        model = transformers.BertForMaskedLM(config)
+        ids = torch.as_tensor(data["mlm_inputs"], dtype=torch.long)
+        labels = torch.as_tensor(data["mlm_targets"], dtype=torch.long)
+        labels = torch.where(torch.as_tensor(data["masked"]), labels, -100)
+        inputs = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
+                  "attention_mask": torch.ones_like(ids)}
+        train, fwd = train_forward(model, inputs, labels)
+        results["bert"] = dict(train=train, forward=fwd)
+    if "t5" in models:
+        config = transformers.T5Config(
+            vocab_size=size["vocab"], d_model=size["width"], d_kv=size["width"] // size["heads"],
+            d_ff=size["ff"], num_layers=size["layers"], num_decoder_layers=size["layers"],
+            num_heads=size["heads"], dropout_rate=0.0, feed_forward_proj="relu",
+            tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model = transformers.T5ForConditionalGeneration(config)
+        prompts = torch.as_tensor(data["prompts"], dtype=torch.long)
+        new, seconds = decode_rate(
+            model, {"input_ids": prompts, "attention_mask": torch.ones_like(prompts)}, 1)
+        results["t5"] = dict(decode=new["n"] / seconds, new_tokens=new["n"])
+    return results
+
+
+def run_worker(library, models, size):
+    """Measure one system in this process; return {model: {metric: value}, "matmul": GFLOP/s}."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    data = _data(size)
+    if library == "transformers":
+        results = _transformers_worker(models, size, data)
+        results["matmul"] = _torch_matmul(size["matmul"])
+        return results
+    import keras
+
+    keras.utils.set_random_seed(0)
+    worker = _kzoo_worker if library == "kzoo" else _keras_hub_worker
+    results = worker(models, size, data)
+    results["matmul"] = _keras_matmul(keras.backend.backend(), size["matmul"])
+    return results
+
+
+# === Driver ===
+
+
+def _quiet_env(backend):
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", GRPC_VERBOSITY="ERROR",
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", USE_TF="0",
+               USE_FLAX="0", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_system(library, backend, models, size_name, timeout):
+    """One system in a fresh process: (results, error message or None)."""
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--worker", library,
+           "--size", size_name, "--only", ",".join(models)]
+    try:
+        proc = subprocess.run(cmd, env=_quiet_env(backend), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {}, f"timed out after {timeout} s"
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):]), None
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+    return {}, f"exit {proc.returncode}: " + " | ".join(tail)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 1 round: a smoke test of a couple of minutes")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="processes per system, interleaved (default 3; --quick: 1)")
+    parser.add_argument("--only", default=",".join(MODELS), help="models, e.g. gpt,bert")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="Keras backends for kzoo and keras-hub")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    parser.add_argument("--json", default=None, help="also write the medians to this file")
+    parser.add_argument("--worker", choices=LIBRARIES, help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=sorted(SIZES), default="full", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    models = [m.strip() for m in args.only.split(",") if m.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for name, values, allowed in (("--only", models, MODELS), ("--backends", backends, BACKENDS)):
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            parser.error(f"{name} must name some of {list(allowed)}; got {bad or values}.")
+    if args.worker:
+        results = run_worker(args.worker, models, SIZES[args.size])
+        print(RESULT_MARK + json.dumps(results), flush=True)
+        return
+
+    size_name = "quick" if args.quick else args.size
+    rounds = args.rounds or (1 if args.quick else 3)
+    if rounds < 1:
+        parser.error(f"--rounds must be >= 1; got {rounds}.")
+    order = systems(backends)
+    per_round, notes = [], []
+    for r in range(rounds):
+        result = {}
+        shift = r % len(order)
+        for library, backend in order[shift:] + order[:shift]:
+            key = system_key(library, backend)
+            start = time.perf_counter()
+            values, error = run_system(library, backend, models, size_name, args.timeout)
+            print(f"round {r + 1}/{rounds} {key}: {time.perf_counter() - start:.0f} s"
+                  + (f" FAILED ({error})" if error else ""), file=sys.stderr, flush=True)
+            if error:
+                notes.append(f"{key}, round {r + 1}: {error}")
+            for model, vals in values.items():
+                if isinstance(vals, dict) and "note" in vals:
+                    note = f"{key} {model}: {vals.pop('note')}"
+                    if note not in notes:
+                        notes.append(note)
+            result[key] = values
+        per_round.append(result)
+    medians = median_results(per_round)
+    size = SIZES[size_name]
+    notes += token_count_notes(medians, models, size["prompts"] * size["new_tokens"])
+    print(report(medians, backends, models, size, rounds, notes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": size, "rounds": rounds, "medians": medians}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

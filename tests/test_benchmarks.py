@@ -1,0 +1,120 @@
+"""The peers benchmark's bookkeeping (medians, ratios, FLOPs, tables) on synthetic numbers,
+checked against values worked out by hand. No timing is measured or asserted here."""
+
+import numpy as np
+import pytest
+
+from benchmarks import peers
+
+ROUNDS = [
+    {"kzoo/jax": {"gpt": {"train": 100.0, "forward": 400.0, "decode": 10.0}, "matmul": 50.0},
+     "keras-hub/jax": {"gpt": {"train": 50.0, "forward": 200.0, "decode": None},
+                       "matmul": 40.0},
+     "transformers/torch": {"gpt": {"train": 80.0, "forward": 500.0, "decode": 20.0},
+                            "matmul": 60.0}},
+    {"kzoo/jax": {"gpt": {"train": 120.0, "forward": 300.0, "decode": 14.0}, "matmul": 70.0},
+     "keras-hub/jax": {"gpt": {"train": 40.0, "forward": 250.0, "decode": None},
+                       "matmul": 30.0},
+     "transformers/torch": {"gpt": {"train": 60.0, "forward": 600.0, "decode": 30.0},
+                            "matmul": 62.0}},
+    {"kzoo/jax": {"gpt": {"train": 90.0, "forward": 350.0, "decode": 12.0}, "matmul": 55.0},
+     "keras-hub/jax": {"gpt": {"train": 60.0, "forward": 150.0, "decode": None},
+                       "matmul": 35.0},
+     "transformers/torch": {"gpt": {"train": 100.0, "forward": 700.0, "decode": 25.0},
+                            "matmul": 58.0}},
+]
+# A size small enough to count FLOPs by hand.
+TINY = dict(vocab=10, layers=1, width=4, heads=1, ff=8, batch=1, seq=2, matmul=8)
+
+
+def test_median_over_rounds_skips_missing_values():
+    med = peers.median_results(ROUNDS)
+    assert med["kzoo/jax"]["gpt"] == {"train": 100.0, "forward": 350.0, "decode": 12.0}
+    assert med["keras-hub/jax"]["gpt"] == {"train": 50.0, "forward": 200.0, "decode": None}
+    assert med["transformers/torch"]["gpt"] == {"train": 80.0, "forward": 600.0, "decode": 25.0}
+    assert med["kzoo/jax"]["matmul"] == 55.0 and med["transformers/torch"]["matmul"] == 60.0
+    # A value one round lacks: the median of the others.
+    two = peers.median_results([{"a/jax": {"gpt": {"train": 1.0}}},
+                                {"a/jax": {"gpt": {"train": None}}},
+                                {"a/jax": {"gpt": {"train": 4.0}}}])
+    assert two["a/jax"]["gpt"]["train"] == 2.5
+
+
+def test_ratios_and_comparison_rows():
+    assert peers.ratio(3.0, 2.0) == 1.5
+    assert peers.ratio(None, 2.0) is None and peers.ratio(1.0, None) is None
+    assert peers.ratio(1.0, 0.0) is None
+    rows = peers.comparison_rows(peers.median_results(ROUNDS), ["jax"], ["gpt"])
+    assert rows == [
+        ("gpt", "train", "jax", 100.0, 50.0, 80.0, 1.25, 2.0),
+        ("gpt", "forward", "jax", 350.0, 200.0, 600.0, 350 / 600, 1.75),
+        ("gpt", "decode", "jax", 12.0, None, 25.0, 0.48, None),
+    ]
+    # A backend that did not run: its kzoo and keras-hub cells and ratios are missing.
+    torch_rows = peers.comparison_rows(peers.median_results(ROUNDS), ["torch"], ["gpt"])
+    assert torch_rows[0] == ("gpt", "train", "torch", None, None, 80.0, None, None)
+
+
+def test_flops_per_token_by_hand():
+    # Per layer: 2 * (4 * 4*4 + 2 * 4*8) = 256 projection FLOPs + 2 * 2 * 2*4 = 32 attention.
+    assert peers.forward_flops_per_token("gpt", TINY) == 288 + 2 * 4 * 10  # + tied LM head
+    assert peers.forward_flops_per_token("bert", TINY) == 288 + 32 + 80  # + head transform
+    assert peers.train_flops_per_token("gpt", TINY) == 3 * 368
+    with pytest.raises(ValueError, match="model='t5'"):
+        peers.forward_flops_per_token("t5", TINY)
+
+
+def test_matmul_peak_and_utilisation():
+    med = peers.median_results(ROUNDS)
+    peak, per_backend = peers.matmul_peak(med)
+    assert per_backend == {"jax": 55.0, "torch": 60.0}  # best system per backend
+    assert peak == 60.0
+    rows = peers.utilisation_rows(med, TINY, ["gpt"], peak)
+    by_system = {r[1]: r for r in rows}
+    assert set(by_system) == {"kzoo/jax", "keras-hub/jax", "transformers/torch"}
+    model, system, tps, gflops, fraction = by_system["kzoo/jax"]
+    assert (model, tps) == ("gpt", 100.0)
+    assert gflops == pytest.approx(1104 * 100 / 1e9)
+    assert fraction == pytest.approx(1104 * 100 / 1e9 / 60.0)
+    # T5 is not trained: no utilisation row.
+    assert peers.utilisation_rows(med, TINY, ["t5"], peak) == []
+
+
+def test_format_table_and_report_text():
+    text = peers.format_table(("a", "b", "c", "n"), [("gpt", "x", "jax", "1.5"),
+                                                     ("t5", "yy", "", "10")])
+    assert text.splitlines() == [
+        "a    b   c      n",
+        "---  --  ---  ---",
+        "gpt  x   jax  1.5",
+        "t5   yy        10",
+    ]
+    out = peers.report(peers.median_results(ROUNDS), ["jax"], ["gpt"], TINY, 3,
+                       notes=["keras-hub/jax gpt: example"])
+    lines = out.splitlines()
+    assert lines[0].startswith("Medians of 3 round(s)")
+    train = next(line for line in lines if line.startswith("gpt") and "train (" in line)
+    assert train.split()[-5:] == ["100", "50.0", "80.0", "1.25x", "2.00x"]
+    decode = next(line for line in lines if "decode (" in line)
+    assert decode.split()[-5:] == ["12.0", "n/a", "25.0", "0.48x", "n/a"]
+    assert "jax 55.0, torch 60.0 GFLOP/s" in out
+    assert lines[-1] == "note: keras-hub/jax gpt: example"
+    # Utilisation: 1104 FLOPs/token x 1e7 tokens/s = 11.04 GFLOP/s = 18.4% of 60 GFLOP/s.
+    fast = {"kzoo/jax": {"gpt": {"train": 1e7}, "matmul": 60.0}}
+    util = [line.split() for line in peers.report(fast, ["jax"], ["gpt"], TINY, 1).splitlines()
+            if line.startswith("gpt") and "kzoo/jax" in line]
+    assert util == [["gpt", "kzoo/jax", "10,000,000", "11.0", "18.4%"]]
+
+
+def test_count_new_tokens_of_lists_and_arrays():
+    assert peers.count_new_tokens([[1, 2, 3], [4], []]) == 4
+    assert peers.count_new_tokens(np.zeros((4, 128), "int32")) == 512
+
+
+def test_token_count_notes_flag_short_decodes():
+    med = {"kzoo/jax": {"gpt": {"decode": 5.0, "new_tokens": 512.0}, "matmul": 1.0},
+           "keras-hub/jax": {"gpt": {"decode": 9.0, "new_tokens": 500.0}},
+           "transformers/torch": {"gpt": {"train": 1.0}}}
+    assert peers.token_count_notes(med, ["gpt"], 512) == [
+        "keras-hub/jax gpt: decoded 500 new tokens, not 512; its decode rate is not comparable."]
+    assert peers.token_count_notes(med, ["t5"], 512) == []
