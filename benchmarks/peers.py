@@ -342,7 +342,8 @@ def _kzoo_worker(models, size, data):
             new["n"] = count_new_tokens(out)
 
         seconds = _median_time(decode, size["decode_calls"], 1)
-        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds, new_tokens=new["n"])
+        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds,
+                              new_tokens=new["n"])
     if "bert" in models:
         model = kzoo.presets.load("bert_tiny_uncased", dropout=0.0, attention_dropout=0.0,
                                   max_sequence_length=t, **shape)
@@ -396,7 +397,8 @@ def _keras_hub_worker(models, size, data):
             new["n"] = int(np.sum(np.asarray(out["padding_mask"]))) - b * p
 
         seconds = _median_time(decode, size["decode_calls"], 1)
-        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds, new_tokens=new["n"])
+        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds,
+                              new_tokens=new["n"])
     if "bert" in models:
         backbone = keras_hub.models.BertBackbone(dropout=0.0, max_sequence_length=t, **shape)
         model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
@@ -487,7 +489,8 @@ def _transformers_worker(models, size, data):
         prompts = torch.as_tensor(data["prompts"], dtype=torch.long)
         new, seconds = decode_rate(
             model, {"input_ids": prompts, "attention_mask": torch.ones_like(prompts)}, p)
-        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds, new_tokens=new["n"])
+        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds,
+                              new_tokens=new["n"])
     if "bert" in models:
         config = transformers.BertConfig(
             vocab_size=size["vocab"], hidden_size=size["width"],

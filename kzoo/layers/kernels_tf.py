@@ -261,7 +261,8 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
                 new_max = tf.maximum(run_max, tf.reduce_max(s, axis=-1))
                 p = tf.where(allowed, tf.exp(s - new_max[..., None]), 0.0)
                 alpha = tf.exp(run_max - new_max)
-                acc = acc * tf.transpose(alpha, (0, 2, 1))[..., None] + _weighted(p, tf.gather(vb, j, axis=1))
+                pv = _weighted(p, tf.gather(vb, j, axis=1))
+                acc = acc * tf.transpose(alpha, (0, 2, 1))[..., None] + pv
                 return j + 1, new_max, run_sum * alpha + tf.reduce_sum(p, -1), acc
 
             init = (
