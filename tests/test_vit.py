@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import kzoo.presets
+from kzoo.layers import TransformerBlock
 from kzoo.models.vit import ViTBackbone
 from kzoo.models.vit import ViTClassifier
 from kzoo.models.vit import ViTEmbedding
-from kzoo.models.vit import ViTEncoderLayer
 from kzoo.models.vit import bicubic_resize_matrix
 from tests.helpers import assert_close
 from tests.helpers import roundtrip_layer
@@ -92,11 +92,11 @@ def test_embedding_matches_numpy_at_any_size(image_size, shape, class_token):
 
 def test_layers_serialize():
     roundtrip_layer(ViTEmbedding(image_size=(16, 24), patch_size=8, hidden_dim=16))
-    roundtrip_layer(ViTEncoderLayer(num_heads=2, intermediate_dim=8, qkv_bias=False))
+    roundtrip_layer(TransformerBlock(num_heads=2, intermediate_dim=8, qkv_bias=False))
 
 
 def test_qkv_bias_false_drops_only_qkv_biases():
-    layer = ViTEncoderLayer(num_heads=2, intermediate_dim=8, qkv_bias=False)
+    layer = TransformerBlock(num_heads=2, intermediate_dim=8, qkv_bias=False)
     layer(np.zeros((1, 3, 4), "float32"))
     names = sorted(w.path.split("/", 1)[1] for w in layer.weights)
     assert not any(n.startswith(("self_attention/query_dense/bias",
@@ -106,7 +106,7 @@ def test_qkv_bias_false_drops_only_qkv_biases():
     assert "feedforward/intermediate_dense/bias" in names
     assert "feedforward/output_dense/bias" in names
     assert len(names) == 13  # q/k/v kernels, output kernel+bias, 2 norms x 2, MLP 2 x 2
-    full = ViTEncoderLayer(num_heads=2, intermediate_dim=8)
+    full = TransformerBlock(num_heads=2, intermediate_dim=8)
     full(np.zeros((1, 3, 4), "float32"))
     assert len(full.weights) == len(layer.weights) + 3
 
