@@ -164,10 +164,11 @@ class FeedForward(_FeedForwardBase):
         use_bias: whether both projections have a bias.
         dropout: dropout rate on the hidden activations, in [0, 1).
         output_dim: width of the output; `None` keeps the input width.
-        kernel_initializer: initializer of both kernels.
+        kernel_initializer: initializer of the kernels (of the input one only when
+            `output_kernel_initializer` is given).
         bias_initializer: initializer of both biases.
         output_kernel_initializer: initializer of the output kernel (None:
-            `kernel_initializer`; GPT-2 and T5 draw it with a smaller std).
+            `kernel_initializer`; GPT-2 and T5 draw it with their own std).
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Sublayers: `intermediate_dense` (kernel `(dim, intermediate_dim)`, bias) and
@@ -243,7 +244,8 @@ class GatedFeedForward(_FeedForwardBase):
         use_bias: whether the three projections have biases (default False, as in the paper).
         dropout: dropout rate on the gated hidden activations, in [0, 1).
         output_dim: width of the output; `None` keeps the input width.
-        kernel_initializer: initializer of the three kernels.
+        kernel_initializer: initializer of the kernels (of the gate and up ones only when
+            `output_kernel_initializer` is given).
         bias_initializer: initializer of the biases.
         output_kernel_initializer: initializer of the output kernel (None:
             `kernel_initializer`).
