@@ -623,6 +623,26 @@ def test_mha_serialization_and_keras_file(tmp_path):
     np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), atol=1e-6)
 
 
+def test_mha_qkv_bias_and_per_projection_initializers():
+    const = keras.initializers.Constant
+    layer = MultiHeadAttention(num_heads=2, qkv_bias=False, kernel_initializer=const(0.1),
+                               query_initializer=const(0.2), key_value_initializer=const(0.3),
+                               output_kernel_initializer=const(0.4))
+    roundtrip_layer(layer)
+    layer(np.zeros((1, 3, 4), "float32"))
+    values = {w.path.split("/", 1)[1]: to_numpy(w) for w in layer.weights}
+    assert sorted(values) == ["key_dense/kernel", "output_dense/bias", "output_dense/kernel",
+                              "query_dense/kernel", "value_dense/kernel"]
+    for name, value in [("query", 0.2), ("key", 0.3), ("value", 0.3), ("output", 0.4)]:
+        np.testing.assert_array_equal(values[f"{name}_dense/kernel"], np.float32(value))
+    both = MultiHeadAttention(num_heads=2, use_bias=False, qkv_bias=True)
+    both(np.zeros((1, 3, 4), "float32"))
+    assert sorted(w.path.split("/", 1)[1] for w in both.weights if "bias" in w.path) == [
+        "key_dense/bias", "query_dense/bias", "value_dense/bias"]
+    with pytest.raises(ValueError, match="qkv_bias"):
+        MultiHeadAttention(num_heads=2, qkv_bias="no")
+
+
 def test_mha_mixed_bfloat16_and_finite_gradients():
     keras.config.set_dtype_policy("mixed_bfloat16")
     layer = MultiHeadAttention(num_heads=4)

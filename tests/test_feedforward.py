@@ -192,6 +192,21 @@ def test_serialization_and_keras_file(tmp_path):
     assert [v.path for v in restored.weights] == [v.path for v in model.weights]
 
 
+@pytest.mark.parametrize("cls", [FeedForward, GatedFeedForward])
+def test_output_kernel_initializer(cls):
+    const = keras.initializers.Constant
+    layer = cls(8, kernel_initializer=const(0.1), output_kernel_initializer=const(0.6))
+    roundtrip_layer(layer)
+    layer(np.zeros((1, 3, 4), "float32"))
+    for w in layer.weights:
+        if w.path.endswith("kernel"):
+            expected = 0.6 if "output_dense" in w.path else 0.1
+            np.testing.assert_array_equal(to_numpy(w), np.float32(expected), w.path)
+    default = cls(8, kernel_initializer=const(0.1))
+    default(np.zeros((1, 3, 4), "float32"))
+    np.testing.assert_array_equal(to_numpy(default.output_dense.kernel), np.float32(0.1))
+
+
 def test_unknown_last_axis_is_a_clear_error():
     from kzoo.layers.moe import MixtureOfExperts
     from kzoo.layers.norm import RMSNorm

@@ -227,13 +227,20 @@ def test_gpt2_initialisation():
     residual = 0.02 / math.sqrt(2 * 8)
     assert abs(std(backbone.token_embedding.embeddings) - 0.02) < 0.002
     assert abs(std(backbone.position_embedding.embeddings) - 0.02) < 0.002
-    block = backbone.transformer_layers[3]
-    assert abs(std(block.self_attention.query_dense.kernel) - 0.02) < 0.002
-    assert abs(std(block.feedforward_layer.intermediate_dense.kernel) - 0.02) < 0.002
-    assert abs(std(block.self_attention.output_dense.kernel) - residual) < 0.1 * residual
-    assert abs(std(block.feedforward_layer.output_dense.kernel) - residual) < 0.1 * residual
-    np.testing.assert_array_equal(to_numpy(block.self_attention.query_dense.bias), 0.0)
-    np.testing.assert_array_equal(to_numpy(block.self_attention_norm.gamma), 1.0)
+    for block in backbone.transformer_layers:
+        attention, ff = block.self_attention, block.feedforward_layer
+        for dense in (attention.query_dense, attention.key_dense, attention.value_dense,
+                      ff.intermediate_dense):
+            assert abs(std(dense.kernel) - 0.02) < 0.002, dense.kernel.path
+        assert abs(std(attention.output_dense.kernel) - residual) < 0.1 * residual
+        assert abs(std(ff.output_dense.kernel) - residual) < 0.1 * residual
+        np.testing.assert_array_equal(to_numpy(attention.query_dense.bias), 0.0)
+        np.testing.assert_array_equal(to_numpy(ff.output_dense.bias), 0.0)
+        np.testing.assert_array_equal(to_numpy(block.self_attention_norm.gamma), 1.0)
+    # Every residual projection is its own draw.
+    outputs = [to_numpy(b.feedforward_layer.output_dense.kernel)
+               for b in backbone.transformer_layers]
+    assert not np.allclose(outputs[0], outputs[1])
 
 
 def test_moe_initialisation():

@@ -6,6 +6,7 @@ formula, training, saving, presets, and parity with Hugging Face transformers'
 import copy
 import csv
 import json
+import math
 import os
 
 import keras
@@ -204,6 +205,41 @@ def test_fully_masked_rows_stay_finite():
 
 
 # === Training and saving ===
+
+
+@pytest.mark.parametrize("graphormer_init", [False, True])
+def test_initialisation(graphormer_init):
+    """transformers' default: Xavier-uniform with gain 1/sqrt(2) for query/key/value
+    (std sqrt(1 / (fan_in + fan_out))), Xavier-uniform for the attention output (std
+    sqrt(2 / (fan_in + fan_out))), normal(0.02) for the feed-forward; with
+    `apply_graphormer_init` every kernel normal(0.02). Biases zero."""
+    d, f = 64, 256
+    backbone = GraphormerBackbone(num_layers=2, hidden_dim=d, intermediate_dim=f, num_heads=4,
+                                  apply_graphormer_init=graphormer_init)
+    if graphormer_init:
+        expected = dict.fromkeys(("query_dense", "key_dense", "value_dense",
+                                  "attention/output_dense"), (0.02, False))
+    else:
+        expected = {"query_dense": ((2 * d) ** -0.5, True), "key_dense": ((2 * d) ** -0.5, True),
+                    "value_dense": ((2 * d) ** -0.5, True),
+                    "attention/output_dense": ((2 / (2 * d)) ** 0.5, True)}
+    expected.update(
+        {"intermediate_dense": (0.02, False), "feedforward/output_dense": (0.02, False)}
+    )
+    kernels = [w for w in backbone.weights
+               if w.path.startswith("transformer_layer_") and w.path.endswith("kernel")]
+    assert len(kernels) == 12
+    for w in kernels:
+        std, uniform = next(v for k, v in expected.items() if k in w.path)
+        value = to_numpy(w)
+        assert abs(value.std() / std - 1) < 0.05, (w.path, value.std(), std)
+        if uniform:
+            assert np.abs(value).max() <= std * math.sqrt(3) + 1e-7, w.path
+        else:
+            assert np.abs(value).max() > std * math.sqrt(3), w.path  # normal tails
+    for w in backbone.weights:
+        if w.path.startswith("transformer_layer_") and w.path.endswith("bias"):
+            np.testing.assert_array_equal(to_numpy(w), 0.0)
 
 
 def test_fit_lowers_loss():

@@ -225,6 +225,19 @@ def test_stacked_initializer_gives_each_expert_a_glorot_variance():
     assert layer.router.kernel.dtype == "float32"
 
 
+def test_output_kernel_initializer_per_expert():
+    layer = MixtureOfExperts(num_experts=4, intermediate_dim=64, top_k=2,
+                             kernel_initializer=keras.initializers.Constant(0.1),
+                             output_kernel_initializer="glorot_uniform")
+    roundtrip_layer(layer)
+    layer.build((None, 32))
+    np.testing.assert_array_equal(to_numpy(layer.intermediate_kernel), np.float32(0.1))
+    out = to_numpy(layer.output_kernel)
+    target = math.sqrt(2.0 / (64 + 32))  # each expert a glorot (64, 32) kernel
+    assert abs(out.std() / target - 1.0) < 0.1
+    assert not np.allclose(out[0], out[1])
+
+
 def test_dropout_only_in_training():
     x = inputs(seed=12)
     layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2, dropout=0.5, seed=3)

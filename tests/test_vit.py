@@ -5,6 +5,7 @@ transformers' `ViTModel` / `ViTForImageClassification`; never kzoo itself.
 """
 
 import json
+import math
 import os
 
 import keras
@@ -12,10 +13,10 @@ import numpy as np
 import pytest
 
 import kzoo.presets
+from kzoo.layers import TransformerBlock
 from kzoo.models.vit import ViTBackbone
 from kzoo.models.vit import ViTClassifier
 from kzoo.models.vit import ViTEmbedding
-from kzoo.models.vit import ViTEncoderLayer
 from kzoo.models.vit import bicubic_resize_matrix
 from tests.helpers import assert_close
 from tests.helpers import roundtrip_layer
@@ -92,11 +93,11 @@ def test_embedding_matches_numpy_at_any_size(image_size, shape, class_token):
 
 def test_layers_serialize():
     roundtrip_layer(ViTEmbedding(image_size=(16, 24), patch_size=8, hidden_dim=16))
-    roundtrip_layer(ViTEncoderLayer(num_heads=2, intermediate_dim=8, qkv_bias=False))
+    roundtrip_layer(TransformerBlock(num_heads=2, intermediate_dim=8, qkv_bias=False))
 
 
 def test_qkv_bias_false_drops_only_qkv_biases():
-    layer = ViTEncoderLayer(num_heads=2, intermediate_dim=8, qkv_bias=False)
+    layer = TransformerBlock(num_heads=2, intermediate_dim=8, qkv_bias=False)
     layer(np.zeros((1, 3, 4), "float32"))
     names = sorted(w.path.split("/", 1)[1] for w in layer.weights)
     assert not any(n.startswith(("self_attention/query_dense/bias",
@@ -106,7 +107,7 @@ def test_qkv_bias_false_drops_only_qkv_biases():
     assert "feedforward/intermediate_dense/bias" in names
     assert "feedforward/output_dense/bias" in names
     assert len(names) == 13  # q/k/v kernels, output kernel+bias, 2 norms x 2, MLP 2 x 2
-    full = ViTEncoderLayer(num_heads=2, intermediate_dim=8)
+    full = TransformerBlock(num_heads=2, intermediate_dim=8)
     full(np.zeros((1, 3, 4), "float32"))
     assert len(full.weights) == len(layer.weights) + 3
 
@@ -182,6 +183,36 @@ def test_final_norm_and_block_structure_match_numpy():
     h = h + proj(ff.output_dense, a)
     ref = np_layer_norm(h, g(backbone.final_norm.gamma), g(backbone.final_norm.beta), 1e-3)
     assert_close(backbone(x), ref, atol=1e-4)
+
+
+def test_initialisation_follows_the_reference_code():
+    """Xavier-uniform attention and MLP kernels (std sqrt(2 / (fan_in + fan_out)), bounded
+    by sqrt(6 / (fan_in + fan_out))), zero biases, unit LayerNorms; each kernel its own draw."""
+    d, f = 64, 256
+    backbone = ViTBackbone(image_size=16, patch_size=8, num_layers=2, num_heads=4,
+                           hidden_dim=d, intermediate_dim=f)
+    fans = {"query_dense": (d, d), "key_dense": (d, d), "value_dense": (d, d),
+            "attention/output_dense": (d, d), "intermediate_dense": (d, f),
+            "feedforward/output_dense": (f, d)}
+    seen = []
+    for w in backbone.weights:
+        value = to_numpy(w)
+        if not w.path.startswith("transformer_layer_"):
+            continue
+        if w.path.endswith(("bias", "beta")):
+            np.testing.assert_array_equal(value, 0.0)
+        elif w.path.endswith("gamma"):
+            np.testing.assert_array_equal(value, 1.0)
+        else:
+            fan_in, fan_out = next(v for k, v in fans.items() if k in w.path)
+            assert np.abs(value).max() <= math.sqrt(6 / (fan_in + fan_out)) + 1e-7, w.path
+            std = math.sqrt(2 / (fan_in + fan_out))
+            assert abs(value.std() / std - 1) < 0.05, (w.path, value.std(), std)
+            assert abs(value.mean()) < 0.05 * std, w.path
+            seen.append(value)
+    assert len(seen) == 12
+    assert not any(np.allclose(a, b) for i, a in enumerate(seen) for b in seen[:i]
+                   if a.shape == b.shape)
 
 
 def test_batch_independence():

@@ -6,12 +6,18 @@ from keras import ops
 from kzoo.layers.kernels import KERNELS, dot_product_attention
 from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
 from kzoo.layers.utils import (
+    check_bool,
     check_choice,
     check_positive_float,
     check_positive_int,
     check_rate,
     serialize_initializer,
 )
+
+
+def _optional_initializer(initializer):
+    """None (use the layer's default) or the serialised initialiser."""
+    return None if initializer is None else serialize_initializer(initializer)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -30,7 +36,10 @@ class MultiHeadAttention(keras.layers.Layer):
         num_kv_heads: number of key/value heads (grouped-query attention, Ainslie et al.
             2023; 1 = multi-query attention). Must divide `num_heads`. Defaults to `num_heads`.
         output_dim: width of the output projection; defaults to the query's last dimension.
-        use_bias: whether the four projections have biases.
+        use_bias: whether the output projection has a bias (and, unless `qkv_bias` says
+            otherwise, the query/key/value projections).
+        qkv_bias: whether the query/key/value projections have biases; None follows
+            `use_bias` (ViT's `qkv_bias=False` keeps the output bias).
         dropout: dropout rate on the attention probabilities (training only).
         scale: score scale; None means `head_dim ** -0.5` (T5 uses 1.0).
         rope_max_wavelength: if set, rotary position embeddings (Su et al. 2021) with this
@@ -38,8 +47,15 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_scaling_factor: linear position-interpolation factor for the rotary embedding.
         kernel: attention kernel ("auto", "reference", "fused", "chunked").
         kernel_initializer, bias_initializer: initialisers of the projections.
+        query_initializer: initialiser of the query kernel (None: `kernel_initializer`;
+            T5 draws it with std `(hidden * head_dim)^-1/2`).
+        key_value_initializer: initialiser of the key and value kernels (None:
+            `kernel_initializer`).
         output_kernel_initializer: initialiser of the output projection (defaults to
             `kernel_initializer`; GPT-2 and T5 scale it down with depth).
+
+    Every initialiser is stored serialised and deserialised once per kernel, so an unseeded
+    initialiser gives each kernel (and each layer) its own draw.
 
     Call args:
         query: `(batch, q_len, dim)`.
@@ -77,6 +93,7 @@ class MultiHeadAttention(keras.layers.Layer):
         num_kv_heads=None,
         output_dim=None,
         use_bias=True,
+        qkv_bias=None,
         dropout=0.0,
         scale=None,
         rope_max_wavelength=None,
@@ -84,6 +101,8 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel="auto",
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        query_initializer=None,
+        key_value_initializer=None,
         output_kernel_initializer=None,
         **kwargs,
     ):
@@ -98,6 +117,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"and num_heads={num_heads} (num_heads % num_kv_heads = "
                 f"{num_heads % num_kv_heads})."
             )
+        check_bool("use_bias", use_bias)
+        check_bool("qkv_bias", qkv_bias, allow_none=True)
         check_rate("dropout", dropout)
         if scale is not None:
             check_positive_float("scale", scale)
@@ -110,6 +131,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.num_kv_heads = num_kv_heads
         self.output_dim = output_dim
         self.use_bias = use_bias
+        self.qkv_bias = qkv_bias
         self.dropout = dropout
         self.scale = scale
         self.rope_max_wavelength = rope_max_wavelength
@@ -117,10 +139,9 @@ class MultiHeadAttention(keras.layers.Layer):
         self.kernel = kernel
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self.bias_initializer = serialize_initializer(bias_initializer)
-        self.output_kernel_initializer = (
-            None if output_kernel_initializer is None
-            else serialize_initializer(output_kernel_initializer)
-        )
+        self.query_initializer = _optional_initializer(query_initializer)
+        self.key_value_initializer = _optional_initializer(key_value_initializer)
+        self.output_kernel_initializer = _optional_initializer(output_kernel_initializer)
         self._kv_heads = num_kv_heads or num_heads
         self.seed_generator = keras.random.SeedGenerator()
         self.rotary = None
@@ -134,10 +155,10 @@ class MultiHeadAttention(keras.layers.Layer):
                 name="rotary_embedding",
             )
 
-    def _dense(self, units, name, initializer=None):
+    def _dense(self, units, name, use_bias, initializer):
         return keras.layers.Dense(
             units,
-            use_bias=self.use_bias,
+            use_bias=use_bias,
             kernel_initializer=keras.initializers.get(initializer or self.kernel_initializer),
             bias_initializer=keras.initializers.get(self.bias_initializer),
             dtype=self.dtype_policy,
@@ -161,12 +182,17 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         value_shape = value_shape or query_shape
         out_dim = self.output_dim or hidden
-        self.query_dense = self._dense(self.num_heads * self._head_dim, "query_dense")
-        self.key_dense = self._dense(self._kv_heads * self._head_dim, "key_dense")
-        self.value_dense = self._dense(self._kv_heads * self._head_dim, "value_dense")
-        self.output_dense = self._dense(
-            out_dim, "output_dense", self.output_kernel_initializer
-        )
+        qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+        q_units = self.num_heads * self._head_dim
+        kv_units = self._kv_heads * self._head_dim
+        self.query_dense = self._dense(q_units, "query_dense", qkv_bias,
+                                       self.query_initializer)
+        self.key_dense = self._dense(kv_units, "key_dense", qkv_bias,
+                                     self.key_value_initializer)
+        self.value_dense = self._dense(kv_units, "value_dense", qkv_bias,
+                                       self.key_value_initializer)
+        self.output_dense = self._dense(out_dim, "output_dense", self.use_bias,
+                                        self.output_kernel_initializer)
         self.query_dense.build(query_shape)
         self.key_dense.build(value_shape)
         self.value_dense.build(value_shape)
@@ -271,6 +297,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "num_kv_heads": self.num_kv_heads,
                 "output_dim": self.output_dim,
                 "use_bias": self.use_bias,
+                "qkv_bias": self.qkv_bias,
                 "dropout": self.dropout,
                 "scale": self.scale,
                 "rope_max_wavelength": self.rope_max_wavelength,
@@ -278,6 +305,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 "kernel": self.kernel,
                 "kernel_initializer": self.kernel_initializer,
                 "bias_initializer": self.bias_initializer,
+                "query_initializer": self.query_initializer,
+                "key_value_initializer": self.key_value_initializer,
                 "output_kernel_initializer": self.output_kernel_initializer,
             }
         )

@@ -1,10 +1,40 @@
-"""`TransformerBlock`: the encoder/decoder layer every kzoo family is assembled from."""
+"""`TransformerBlock`: the one encoder/decoder layer every kzoo family is built from.
+
+Every family constructs `TransformerBlock(...)` directly; families differ only in arguments:
+
+- BERT: post-LN LayerNorm; all biases; residual and attention-probability dropout, no
+  dropout inside the feed-forward (`activation_dropout=0`); every kernel N(0, 0.02).
+- GPT-2: pre-LN, causal; no feed-forward dropout; kernels N(0, 0.02) except the two
+  residual output projections (`attention_output_initializer`,
+  `feedforward_output_initializer`), N(0, 0.02 / sqrt(2 * num_layers)).
+- LLaMA / Mixtral-style decoders: the GPT-2 block with `norm="rmsnorm"`, rotary
+  (`rope_max_wavelength`), `num_kv_heads`, `feedforward="gated"` or `"moe"`, no biases.
+- T5: pre-LN RMSNorm, no biases, unscaled scores, relative bias via `attention_bias`,
+  feed-forward dropout = `dropout`; query N(0, (d * d_kv)^-1/2), key/value and feed-forward
+  input N(0, d^-1/2), attention output N(0, (h * d_kv)^-1/2), feed-forward output
+  N(0, d_ff^-1/2).
+- ViT: pre-LN LayerNorm, `qkv_bias` on or off with the other biases kept, Xavier-uniform.
+- Graphormer: pre- or post-LN, attention biases switched by `use_bias` while the
+  feed-forward keeps its own (`feedforward_bias=True`), its own `activation_dropout`, and
+  separate query/key/value, attention output and feed-forward initialisers.
+
+ALiBi, T5's relative position bias and Graphormer's spatial/edge bias all reach the
+attention through `attention_bias` (computed once per stack, e.g. with
+`kzoo.layers.ALiBiBias` or `kzoo.layers.RelativePositionBias`).
+"""
+
+import re
 
 import keras
 
 from kzoo.layers.attention import MultiHeadAttention
+from kzoo.layers.feedforward import FeedForward, GatedFeedForward
 from kzoo.layers.kernels import KERNELS
+from kzoo.layers.masks import merge_masks
+from kzoo.layers.moe import MixtureOfExperts
+from kzoo.layers.norm import RMSNorm
 from kzoo.layers.utils import (
+    check_bool,
     check_choice,
     check_positive_float,
     check_positive_int,
@@ -14,6 +44,25 @@ from kzoo.layers.utils import (
 
 NORMS = ("layernorm", "rmsnorm")
 FEEDFORWARDS = ("plain", "gated", "moe")
+EXPERT_TYPES = ("plain", "gated")
+
+# Keras addresses a layer held in a list (a functional model's `layers`) by its snake-cased
+# class name. Until every family built `TransformerBlock` directly, their blocks were
+# subclasses with these names, so files saved then (`.keras`, `.weights.h5`) hold e.g.
+# "layers/gpt_block_1/..." where this class reads "layers/transformer_block_1/...".
+LEGACY_CLASS_PATHS = (
+    "gpt_block", "bert_encoder_block", "vi_t_encoder_layer", "graphormer_encoder_layer"
+)
+
+# The initialiser arguments that default to `kernel_initializer`.
+_INITIALIZERS = (
+    "query_initializer",
+    "key_value_initializer",
+    "attention_output_initializer",
+    "feedforward_initializer",
+    "feedforward_output_initializer",
+    "router_initializer",
+)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -26,8 +75,14 @@ class TransformerBlock(keras.layers.Layer):
     `x = x + drop(ffn(norm(x)))`. A cross-attention sub-layer (`cross_attention=True`) sits
     between the two, attending to `encoder_outputs`.
 
+    Sub-layers (their names are the weight paths converters and saved files use):
+    `self_attention` (+ `self_attention_norm`), `cross_attention` (attribute
+    `cross_attention_layer`, + `cross_attention_norm`), `feedforward` (attribute
+    `feedforward_layer`, + `feedforward_norm`).
+
     Args:
-        num_heads, head_dim, num_kv_heads: attention heads (see `MultiHeadAttention`).
+        num_heads, head_dim, num_kv_heads: attention heads (see `MultiHeadAttention`;
+            `num_kv_heads < num_heads` is grouped-query attention).
         intermediate_dim: width of the feed-forward (per expert for MoE).
         causal: causal self-attention (decoder).
         cross_attention: add an encoder-decoder attention sub-layer.
@@ -37,22 +92,36 @@ class TransformerBlock(keras.layers.Layer):
         feedforward: "plain" (`FeedForward`), "gated" (`GatedFeedForward`, GLU variants) or
             "moe" (`MixtureOfExperts`).
         activation: feed-forward activation name (see `kzoo.layers.get_activation`).
-        use_bias: biases in attention and feed-forward projections.
-        dropout: residual dropout after each sub-layer; also inside the feed-forward.
-        attention_dropout: dropout on attention probabilities.
+        use_bias: biases in the attention output projection and, unless `qkv_bias` /
+            `feedforward_bias` say otherwise, everywhere else.
+        qkv_bias: biases in the query/key/value projections (None: `use_bias`; ViT's
+            `qkv_bias=False` keeps the other biases).
+        feedforward_bias: biases in the feed-forward projections (None: `use_bias`;
+            Graphormer's feed-forward is always biased).
+        dropout: residual dropout, on the output of every sub-layer before the sum.
+        attention_dropout: dropout on the attention probabilities.
+        activation_dropout: dropout on the feed-forward's hidden activations (None: the same
+            rate as `dropout`; BERT and GPT-2 use 0, Graphormer its own rate).
         attention_scale: score scale (None = head_dim^-0.5; T5 uses 1.0).
         rope_max_wavelength, rope_scaling_factor: rotary embeddings in self-attention.
         num_experts, top_k, capacity_factor, expert_type: mixture-of-experts options.
         kernel: attention kernel.
-        kernel_initializer, output_kernel_initializer: initialisers (the latter for the
-            attention output and the last feed-forward projection).
+        kernel_initializer: initialiser of every kernel whose own argument below is None.
+        query_initializer: query kernels (self and cross-attention).
+        key_value_initializer: key and value kernels.
+        attention_output_initializer: attention output projections.
+        feedforward_initializer: feed-forward input kernels (plain: `intermediate_dense`;
+            gated: `gate_dense`, `up_dense`; MoE: every expert's input kernels).
+        feedforward_output_initializer: feed-forward output kernel (MoE: every expert's).
+        router_initializer: MoE router kernel.
 
     Call args:
         inputs: `(batch, seq, dim)`.
         padding_mask: `(batch, seq)`, True/1 for real tokens (self-attention keys; during
             cached decoding, `(batch, max_len)` over the cache).
         attention_mask: extra boolean mask for self-attention, merged with the above.
-        attention_bias: additive self-attention bias `(batch|1, heads, q, k)`.
+        attention_bias: additive self-attention bias `(batch|1, heads, q, k)` (ALiBi, T5
+            relative bias, Graphormer's spatial/edge bias).
         encoder_outputs, encoder_padding_mask, cross_attention_bias: cross-attention inputs.
         cache, cache_index: self-attention key/value cache (see `MultiHeadAttention`).
         cross_cache: precomputed cross-attention keys/values.
@@ -65,6 +134,7 @@ class TransformerBlock(keras.layers.Layer):
     >>> block = TransformerBlock(num_heads=4, intermediate_dim=256, causal=True)
     >>> block(keras.random.normal((2, 10, 64))).shape
     (2, 10, 64)
+    >>> vit_layer = TransformerBlock(num_heads=4, intermediate_dim=256, qkv_bias=False)
     """
 
     def __init__(
@@ -81,8 +151,11 @@ class TransformerBlock(keras.layers.Layer):
         feedforward="plain",
         activation="gelu",
         use_bias=True,
+        qkv_bias=None,
+        feedforward_bias=None,
         dropout=0.0,
         attention_dropout=0.0,
+        activation_dropout=None,
         attention_scale=None,
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
@@ -92,17 +165,31 @@ class TransformerBlock(keras.layers.Layer):
         expert_type="gated",
         kernel="auto",
         kernel_initializer="glorot_uniform",
-        output_kernel_initializer=None,
+        query_initializer=None,
+        key_value_initializer=None,
+        attention_output_initializer=None,
+        feedforward_initializer=None,
+        feedforward_output_initializer=None,
+        router_initializer=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         check_positive_int("num_heads", num_heads)
         check_positive_int("intermediate_dim", intermediate_dim)
+        check_bool("causal", causal)
+        check_bool("cross_attention", cross_attention)
+        check_bool("norm_first", norm_first)
         check_choice("norm", norm, NORMS)
-        check_choice("feedforward", feedforward, FEEDFORWARDS)
         check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        check_choice("feedforward", feedforward, FEEDFORWARDS)
+        check_bool("use_bias", use_bias)
+        check_bool("qkv_bias", qkv_bias, allow_none=True)
+        check_bool("feedforward_bias", feedforward_bias, allow_none=True)
         check_rate("dropout", dropout)
         check_rate("attention_dropout", attention_dropout)
+        if activation_dropout is not None:
+            check_rate("activation_dropout", activation_dropout)
+        check_choice("expert_type", expert_type, EXPERT_TYPES)
         check_choice("kernel", kernel, KERNELS)
         if feedforward == "moe":
             check_positive_int("num_experts", num_experts)
@@ -118,8 +205,11 @@ class TransformerBlock(keras.layers.Layer):
         self.feedforward = feedforward
         self.activation = activation
         self.use_bias = use_bias
+        self.qkv_bias = qkv_bias
+        self.feedforward_bias = feedforward_bias
         self.dropout = dropout
         self.attention_dropout = attention_dropout
+        self.activation_dropout = activation_dropout
         self.attention_scale = attention_scale
         self.rope_max_wavelength = rope_max_wavelength
         self.rope_scaling_factor = rope_scaling_factor
@@ -129,23 +219,32 @@ class TransformerBlock(keras.layers.Layer):
         self.expert_type = expert_type
         self.kernel = kernel
         self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.output_kernel_initializer = (
-            None if output_kernel_initializer is None
-            else serialize_initializer(output_kernel_initializer)
-        )
+        self.query_initializer = _optional(query_initializer)
+        self.key_value_initializer = _optional(key_value_initializer)
+        self.attention_output_initializer = _optional(attention_output_initializer)
+        self.feedforward_initializer = _optional(feedforward_initializer)
+        self.feedforward_output_initializer = _optional(feedforward_output_initializer)
+        self.router_initializer = _optional(router_initializer)
 
+        # === Layers ===
         self.self_attention = self._attention("self_attention", rope=True)
         self.self_attention_norm = self._norm("self_attention_norm")
-        self.self_attention_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
         if cross_attention:
             self.cross_attention_layer = self._attention("cross_attention", rope=False)
             self.cross_attention_norm = self._norm("cross_attention_norm")
-            self.cross_attention_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+            self.cross_attention_dropout = self._dropout("cross_attention_dropout")
         self.feedforward_layer = self._feedforward()
         self.feedforward_norm = self._norm("feedforward_norm")
-        self.feedforward_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.feedforward_dropout = self._dropout("feedforward_dropout")
 
     # === Sub-layers ===
+
+    def _initializer(self, name):
+        """The serialised initialiser argument `name`, or `kernel_initializer` if None.
+
+        Each sub-layer deserialises it afresh, so every kernel gets its own random draw."""
+        return getattr(self, name) or self.kernel_initializer
 
     def _attention(self, name, rope):
         return MultiHeadAttention(
@@ -153,79 +252,69 @@ class TransformerBlock(keras.layers.Layer):
             head_dim=self.head_dim,
             num_kv_heads=self.num_kv_heads,
             use_bias=self.use_bias,
+            qkv_bias=self.qkv_bias,
             dropout=self.attention_dropout,
             scale=self.attention_scale,
             rope_max_wavelength=self.rope_max_wavelength if rope else None,
             rope_scaling_factor=self.rope_scaling_factor,
             kernel=self.kernel,
             kernel_initializer=self.kernel_initializer,
-            output_kernel_initializer=self.output_kernel_initializer,
+            query_initializer=self._initializer("query_initializer"),
+            key_value_initializer=self._initializer("key_value_initializer"),
+            output_kernel_initializer=self._initializer("attention_output_initializer"),
             dtype=self.dtype_policy,
             name=name,
         )
 
     def _norm(self, name):
         if self.norm == "rmsnorm":
-            from kzoo.layers.norm import RMSNorm
-
             return RMSNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
         return keras.layers.LayerNormalization(
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
 
+    def _dropout(self, name):
+        return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
+
     def _feedforward(self):
+        bias = self.use_bias if self.feedforward_bias is None else self.feedforward_bias
+        inner_dropout = (
+            self.dropout if self.activation_dropout is None else self.activation_dropout
+        )
         common = dict(
             intermediate_dim=self.intermediate_dim,
             activation=self.activation,
-            use_bias=self.use_bias,
+            use_bias=bias,
+            dropout=inner_dropout,
+            kernel_initializer=self._initializer("feedforward_initializer"),
+            output_kernel_initializer=self._initializer("feedforward_output_initializer"),
             dtype=self.dtype_policy,
             name="feedforward",
         )
         if self.feedforward == "moe":
-            from kzoo.layers.moe import MixtureOfExperts
-
             return MixtureOfExperts(
                 num_experts=self.num_experts,
                 top_k=self.top_k,
                 capacity_factor=self.capacity_factor,
                 expert_type=self.expert_type,
-                dropout=self.dropout,
+                router_initializer=self._initializer("router_initializer"),
                 **common,
             )
-        initializers = dict(kernel_initializer=self.kernel_initializer)
         if self.feedforward == "gated":
-            from kzoo.layers.feedforward import GatedFeedForward
-
-            return GatedFeedForward(dropout=self.dropout, **initializers, **common)
-        from kzoo.layers.feedforward import FeedForward
-
-        return FeedForward(dropout=self.dropout, **initializers, **common)
+            return GatedFeedForward(**common)
+        return FeedForward(**common)
 
     def build(self, inputs_shape, encoder_outputs_shape=None):
-        input_shape, encoder_shape = inputs_shape, encoder_outputs_shape
-        self.self_attention.build(input_shape)
-        self.self_attention_norm.build(input_shape)
+        self.self_attention.build(inputs_shape)
+        self.self_attention_norm.build(inputs_shape)
         if self.cross_attention:
-            enc = encoder_shape or input_shape
-            self.cross_attention_layer.build(input_shape, enc)
-            self.cross_attention_norm.build(input_shape)
-        self.feedforward_layer.build(input_shape)
-        self.feedforward_norm.build(input_shape)
+            self.cross_attention_layer.build(inputs_shape, encoder_outputs_shape or inputs_shape)
+            self.cross_attention_norm.build(inputs_shape)
+        self.feedforward_layer.build(inputs_shape)
+        self.feedforward_norm.build(inputs_shape)
         self.built = True
 
     # === Forward ===
-
-    def _residual(self, x, norm, dropout, fn, training):
-        if self.norm_first:
-            out = fn(norm(x))
-            result = out[0] if isinstance(out, tuple) else out
-            y = x + dropout(result, training=training)
-        else:
-            out = fn(x)
-            result = out[0] if isinstance(out, tuple) else out
-            y = norm(x + dropout(result, training=training))
-        extra = out[1:] if isinstance(out, tuple) else ()
-        return y, extra
 
     def call(
         self,
@@ -241,64 +330,81 @@ class TransformerBlock(keras.layers.Layer):
         cross_cache=None,
         training=None,
     ):
-        from kzoo.layers.masks import merge_masks
+        if self.cross_attention and encoder_outputs is None and cross_cache is None:
+            raise ValueError(
+                "This TransformerBlock has cross_attention=True: pass `encoder_outputs` "
+                "(or a precomputed `cross_cache`)."
+            )
+        x = inputs
 
-        self_mask = merge_masks(padding_mask, attention_mask)
+        # Self-attention (writing this step's keys/values into `cache` when decoding).
+        residual = x
+        if self.norm_first:
+            x = self.self_attention_norm(x)
+        x = self.self_attention(
+            x,
+            attention_mask=merge_masks(padding_mask, attention_mask),
+            attention_bias=attention_bias,
+            use_causal_mask=self.causal,
+            cache=cache,
+            cache_index=cache_index,
+            training=training,
+        )
+        if cache is not None:
+            x, cache = x
+        x = residual + self.self_attention_dropout(x, training=training)
+        if not self.norm_first:
+            x = self.self_attention_norm(x)
 
-        def self_attn(h):
-            return self.self_attention(
-                h,
-                attention_mask=self_mask,
-                attention_bias=attention_bias,
-                use_causal_mask=self.causal,
-                cache=cache,
-                cache_index=cache_index,
+        # Cross-attention (keys/values precomputed in `cross_cache` when decoding).
+        if self.cross_attention:
+            residual = x
+            if self.norm_first:
+                x = self.cross_attention_norm(x)
+            x = self.cross_attention_layer(
+                x,
+                value=x if encoder_outputs is None else encoder_outputs,
+                attention_mask=encoder_padding_mask,
+                attention_bias=cross_attention_bias,
+                cache=cross_cache,
                 training=training,
             )
+            if cross_cache is not None:
+                x, cross_cache = x
+            x = residual + self.cross_attention_dropout(x, training=training)
+            if not self.norm_first:
+                x = self.cross_attention_norm(x)
 
-        x, extra = self._residual(
-            inputs, self.self_attention_norm, self.self_attention_dropout, self_attn, training
-        )
-        new_cache = extra[0] if extra else None
+        # Feed-forward. A mixture of experts routes only real tokens (while decoding the
+        # padding mask covers the cache, not these tokens, so every token is routed).
+        residual = x
+        if self.norm_first:
+            x = self.feedforward_norm(x)
+        if self.feedforward == "moe":
+            routed = padding_mask if cache is None else None
+            x = self.feedforward_layer(x, padding_mask=routed, training=training)
+        else:
+            x = self.feedforward_layer(x, training=training)
+        x = residual + self.feedforward_dropout(x, training=training)
+        if not self.norm_first:
+            x = self.feedforward_norm(x)
 
-        new_cross_cache = None
-        if self.cross_attention:
-            if encoder_outputs is None and cross_cache is None:
-                raise ValueError(
-                    "This TransformerBlock has cross_attention=True: pass `encoder_outputs` "
-                    "(or a precomputed `cross_cache`)."
-                )
-
-            def cross_attn(h):
-                return self.cross_attention_layer(
-                    h,
-                    value=encoder_outputs if encoder_outputs is not None else h,
-                    attention_mask=encoder_padding_mask,
-                    attention_bias=cross_attention_bias,
-                    cache=cross_cache,
-                    training=training,
-                )
-
-            x, extra = self._residual(
-                x, self.cross_attention_norm, self.cross_attention_dropout, cross_attn, training
-            )
-            new_cross_cache = extra[0] if extra else None
-
-        def ffn(h):
-            if self.feedforward == "moe":
-                return self.feedforward_layer(h, padding_mask=padding_mask
-                                              if cache is None else None, training=training)
-            return self.feedforward_layer(h, training=training)
-
-        x, _ = self._residual(x, self.feedforward_norm, self.feedforward_dropout, ffn, training)
         if cache is None and cross_cache is None:
             return x
         if cross_cache is None:
-            return x, new_cache
-        return x, new_cache, new_cross_cache
+            return x, cache
+        return x, cache, cross_cache
 
     def compute_output_shape(self, input_shape, *args, **kwargs):
         return input_shape
+
+    # === Saving ===
+
+    def load_own_variables(self, store):
+        # Called on this block before its sub-layers are read: point them at the block's
+        # path in files saved while the families had their own block classes.
+        _redirect_legacy_path(store)
+        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()
@@ -316,8 +422,11 @@ class TransformerBlock(keras.layers.Layer):
                 "feedforward": self.feedforward,
                 "activation": self.activation,
                 "use_bias": self.use_bias,
+                "qkv_bias": self.qkv_bias,
+                "feedforward_bias": self.feedforward_bias,
                 "dropout": self.dropout,
                 "attention_dropout": self.attention_dropout,
+                "activation_dropout": self.activation_dropout,
                 "attention_scale": self.attention_scale,
                 "rope_max_wavelength": self.rope_max_wavelength,
                 "rope_scaling_factor": self.rope_scaling_factor,
@@ -327,7 +436,50 @@ class TransformerBlock(keras.layers.Layer):
                 "expert_type": self.expert_type,
                 "kernel": self.kernel,
                 "kernel_initializer": self.kernel_initializer,
-                "output_kernel_initializer": self.output_kernel_initializer,
+                **{name: getattr(self, name) for name in _INITIALIZERS},
             }
         )
         return config
+
+
+def _optional(initializer):
+    """None (fall back to `kernel_initializer`) or the serialised initialiser."""
+    return None if initializer is None else serialize_initializer(initializer)
+
+
+def _redirect_legacy_path(store):
+    """Make `store` (a Keras weights store positioned at this block) read the block's
+    sub-layers from its legacy path (see `LEGACY_CLASS_PATHS`) when the file has no group
+    at the block's own path but has one at the legacy path with the same index."""
+    path = getattr(store, "_h5_entry_path", None)
+    has_path = getattr(store, "has_path", None)
+    if not path or has_path is None or has_path(path):
+        return
+    parent, _, leaf = path.rpartition("/")
+    match = re.fullmatch(r"transformer_block(_\d+)?", leaf)
+    if match is None:
+        return
+    for legacy in LEGACY_CLASS_PATHS:
+        old = "/".join(filter(None, [parent, legacy + (match.group(1) or "")]))
+        if has_path(old):
+            _path_redirects(store)[path] = old
+            return
+
+
+def _path_redirects(store):
+    """The `{new path prefix: old path prefix}` table of `store`, installed on first use
+    by wrapping the store's `get`."""
+    redirects = store.__dict__.get("_kzoo_path_redirects")
+    if redirects is None:
+        redirects = {}
+        get = store.get
+
+        def redirected_get(path):
+            for new, old in redirects.items():
+                if path == new or path.startswith(new + "/"):
+                    return get(old + path[len(new):])
+            return get(path)
+
+        store._kzoo_path_redirects = redirects
+        store.get = redirected_get
+    return redirects

@@ -7,7 +7,7 @@ their activations up here so that "gelu" means the same function everywhere.
 import keras
 from keras import ops
 
-from kzoo.layers.utils import check_choice
+from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
 from kzoo.layers.utils import last_axis_size
@@ -86,12 +86,6 @@ def get_activation(name):
     return _ACTIVATIONS[name]
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
-
-
 def _ffn_config(layer):
     return {
         "intermediate_dim": layer.intermediate_dim,
@@ -101,14 +95,15 @@ def _ffn_config(layer):
         "output_dim": layer.output_dim,
         "kernel_initializer": layer.kernel_initializer,
         "bias_initializer": layer.bias_initializer,
+        "output_kernel_initializer": layer.output_kernel_initializer,
     }
 
 
-def _dense(layer, units, name):
+def _dense(layer, units, name, initializer=None):
     return keras.layers.Dense(
         units,
         use_bias=layer.use_bias,
-        kernel_initializer=keras.initializers.get(layer.kernel_initializer),
+        kernel_initializer=keras.initializers.get(initializer or layer.kernel_initializer),
         bias_initializer=keras.initializers.get(layer.bias_initializer),
         dtype=layer.dtype_policy,
         name=name,
@@ -120,16 +115,20 @@ class _FeedForwardBase(keras.layers.Layer):
     the output shape and the config."""
 
     def __init__(self, intermediate_dim, activation, use_bias, dropout, output_dim,
-                 kernel_initializer, bias_initializer, **kwargs):
+                 kernel_initializer, bias_initializer, output_kernel_initializer, **kwargs):
         super().__init__(**kwargs)
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         get_activation(activation)
         self.activation = activation
-        self.use_bias = _check_bool("use_bias", use_bias)
+        self.use_bias = check_bool("use_bias", use_bias)
         self.dropout = check_rate("dropout", dropout)
         self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self.bias_initializer = serialize_initializer(bias_initializer)
+        self.output_kernel_initializer = (
+            None if output_kernel_initializer is None
+            else serialize_initializer(output_kernel_initializer)
+        )
         self._activation_fn = get_activation(activation)
         self.dropout_layer = keras.layers.Dropout(
             self.dropout, dtype=self.dtype_policy, name="dropout"
@@ -139,7 +138,9 @@ class _FeedForwardBase(keras.layers.Layer):
     def _build_output(self, input_shape):
         """Create the output projection for inputs of `input_shape`; returns nothing."""
         dim = last_axis_size(self.__class__.__name__, input_shape)
-        self.output_dense = _dense(self, self.output_dim or dim, "output_dense")
+        self.output_dense = _dense(
+            self, self.output_dim or dim, "output_dense", self.output_kernel_initializer
+        )
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.output_dim or input_shape[-1],)
@@ -163,8 +164,11 @@ class FeedForward(_FeedForwardBase):
         use_bias: whether both projections have a bias.
         dropout: dropout rate on the hidden activations, in [0, 1).
         output_dim: width of the output; `None` keeps the input width.
-        kernel_initializer: initializer of both kernels.
+        kernel_initializer: initializer of the kernels (of the input one only when
+            `output_kernel_initializer` is given).
         bias_initializer: initializer of both biases.
+        output_kernel_initializer: initializer of the output kernel (None:
+            `kernel_initializer`; GPT-2 and T5 draw it with their own std).
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Sublayers: `intermediate_dense` (kernel `(dim, intermediate_dim)`, bias) and
@@ -194,11 +198,12 @@ class FeedForward(_FeedForwardBase):
         output_dim=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        output_kernel_initializer=None,
         **kwargs,
     ):
         super().__init__(
             intermediate_dim, activation, use_bias, dropout, output_dim, kernel_initializer,
-            bias_initializer, **kwargs,
+            bias_initializer, output_kernel_initializer, **kwargs,
         )
 
         # === Layers ===
@@ -239,8 +244,11 @@ class GatedFeedForward(_FeedForwardBase):
         use_bias: whether the three projections have biases (default False, as in the paper).
         dropout: dropout rate on the gated hidden activations, in [0, 1).
         output_dim: width of the output; `None` keeps the input width.
-        kernel_initializer: initializer of the three kernels.
+        kernel_initializer: initializer of the kernels (of the gate and up ones only when
+            `output_kernel_initializer` is given).
         bias_initializer: initializer of the biases.
+        output_kernel_initializer: initializer of the output kernel (None:
+            `kernel_initializer`).
         **kwargs: base `keras.layers.Layer` arguments.
 
     Sublayers: `gate_dense`, `up_dense` (kernels `(dim, intermediate_dim)`) and
@@ -270,11 +278,12 @@ class GatedFeedForward(_FeedForwardBase):
         output_dim=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        output_kernel_initializer=None,
         **kwargs,
     ):
         super().__init__(
             intermediate_dim, activation, use_bias, dropout, output_dim, kernel_initializer,
-            bias_initializer, **kwargs,
+            bias_initializer, output_kernel_initializer, **kwargs,
         )
 
         # === Layers ===

@@ -236,6 +236,8 @@ class MixtureOfExperts(keras.layers.Layer):
         kernel_initializer: initializer of every expert kernel, applied per expert.
         bias_initializer: initializer of the expert biases.
         router_initializer: initializer of the router kernel.
+        output_kernel_initializer: initializer of the experts' output kernels, applied per
+            expert (None: `kernel_initializer`; GPT-2-style models scale it down with depth).
         seed: `None` or an int seeding the dropout.
         **kwargs: base `keras.layers.Layer` arguments.
 
@@ -279,6 +281,7 @@ class MixtureOfExperts(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         router_initializer="glorot_uniform",
+        output_kernel_initializer=None,
         seed=None,
         **kwargs,
     ):
@@ -309,6 +312,10 @@ class MixtureOfExperts(keras.layers.Layer):
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self.bias_initializer = serialize_initializer(bias_initializer)
         self.router_initializer = serialize_initializer(router_initializer)
+        self.output_kernel_initializer = (
+            None if output_kernel_initializer is None
+            else serialize_initializer(output_kernel_initializer)
+        )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be None or an int; got seed={seed!r}.")
         self.seed = seed
@@ -336,11 +343,12 @@ class MixtureOfExperts(keras.layers.Layer):
 
     # === Weights ===
 
-    def _kernel(self, name, shape):
+    def _kernel(self, name, shape, initializer=None):
+        initializer = initializer or self.kernel_initializer
         return self.add_weight(
             name=name,
             shape=shape,
-            initializer=_stacked_initializer(self.kernel_initializer, self.num_experts),
+            initializer=_stacked_initializer(initializer, self.num_experts),
         )
 
     def _bias(self, name, shape):
@@ -362,7 +370,9 @@ class MixtureOfExperts(keras.layers.Layer):
         else:
             self.intermediate_kernel = self._kernel("intermediate_kernel", (e, dim, i))
             self.intermediate_bias = self._bias("intermediate_bias", (e, i))
-        self.output_kernel = self._kernel("output_kernel", (e, i, dim))
+        self.output_kernel = self._kernel(
+            "output_kernel", (e, i, dim), self.output_kernel_initializer
+        )
         self.output_bias = self._bias("output_bias", (e, dim))
         self.built = True
 
@@ -635,6 +645,7 @@ class MixtureOfExperts(keras.layers.Layer):
                 "kernel_initializer": self.kernel_initializer,
                 "bias_initializer": self.bias_initializer,
                 "router_initializer": self.router_initializer,
+                "output_kernel_initializer": self.output_kernel_initializer,
                 "seed": self.seed,
             }
         )

@@ -22,7 +22,7 @@ from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
-from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward
+from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_choice,
@@ -51,36 +51,6 @@ def _dtype_policy(dtype):
 
 
 # === Layers ===
-
-
-@keras.saving.register_keras_serializable(package="kzoo")
-class BertEncoderBlock(TransformerBlock):
-    """A post-LN `TransformerBlock` whose feed-forward has no inner dropout.
-
-    BERT drops out only the output of each sub-layer (before the residual sum), never the
-    intermediate activations of the feed-forward, while the shared `TransformerBlock`
-    passes its `dropout` to the feed-forward's hidden layer too. This subclass builds the
-    same sub-layers (identical weight names) with the inner dropout set to 0; everything
-    else, including the configuration, is `TransformerBlock`'s.
-
-    Example:
-    >>> block = BertEncoderBlock(num_heads=2, intermediate_dim=128, norm_first=False)
-    >>> block(keras.random.normal((2, 5, 32))).shape
-    (2, 5, 32)
-    """
-
-    def _feedforward(self):
-        if self.feedforward != "plain":
-            return super()._feedforward()
-        return FeedForward(
-            intermediate_dim=self.intermediate_dim,
-            activation=self.activation,
-            use_bias=self.use_bias,
-            dropout=0.0,
-            kernel_initializer=self.kernel_initializer,
-            dtype=self.dtype_policy,
-            name="feedforward",
-        )
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -234,8 +204,10 @@ class BertBackbone(FunctionalModel):
         self.embeddings_dropout = keras.layers.Dropout(
             dropout, dtype=policy, name="embeddings_dropout"
         )
+        # BERT drops out the output of each sub-layer (before the residual sum) and the
+        # attention probabilities, never the feed-forward's hidden activations.
         self.transformer_layers = [
-            BertEncoderBlock(
+            TransformerBlock(
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 norm_first=False,
@@ -243,6 +215,7 @@ class BertBackbone(FunctionalModel):
                 activation=activation,
                 dropout=dropout,
                 attention_dropout=dropout if attention_dropout is None else attention_dropout,
+                activation_dropout=0.0,
                 kernel_initializer=init,
                 dtype=policy,
                 name=f"transformer_layer_{i}",

@@ -32,7 +32,7 @@ from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
-from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward, GatedFeedForward
+from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_choice,
@@ -64,64 +64,6 @@ def _dtype_policy(dtype):
 def gpt_initializer(stddev=0.02):
     """GPT-2's initialiser: normal(0, stddev) for every kernel and embedding table."""
     return keras.initializers.RandomNormal(stddev=stddev)
-
-
-# === Layers ===
-
-
-@keras.saving.register_keras_serializable(package="kzoo")
-class GPTBlock(TransformerBlock):
-    """A `TransformerBlock` with GPT-2's feed-forward details.
-
-    Differences from the shared block (same sub-layers, same weight names, same config):
-
-    - no dropout inside the feed-forward (GPT-2 drops out only the sub-layer outputs, before
-      the residual sum; the shared block also drops the hidden activations);
-    - the last projection of the feed-forward (and of every expert) is initialised with
-      `output_kernel_initializer` (GPT-2: normal(0.02 / sqrt(2 * num_layers))), like the
-      attention output projection; the shared block uses `kernel_initializer` there;
-    - mixture-of-experts feed-forwards get `kernel_initializer` for their experts and router
-      (the shared block leaves `MixtureOfExperts` at its glorot default).
-
-    Example:
-    >>> block = GPTBlock(num_heads=4, intermediate_dim=256, causal=True, norm_first=True)
-    >>> block(keras.random.normal((2, 10, 64))).shape
-    (2, 10, 64)
-    """
-
-    def _feedforward(self):
-        common = dict(
-            intermediate_dim=self.intermediate_dim,
-            activation=self.activation,
-            use_bias=self.use_bias,
-            dropout=0.0,
-            kernel_initializer=self.kernel_initializer,
-            dtype=self.dtype_policy,
-            name="feedforward",
-        )
-        if self.feedforward == "moe":
-            from kzoo.layers.moe import MixtureOfExperts
-
-            return MixtureOfExperts(
-                num_experts=self.num_experts,
-                top_k=self.top_k,
-                capacity_factor=self.capacity_factor,
-                expert_type=self.expert_type,
-                router_initializer=self.kernel_initializer,
-                **common,
-            )
-        if self.feedforward == "gated":
-            return GatedFeedForward(**common)
-        return FeedForward(**common)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        if self.output_kernel_initializer is None:
-            return
-        init = keras.initializers.get(self.output_kernel_initializer)
-        ff = self.feedforward_layer
-        kernel = ff.output_kernel if self.feedforward == "moe" else ff.output_dense.kernel
-        kernel.assign(init(tuple(kernel.shape), dtype=kernel.dtype))
 
 
 # === Backbone ===
@@ -289,8 +231,10 @@ class GPTBackbone(FunctionalModel):
         self.embeddings_dropout = keras.layers.Dropout(
             dropout, dtype=policy, name="embeddings_dropout"
         )
+        # GPT-2 drops out only the sub-layer outputs (and attention probabilities), never
+        # the feed-forward's hidden activations.
         self.transformer_layers = [
-            GPTBlock(
+            TransformerBlock(
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 num_kv_heads=num_kv_heads,
@@ -303,6 +247,7 @@ class GPTBackbone(FunctionalModel):
                 use_bias=use_bias,
                 dropout=dropout,
                 attention_dropout=dropout,
+                activation_dropout=0.0,
                 attention_scale=attention_scale,
                 rope_max_wavelength=rope_max_wavelength if position == "rotary" else None,
                 num_experts=num_experts,
@@ -310,7 +255,8 @@ class GPTBackbone(FunctionalModel):
                 capacity_factor=capacity_factor,
                 expert_type=expert_type,
                 kernel_initializer=init,
-                output_kernel_initializer=residual_init,
+                attention_output_initializer=residual_init,
+                feedforward_output_initializer=residual_init,
                 dtype=policy,
                 name=f"transformer_layer_{i}",
             )
@@ -780,7 +726,6 @@ __all__ = [
     "BACKBONE",
     "TASKS",
     "DEFAULT_TASK",
-    "GPTBlock",
     "GPTBackbone",
     "GPTCausalLM",
     "gpt_initializer",

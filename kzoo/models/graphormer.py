@@ -49,9 +49,8 @@ Example:
 import keras
 from keras import ops
 
-from kzoo.layers.attention import MultiHeadAttention
 from kzoo.layers.blocks import TransformerBlock
-from kzoo.layers.feedforward import ACTIVATION_NAMES, FeedForward
+from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.utils import (
     check_choice,
     check_non_negative_int,
@@ -367,79 +366,6 @@ class GraphormerAttentionBias(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GraphormerEncoderLayer(TransformerBlock):
-    """A `TransformerBlock` with Graphormer's dropout and initialisation options.
-
-    Post-LN (`norm_first=False`, Graphormer's default) or pre-LN; the attention takes the
-    Graphormer bias and mask. Differences from the shared block: the feed-forward's hidden
-    activations use their own rate `activation_dropout` (fairseq's `act_dropout`; the
-    published models use dropout 0.0 with activation dropout 0.1), and the query/key/value
-    projections can have their own initialiser (`qkv_initializer`; transformers' default
-    initialisation uses Xavier-uniform with gain 1/sqrt(2) for them, Xavier-uniform for the
-    output projection and normal(0.02) for the feed-forward).
-
-    Args:
-        activation_dropout: dropout on the feed-forward's hidden activations.
-        qkv_initializer: initialiser of the query/key/value kernels (defaults to
-            `kernel_initializer`).
-        **kwargs: `TransformerBlock` arguments (`kernel_initializer` for the feed-forward,
-            `output_kernel_initializer` for the attention output projection).
-
-    Example:
-    >>> layer = GraphormerEncoderLayer(num_heads=4, intermediate_dim=32, norm_first=False,
-    ...                                activation_dropout=0.1)
-    >>> layer(keras.random.normal((2, 6, 32))).shape
-    (2, 6, 32)
-    """
-
-    def __init__(self, num_heads, intermediate_dim, activation_dropout=0.0,
-                 qkv_initializer=None, **kwargs):
-        # Set before the base constructor, which builds the sub-layers.
-        self.activation_dropout = check_rate("activation_dropout", activation_dropout)
-        self.qkv_initializer = (
-            None if qkv_initializer is None else serialize_initializer(qkv_initializer)
-        )
-        super().__init__(num_heads, intermediate_dim, **kwargs)
-
-    def _attention(self, name, rope):
-        return MultiHeadAttention(
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            num_kv_heads=self.num_kv_heads,
-            use_bias=self.use_bias,
-            dropout=self.attention_dropout,
-            scale=self.attention_scale,
-            kernel=self.kernel,
-            kernel_initializer=self.qkv_initializer or self.kernel_initializer,
-            output_kernel_initializer=self.output_kernel_initializer,
-            dtype=self.dtype_policy,
-            name=name,
-        )
-
-    def _feedforward(self):
-        if self.feedforward != "plain":
-            raise ValueError(
-                f"GraphormerEncoderLayer supports feedforward='plain' only; got "
-                f"feedforward={self.feedforward!r}."
-            )
-        return FeedForward(
-            intermediate_dim=self.intermediate_dim,
-            activation=self.activation,
-            use_bias=True,
-            dropout=self.activation_dropout,
-            kernel_initializer=self.kernel_initializer,
-            dtype=self.dtype_policy,
-            name="feedforward",
-        )
-
-    def get_config(self):
-        config = super().get_config()
-        config["activation_dropout"] = self.activation_dropout
-        config["qkv_initializer"] = self.qkv_initializer
-        return config
-
-
-@keras.saving.register_keras_serializable(package="kzoo")
 class GraphormerHeadTransform(HeadTransform):
     """`LayerNorm(act(Dense(x)))` on every token (transformers' `lm_head_transform_weight`,
     `activation_fn` and `layer_norm` of `GraphormerModel`).
@@ -514,7 +440,7 @@ class GraphormerBackbone(FunctionalModel):
 
     inputs -> `GraphormerNodeFeature` (centrality encoding + graph token) -> `* embed_scale`
     -> LayerNorm if `encoder_normalize_before` -> dropout -> `num_layers`
-    `GraphormerEncoderLayer`s attending with the `GraphormerAttentionBias` (spatial + edge
+    `TransformerBlock`s attending with the `GraphormerAttentionBias` (spatial + edge
     encoding, graph-token distance, `attn_bias`) and its mask -> `GraphormerHeadTransform`
     (`LayerNorm(act(Dense(x)))`).
 
@@ -666,20 +592,25 @@ class GraphormerBackbone(FunctionalModel):
             )
         embedding_dropout = keras.layers.Dropout(dropout, dtype=dtype,
                                                  name="embedding_dropout")
+        # Graphormer's `use_attention_bias` switches the attention biases only (its
+        # feed-forward is always biased); the feed-forward's hidden activations have their own
+        # dropout rate (fairseq's `act_dropout`).
         encoder_layers = [
-            GraphormerEncoderLayer(
+            TransformerBlock(
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 norm_first=pre_layernorm,
                 layer_norm_epsilon=layer_norm_epsilon,
                 activation=activation,
                 use_bias=use_attention_bias,
+                feedforward_bias=True,
                 dropout=dropout,
                 attention_dropout=attention_dropout,
                 activation_dropout=activation_dropout,
                 kernel_initializer=normal,
-                qkv_initializer=qkv_init,
-                output_kernel_initializer=out_init,
+                query_initializer=qkv_init,
+                key_value_initializer=qkv_init,
+                attention_output_initializer=out_init,
                 dtype=dtype,
                 name=f"transformer_layer_{i}",
             )

@@ -211,6 +211,8 @@ class T5Backbone(FunctionalModel):
             bidirectional=False, name="decoder_relative_attention_bias", **bias_args
         )
 
+        # T5's initialisation (Mesh TensorFlow / HF `T5PreTrainedModel`, factor 1.0) folds
+        # the attention's 1/sqrt(d_kv) into the query kernel (`attention_scale=1.0`).
         def block(i, decoder):
             return TransformerBlock(
                 num_heads=num_heads,
@@ -226,10 +228,13 @@ class T5Backbone(FunctionalModel):
                 use_bias=False,
                 dropout=dropout,
                 attention_dropout=dropout,
+                activation_dropout=dropout,
                 attention_scale=1.0,
                 kernel=kernel,
                 kernel_initializer=_normal(hidden_dim ** -0.5),
-                output_kernel_initializer=_normal((num_heads * key_value_dim) ** -0.5),
+                query_initializer=_normal((hidden_dim * key_value_dim) ** -0.5),
+                attention_output_initializer=_normal((num_heads * key_value_dim) ** -0.5),
+                feedforward_output_initializer=_normal(intermediate_dim ** -0.5),
                 dtype=policy,
                 name=f"{'decoder' if decoder else 'encoder'}_layer_{i}",
             )
@@ -292,29 +297,6 @@ class T5Backbone(FunctionalModel):
         self.relative_attention_max_distance = relative_attention_max_distance
         self.tie_embeddings = tie_embeddings
         self.kernel = kernel
-        self._t5_initialize()
-
-    def _t5_initialize(self):
-        """Redraw the kernels whose T5 initialiser `TransformerBlock` cannot express.
-
-        A block takes one initialiser for the query, key, value and feed-forward input
-        kernels (here N(0, hidden_dim^-1/2)) and one for the attention output. T5 draws the
-        query from N(0, (hidden_dim * key_value_dim)^-1/2) and the feed-forward output from
-        N(0, intermediate_dim^-1/2): those kernels are redrawn here, once, at construction.
-        """
-        # A fresh initialiser for every kernel: an unseeded Keras initialiser instance
-        # fixes its seed when created and would draw the same values at every call.
-        query_std = (self.hidden_dim * self.key_value_dim) ** -0.5
-        ffn_output_std = self.intermediate_dim ** -0.5
-        for block in self.encoder_layers + self.decoder_layers:
-            attentions = [block.self_attention]
-            if block.cross_attention:
-                attentions.append(block.cross_attention_layer)
-            for attention in attentions:
-                kernel = attention.query_dense.kernel
-                kernel.assign(_normal(query_std)(kernel.shape, dtype=kernel.dtype))
-            kernel = block.feedforward_layer.output_dense.kernel
-            kernel.assign(_normal(ffn_output_std)(kernel.shape, dtype=kernel.dtype))
 
     # === Stacks (shared by the functional graph and the decoding methods) ===
 

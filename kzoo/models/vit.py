@@ -22,7 +22,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from kzoo.layers.attention import MultiHeadAttention
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import PatchEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
@@ -314,50 +313,6 @@ class ViTEmbedding(keras.layers.Layer):
         return config
 
 
-@keras.saving.register_keras_serializable(package="kzoo")
-class _NoQKVBiasAttention(MultiHeadAttention):
-    """`MultiHeadAttention` whose query/key/value projections have no bias while the output
-    projection keeps one (ViT's `qkv_bias=False`). The shared layer's `use_bias` switches all
-    four together."""
-
-    def _dense(self, units, name, initializer=None):
-        dense = super()._dense(units, name, initializer)
-        if name == "output_dense":
-            return dense
-        return keras.layers.Dense.from_config({**dense.get_config(), "use_bias": False})
-
-
-@keras.saving.register_keras_serializable(package="kzoo")
-class ViTEncoderLayer(TransformerBlock):
-    """A pre-LN `TransformerBlock` with an optional bias-free query/key/value projection.
-
-    Identical to `TransformerBlock(norm_first=True, ...)`; `qkv_bias=False` removes the
-    biases of the query, key and value projections only (the attention output projection and
-    the MLP keep theirs), as transformers' `ViTConfig(qkv_bias=False)` does.
-
-    Example:
-    >>> layer = ViTEncoderLayer(num_heads=4, intermediate_dim=128, qkv_bias=False)
-    >>> layer(keras.random.normal((2, 17, 64))).shape
-    (2, 17, 64)
-    """
-
-    def __init__(self, num_heads, intermediate_dim, qkv_bias=True, **kwargs):
-        # Set before the base constructor: it builds the attention sub-layer.
-        self.qkv_bias = _check_bool("qkv_bias", qkv_bias)
-        super().__init__(num_heads, intermediate_dim, **kwargs)
-
-    def _attention(self, name, rope):
-        layer = super()._attention(name, rope)
-        if self.qkv_bias:
-            return layer
-        return _NoQKVBiasAttention.from_config(layer.get_config())
-
-    def get_config(self):
-        config = super().get_config()
-        config["qkv_bias"] = self.qkv_bias
-        return config
-
-
 # === Functional Model ===
 
 
@@ -455,15 +410,16 @@ class ViTBackbone(FunctionalModel):
             name="embedding",
         )
         encoder_layers = [
-            ViTEncoderLayer(
+            TransformerBlock(
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
-                qkv_bias=qkv_bias,
                 norm_first=True,
                 layer_norm_epsilon=layer_norm_epsilon,
                 activation=activation,
+                qkv_bias=qkv_bias,
                 dropout=dropout,
                 attention_dropout=attention_dropout,
+                activation_dropout=dropout,
                 kernel_initializer="glorot_uniform",
                 dtype=dtype,
                 name=f"transformer_layer_{i}",
