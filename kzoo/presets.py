@@ -187,27 +187,12 @@ def _read_saved_config(path):
     """The checked contents of a saved directory's `kzoo_config.json`:
     (family, task, config, task config, weights path)."""
     config_path = os.path.join(path, CONFIG_FILE)
-    meta = checkpoints.read_json(config_path, "saved kzoo config")
-    known = [f.name for f in registry.families()]
-    if meta.get("family") not in known:
-        raise ValueError(
-            f"{config_path!r} has family={meta.get('family')!r}; known families: {known}."
-        )
-    family = registry.family(meta["family"])
-    task = meta.get("task", registry.BACKBONE_TASK)
-    if task not in family.task_names:
-        raise ValueError(
-            f"{config_path!r} has task={task!r}; family {family.name!r} has "
-            f"{[*family.task_names]}."
-        )
-    for key, default in (("config", None), ("task_config", {})):
-        if not isinstance(meta.get(key, default), dict):
-            raise ValueError(
-                f"{config_path!r} needs `{key}` to be a JSON object; got {meta.get(key)!r}."
-            )
+    meta = {"task": registry.BACKBONE_TASK, "task_config": {},
+            **checkpoints.read_json(config_path, "saved kzoo config")}
+    family = registry.check_spec(meta, repr(config_path))
     # Directories saved before the "weights" entry existed hold model.weights.h5.
     weights = checkpoints.file_in(path, meta.get("weights", WEIGHTS_FILE), "weights file")
-    return family, task, meta["config"], meta.get("task_config", {}), weights
+    return family, meta["task"], meta["config"], meta["task_config"], weights
 
 
 def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):

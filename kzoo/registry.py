@@ -25,6 +25,7 @@ import difflib
 import importlib
 import inspect
 import pathlib
+from collections.abc import Mapping
 from importlib import resources
 from types import MappingProxyType
 
@@ -36,13 +37,13 @@ _RESERVED = ("name", "trainable", "dtype")  # Keras' own entries of get_config()
 _PRESET_SUFFIX = ".json"
 
 
-def _unknown(kind, value, known):
-    close = difflib.get_close_matches(str(value), [str(k) for k in known], n=3, cutoff=0.4)
+def _unknown(kind, value, known, label="Known"):
+    close = difflib.get_close_matches(str(value), sorted(known), n=5, cutoff=0.4)
     hint = f" Did you mean {close}?" if close else ""
-    return ValueError(f"Unknown {kind}={value!r}.{hint} Known: {sorted(known)}.")
+    return ValueError(f"Unknown {kind}={value!r}.{hint} {label}: {sorted(known)}.")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # one record a family: identity is equality
 class Family:
     """One model family.
 
@@ -58,7 +59,7 @@ class Family:
 
     name: str
     backbone: type
-    tasks: dict
+    tasks: Mapping[str, type]
     default_task: str
     model_types: tuple = ()
     converter: str | None = None
@@ -257,8 +258,8 @@ def families():
 
 def family(name):
     """The `Family` called `name`; ValueError listing the known names otherwise."""
-    if name not in _BY_NAME:
-        raise _unknown("family", name, _BY_NAME)
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise _unknown("family", name, _BY_NAME, "Known families")
     return _BY_NAME[name]
 
 
@@ -305,37 +306,34 @@ def preset_names():
 def preset_spec(name):
     """The JSON description of preset `name` (a new dict each call), checked: its family is
     registered, `config` and `task_config` are objects and its task is one of the family's."""
-    if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+    if not isinstance(name, str) or any(c in name for c in "/\\:") or name.startswith("."):
         raise ValueError(
-            f"`name` must be a preset name (no path separators, not starting with '.'); got "
+            f"`name` must be a preset name (no path separators or ':', not starting with '.'); got "
             f"name={name!r}. Known presets: {preset_names()}."
         )
     names = preset_names()
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
-        hint = f" Did you mean {close}?" if close else ""
-        raise ValueError(f"Unknown preset name={name!r}.{hint} Known presets: {names}.")
+        raise _unknown("preset name", name, names, "Known presets")
     entry = preset_dir().joinpath(name + _PRESET_SUFFIX)
     spec = checkpoints.parse_json(entry.read_bytes(), str(entry), "preset file")
-    if spec.get("family") not in _BY_NAME:
-        raise ValueError(
-            f"The preset file {str(entry)!r} has family={spec.get('family')!r}; known families: "
-            f"{sorted(_BY_NAME)}."
-        )
-    for key, default in (("config", None), ("task_config", {})):
-        if not isinstance(spec.get(key, default), dict):
-            raise ValueError(
-                f"The preset file {str(entry)!r} needs `{key}` to be a JSON object; got "
-                f"{spec.get(key)!r}."
-            )
-    task = spec.get("task")
-    if task is not None and task not in _BY_NAME[spec["family"]].task_names:
-        raise ValueError(
-            f"The preset file {str(entry)!r} has task={task!r}; family {spec['family']!r} has "
-            f"{list(_BY_NAME[spec['family']].task_names)}."
-        )
+    check_spec(spec, f"the preset file {str(entry)!r}")
     return spec
 
 
+def check_spec(spec, source):
+    """The `Family` of `spec`, a model description as preset files and saved directories hold
+    it (`family`, `task`, `config`, `task_config`), after checking it; errors name `source`."""
+    try:
+        fam = family(spec.get("family"))
+        fam.task_class(spec.get("task", fam.default_task))
+    except ValueError as e:
+        raise ValueError(f"In {source}: {e}") from None
+    for key in ("config", "task_config"):
+        value = spec.get(key, {} if key == "task_config" else None)
+        if not isinstance(value, dict):
+            raise ValueError(f"In {source}: `{key}` must be a JSON object; got {value!r}.")
+    return fam
+
+
 __all__ = ["Family", "BACKBONE_TASK", "families", "family", "for_model_type", "for_model",
-           "preset_dir", "preset_names", "preset_spec"]
+           "preset_dir", "preset_names", "preset_spec", "check_spec"]

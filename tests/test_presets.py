@@ -194,9 +194,10 @@ def test_damaged_saved_config_names_the_file(tmp_path, content, problem):
 
 
 @pytest.mark.parametrize("edit, problem", [
-    ({"family": "gtp"}, "family='gtp'; known families"),
+    ({"family": "gtp"}, "Unknown family='gtp'.*Known families"),
     ({"task": "translation"}, "task='translation'"),
-    ({"config": [1, 2]}, "`config` to be a JSON object"),
+    ({"config": [1, 2]}, "`config` must be a JSON object"),
+    ({"task_config": 3}, "`task_config` must be a JSON object"),
     ({"config": {"num_layerz": 2}}, "num_layerz"),
 ])
 def test_wrong_entries_of_a_saved_config_name_the_file(tmp_path, edit, problem):
@@ -250,7 +251,7 @@ def test_directory_saved_before_the_weights_entry_still_loads(tmp_path):
 
 
 @pytest.mark.parametrize("name", [
-    "../presets/gpt2", "presets/gpt2", "/etc/passwd", ".gpt2", "gpt2/..", "gpt2\\..\\x",
+    "../presets/gpt2", "presets/gpt2", "/etc/passwd", ".gpt2", "gpt2/..", "C:gpt2", "gpt2\\..\\x",
 ])
 def test_preset_names_cannot_be_paths(name):
     with pytest.raises(ValueError, match="must be a preset name") as err:
@@ -264,7 +265,7 @@ def test_preset_names_cannot_be_paths(name):
     (b"", "is empty"),
     (b'{"name": "broken", "family": "gpt", "config": {', "not valid JSON"),
     (b'{"name": "broken", "family": "gtp", "config": {}}', "family='gtp'"),
-    (b'{"name": "broken", "family": "gpt", "config": 7}', "`config` to be a JSON object"),
+    (b'{"name": "broken", "family": "gpt", "config": 7}', "`config` must be a JSON object"),
     (b'{"name": "broken", "family": "gpt", "task": "x", "config": {}}', "task='x'"),
 ])
 def test_damaged_preset_file_names_the_file(tmp_path, monkeypatch, content, problem):
