@@ -189,9 +189,10 @@ class Family:
             )
         return importlib.import_module(self.converter)
 
-    def config_from_hf(self, hf_config):
-        """(family, backbone config, task, task config) for a Hugging Face config dict."""
-        return self._converter_module().config_from_hf(hf_config)
+    def config_from_hf(self, hf_config, **kwargs):
+        """(family, backbone config, task, task config) for a Hugging Face config dict
+        (`kwargs` go to the converter's `config_from_hf`)."""
+        return self._converter_module().config_from_hf(hf_config, **kwargs)
 
     def load_hf_weights(self, model, state, strict=True):
         """Assign a Hugging Face state dict (name -> array) to `model`; with `strict`, a
