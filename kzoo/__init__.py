@@ -2,4 +2,4 @@
 
 __version__ = "0.1.0"
 
-from kzoo import layers, presets, schedules  # noqa: F401,E402
+from kzoo import layers, presets, registry, schedules  # noqa: F401,E402

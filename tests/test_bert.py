@@ -12,6 +12,7 @@ import pytest
 os.environ.setdefault("USE_TF", "0")
 
 import kzoo.presets
+from kzoo import registry
 from kzoo.models import bert as bert_module
 from kzoo.models.bert import BertBackbone, BertClassifier, BertMaskedLM
 from tests.helpers import assert_close, backend, rng, to_numpy
@@ -141,10 +142,12 @@ def test_forward_shapes_and_dtypes():
 
 def test_family_contract():
     assert bert_module.FAMILY == "bert"
-    assert bert_module.BACKBONE is BertBackbone
-    assert bert_module.TASKS == {"backbone": None, "masked_lm": BertMaskedLM,
-                                 "classifier": BertClassifier}
-    assert bert_module.DEFAULT_TASK == "masked_lm"
+    bert = registry.family("bert")
+    assert bert.backbone is BertBackbone
+    assert dict(bert.tasks) == {"masked_lm": BertMaskedLM, "classifier": BertClassifier}
+    assert bert.task_names == ("backbone", "masked_lm", "classifier")
+    assert bert.task_class("backbone") is BertBackbone
+    assert bert.default_task == "masked_lm"
 
 
 def test_backbone_and_mlm_match_numpy_reference():

@@ -2,8 +2,14 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 import keras
 import numpy as np
@@ -77,11 +83,33 @@ def test_unknown_names_and_bad_overrides_are_explained():
         kzoo.presets.load(os.path.dirname(__file__))
 
 
-def test_presets_ship_inside_the_package():
-    from importlib import resources
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-    files = [p.name for p in resources.files("kzoo.presets").iterdir()]
-    assert "gpt2.json" in files
+
+def test_every_file_of_the_presets_directory_is_a_listed_preset():
+    names = kzoo.presets.list()
+    assert len(names) == 24 and sorted(REQUIRED) == names
+    files = sorted(p.name for p in (ROOT / "presets").iterdir())
+    assert files == [n + ".json" for n in names]
+    for name in names:  # each file parses to the preset of its name
+        assert json.loads((ROOT / "presets" / f"{name}.json").read_text())["name"] == name
+
+
+def test_presets_ship_inside_the_package():
+    # In this checkout the presets come from the top-level presets/ directory ...
+    assert pathlib.Path(str(kzoo.registry.preset_dir())) == ROOT / "presets"
+    assert kzoo.registry.preset_dir().joinpath("gpt2.json").is_file()
+    # ... which a wheel installs as the data package kzoo.preset_files, with every package of
+    # the source tree (the list in pyproject.toml is written out, so check it is complete).
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        setup = tomllib.load(f)["tool"]["setuptools"]
+    assert setup["package-dir"] == {"kzoo.preset_files": "presets"}
+    assert setup["package-data"] == {"kzoo.preset_files": ["*.json"]}
+    on_disk = sorted(
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("kzoo", "training") for init in (ROOT / top).rglob("__init__.py")
+    )
+    assert sorted(setup["packages"]) == sorted(on_disk + ["kzoo.preset_files"])
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -138,3 +166,181 @@ def test_keras_file_round_trip(tmp_path):
     loaded = keras.saving.load_model(path)
     np.testing.assert_allclose(to_numpy(loaded.predict(x, verbose=0)),
                                to_numpy(model.predict(x, verbose=0)), atol=1e-5)
+
+
+# -- damaged files, path traversal and old directories ------------------------------------------
+
+
+def _saved_gpt(directory):
+    model = kzoo.presets.load("gpt_mini", **SMALL["gpt_mini"])
+    kzoo.presets.save(model, directory)
+    return model
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"", "is empty"),
+    (b"  \n", "is empty"),
+    (b'{"family": "gpt", "config": {"num_la', "not valid JSON"),
+    (b"\x00\x01garbage", "not valid JSON"),
+    (b"[1, 2]", "must hold a JSON object"),
+    (b"\xff\xfe{}", "not UTF-8"),
+])
+def test_damaged_saved_config_names_the_file(tmp_path, content, problem):
+    _saved_gpt(tmp_path / "m")
+    (tmp_path / "m" / "kzoo_config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=problem) as err:
+        kzoo.presets.load(tmp_path / "m")
+    assert str(tmp_path / "m" / "kzoo_config.json") in str(err.value)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    ({"family": "gtp"}, "Unknown family='gtp'.*Known families"),
+    ({"task": "translation"}, "task='translation'"),
+    ({"config": [1, 2]}, "`config` must be a JSON object"),
+    ({"task_config": 3}, "`task_config` must be a JSON object"),
+    ({"config": {"num_layerz": 2}}, "num_layerz"),
+])
+def test_wrong_entries_of_a_saved_config_name_the_file(tmp_path, edit, problem):
+    _saved_gpt(tmp_path / "m")
+    path = tmp_path / "m" / "kzoo_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(ValueError, match=problem) as err:
+        kzoo.presets.load(tmp_path / "m")
+    assert str(path) in str(err.value)
+
+
+def test_missing_or_damaged_weights_file_names_the_file(tmp_path):
+    _saved_gpt(tmp_path / "m")
+    weights = tmp_path / "m" / "model.weights.h5"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot be read") as err:
+        kzoo.presets.load(tmp_path / "m")
+    assert str(weights) in str(err.value)
+    weights.unlink()
+    with pytest.raises(ValueError, match="is missing") as err:
+        kzoo.presets.load(tmp_path / "m")
+    assert str(weights) in str(err.value)
+    # Without weights the configuration alone still builds.
+    assert kzoo.presets.load(tmp_path / "m", weights=False).count_params() > 0
+
+
+@pytest.mark.parametrize("reference", [
+    "../model.weights.h5", "sub/../../model.weights.h5", "/etc/passwd", "", 3,
+])
+def test_saved_config_cannot_point_outside_its_directory(tmp_path, reference):
+    _saved_gpt(tmp_path / "m")
+    outside = tmp_path / "model.weights.h5"  # a real file one level up: must not be read
+    outside.write_bytes((tmp_path / "m" / "model.weights.h5").read_bytes())
+    path = tmp_path / "m" / "kzoo_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "weights": reference}))
+    with pytest.raises(ValueError, match="leaves its directory|non-empty file name"):
+        kzoo.presets.load(tmp_path / "m")
+
+
+def test_directory_saved_before_the_weights_entry_still_loads(tmp_path):
+    # kzoo_config.json as the code before the registry wrote it: no "weights" entry.
+    model = _saved_gpt(tmp_path / "m")
+    path = tmp_path / "m" / "kzoo_config.json"
+    meta = json.loads(path.read_text())
+    assert meta.pop("weights") == "model.weights.h5"
+    path.write_text(json.dumps(meta))
+    x = _inputs("gpt", model)
+    np.testing.assert_allclose(to_numpy(kzoo.presets.load(tmp_path / "m").predict(x, verbose=0)),
+                               to_numpy(model.predict(x, verbose=0)), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [
+    "../presets/gpt2", "presets/gpt2", "/etc/passwd", ".gpt2", "gpt2/..", "C:gpt2", "gpt2\\..\\x",
+])
+def test_preset_names_cannot_be_paths(name):
+    with pytest.raises(ValueError, match="must be a preset name") as err:
+        kzoo.presets.load(name)
+    assert "gpt2" in str(err.value)  # the known presets are listed
+    with pytest.raises(ValueError, match="must be a preset name"):
+        kzoo.presets.info(name)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"", "is empty"),
+    (b'{"name": "broken", "family": "gpt", "config": {', "not valid JSON"),
+    (b'{"name": "broken", "family": "gtp", "config": {}}', "family='gtp'"),
+    (b'{"name": "broken", "family": "gpt", "config": 7}', "`config` must be a JSON object"),
+    (b'{"name": "broken", "family": "gpt", "task": "x", "config": {}}', "task='x'"),
+])
+def test_damaged_preset_file_names_the_file(tmp_path, monkeypatch, content, problem):
+    (tmp_path / "broken.json").write_bytes(content)
+    monkeypatch.setattr(kzoo.registry, "preset_dir", lambda: tmp_path)
+    assert kzoo.presets.list() == ["broken"]
+    with pytest.raises(ValueError, match=problem) as err:
+        kzoo.presets.load("broken")
+    assert str(tmp_path / "broken.json") in str(err.value)
+
+
+def _hf_gpt(directory):
+    model = kzoo.presets.load("gpt_mini", **SMALL["gpt_mini"])
+    kzoo.presets.save(model, directory, format="hf")
+    return model
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"", "is empty"),
+    (b'{"model_type": "gpt2", "n_embd": 3', "not valid JSON"),
+    (b'{"model_type": 7}', "no string `model_type`"),
+])
+def test_damaged_hf_config_names_the_file(tmp_path, content, problem):
+    _hf_gpt(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=problem) as err:
+        kzoo.presets.load(tmp_path / "hf")
+    assert str(tmp_path / "hf" / "config.json") in str(err.value)
+
+
+def test_hf_checkpoint_weights_problems_name_the_file(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model = _hf_gpt(tmp_path / "hf")
+    single = tmp_path / "hf" / "model.safetensors"
+    state = load_file(single)
+    data = single.read_bytes()
+    single.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot be read") as err:
+        kzoo.presets.load(tmp_path / "hf")
+    assert str(single) in str(err.value)
+    single.unlink()
+    with pytest.raises(ValueError, match="No weights"):
+        kzoo.presets.load(tmp_path / "hf")
+
+    # A sharded checkpoint: two shards named by an index; it loads, then each damage is named.
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / "hf" / shard))
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+
+    def write_index(weight_map):
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    write_index({k: s for s, keys in shards.items() for k in keys})
+    x = _inputs("gpt", model)
+    np.testing.assert_allclose(
+        to_numpy(kzoo.presets.load(tmp_path / "hf").predict(x, verbose=0)),
+        to_numpy(model.predict(x, verbose=0)), atol=1e-5)
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "hf" / "a.safetensors").read_bytes())
+    for shard in ("../outside.safetensors", str(tmp_path / "outside.safetensors")):
+        write_index({k: shard if s == "a.safetensors" else s
+                     for s, keys in shards.items() for k in keys})
+        with pytest.raises(ValueError, match="leaves its directory"):
+            kzoo.presets.load(tmp_path / "hf")
+    write_index({k: s.replace("b.", "c.") for s, keys in shards.items() for k in keys})
+    with pytest.raises(ValueError, match="is missing") as err:
+        kzoo.presets.load(tmp_path / "hf")
+    assert str(tmp_path / "hf" / "c.safetensors") in str(err.value)
+    index.write_text('{"weight_map": {"wte.weight": "a.safe')
+    with pytest.raises(ValueError, match="not valid JSON") as err:
+        kzoo.presets.load(tmp_path / "hf")
+    assert str(index) in str(err.value)
+    write_index({})
+    with pytest.raises(ValueError, match="no `weight_map`"):
+        kzoo.presets.load(tmp_path / "hf")

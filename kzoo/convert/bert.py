@@ -19,10 +19,11 @@ import warnings
 
 import numpy as np
 
+from kzoo import registry
 from kzoo.convert import assign
 
 FAMILY = "bert"
-MODEL_TYPES = ("bert",)
+MODEL_TYPES = registry.family(FAMILY).model_types
 
 # Tensors of a checkpoint that kzoo does not need: the position-id buffer of old
 # checkpoints, the decoder tied to the word embeddings (checked against them when present)

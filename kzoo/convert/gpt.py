@@ -38,10 +38,11 @@ import warnings
 import keras
 import numpy as np
 
+from kzoo import registry
 from kzoo.convert import assign
 
 FAMILY = "gpt"
-MODEL_TYPES = ("gpt2", "llama", "mixtral")
+MODEL_TYPES = registry.family(FAMILY).model_types
 # Buffers that older checkpoints saved along with the weights (GPT-2's causal mask, LLaMA's
 # rotary frequencies).
 IGNORED_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

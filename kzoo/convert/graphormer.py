@@ -43,10 +43,11 @@ Example:
 import keras
 import numpy as np
 
+from kzoo import registry
 from kzoo.convert import assign
 
 FAMILY = "graphormer"
-MODEL_TYPES = ("graphormer",)
+MODEL_TYPES = registry.family(FAMILY).model_types
 
 ARCHITECTURES = {
     "GraphormerForGraphClassification": "predictor",

@@ -26,10 +26,11 @@ Example:
 import keras
 import numpy as np
 
+from kzoo import registry
 from kzoo.convert import assign
 
 FAMILY = "t5"
-MODEL_TYPES = ("t5",)
+MODEL_TYPES = registry.family(FAMILY).model_types
 
 ARCHITECTURES = {
     "T5ForConditionalGeneration": "seq2seq_lm",

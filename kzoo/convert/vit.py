@@ -27,10 +27,11 @@ Example:
 
 import numpy as np
 
+from kzoo import registry
 from kzoo.convert import assign
 
 FAMILY = "vit"
-MODEL_TYPES = ("vit",)
+MODEL_TYPES = registry.family(FAMILY).model_types
 # ViTModel's pooler (kzoo's backbone has none) and the unused mask token.
 IGNORED_WEIGHTS = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.mask_token")
 

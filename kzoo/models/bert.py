@@ -391,8 +391,3 @@ class BertClassifier(_BertTask):
 
     def _task_config(self):
         return {"num_classes": self.num_classes, "dropout": self.dropout}
-
-
-BACKBONE = BertBackbone
-TASKS = {"backbone": None, "masked_lm": BertMaskedLM, "classifier": BertClassifier}
-DEFAULT_TASK = "masked_lm"

@@ -717,15 +717,8 @@ class GPTCausalLM(TaskModel):
         return texts[0] if single else texts
 
 
-BACKBONE = GPTBackbone
-TASKS = {"backbone": None, "causal_lm": GPTCausalLM}
-DEFAULT_TASK = "causal_lm"
-
 __all__ = [
     "FAMILY",
-    "BACKBONE",
-    "TASKS",
-    "DEFAULT_TASK",
     "GPTBackbone",
     "GPTCausalLM",
     "gpt_initializer",

@@ -776,8 +776,3 @@ class GraphormerPredictor(TaskModel):
         return {
             "num_classes": self.num_classes,
         }
-
-
-BACKBONE = GraphormerBackbone
-TASKS = {"backbone": None, "predictor": GraphormerPredictor}
-DEFAULT_TASK = "predictor"

@@ -722,8 +722,3 @@ class T5Seq2SeqLM(TaskModel):
             [row.tolist() for row in out], skip_special_tokens=True
         )
         return texts[0] if strings == "single" else texts
-
-
-BACKBONE = T5Backbone
-TASKS = {"backbone": None, "seq2seq_lm": T5Seq2SeqLM}
-DEFAULT_TASK = "seq2seq_lm"

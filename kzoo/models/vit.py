@@ -557,8 +557,3 @@ class ViTClassifier(TaskModel):
             "pooling": self.pooling,
             "dropout": self.dropout,
         }
-
-
-BACKBONE = ViTBackbone
-TASKS = {"backbone": None, "classifier": ViTClassifier}
-DEFAULT_TASK = "classifier"

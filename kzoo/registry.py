@@ -1,0 +1,340 @@
+"""The one list of model families.
+
+Each family is registered once, in `_FAMILIES` below, as a `Family` record: its name, its
+backbone class (and through it the config class), its task model classes, the task a preset
+loads by default, the Hugging Face `model_type`s it reads and the module of its Hugging Face
+converter (`kzoo/convert/<family>.py`, imported on first use). Its presets are the JSON files in
+the top-level `presets/` directory whose `"family"` names it.
+
+`kzoo.presets` and `kzoo.convert` read this module and never each other.
+
+Example:
+>>> from kzoo import registry
+>>> gpt = registry.family("gpt")
+>>> gpt.task_names
+('backbone', 'causal_lm')
+>>> registry.for_model_type("llama").name
+'gpt'
+>>> model = gpt.build(registry.preset_spec("gpt_mini")["config"])   # default task: causal_lm
+>>> registry.for_model(model) is gpt
+True
+"""
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import pathlib
+from collections.abc import Mapping
+from importlib import resources
+from types import MappingProxyType
+
+from kzoo import checkpoints
+from kzoo.models import bert, gpt, graphormer, t5, vit
+
+BACKBONE_TASK = "backbone"  # the task name that builds the backbone alone
+_RESERVED = ("name", "trainable", "dtype")  # Keras' own entries of get_config()
+_PRESET_SUFFIX = ".json"
+
+
+def _unknown(kind, value, known, label="Known"):
+    close = difflib.get_close_matches(str(value), sorted(known), n=5, cutoff=0.4)
+    hint = f" Did you mean {close}?" if close else ""
+    return ValueError(f"Unknown {kind}={value!r}.{hint} {label}: {sorted(known)}.")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # one record a family: identity is equality
+class Family:
+    """One model family.
+
+    Attributes:
+        name: the family name used in preset files and saved directories.
+        backbone: the backbone class (a `keras.Model`; keyword arguments = config fields).
+        tasks: task name -> task model class (`Cls(backbone=..., **task_config)`); the task
+            "backbone" (the backbone alone) is always available besides these.
+        default_task: the task `build` makes when none is given.
+        model_types: the Hugging Face `model_type` values its converter reads.
+        converter: the module holding `config_from_hf`, `load_weights` and `to_hf`.
+    """
+
+    name: str
+    backbone: type
+    tasks: Mapping[str, type]
+    default_task: str
+    model_types: tuple = ()
+    converter: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tasks", MappingProxyType(dict(self.tasks)))
+        object.__setattr__(self, "model_types", tuple(self.model_types))
+        # The classes say which family and task they are; the table must agree with them.
+        if getattr(self.backbone, "family", None) != self.name:
+            raise ValueError(f"{self.backbone.__name__}.family must be {self.name!r}.")
+        for task, cls in self.tasks.items():
+            if (cls.family, cls.task_name) != (self.name, task):
+                raise ValueError(
+                    f"{cls.__name__} must have family={self.name!r} and task_name={task!r}."
+                )
+        if self.default_task not in self.task_names:
+            raise ValueError(f"default_task={self.default_task!r} is not a task of {self.name}.")
+
+    # -- tasks and configs --------------------------------------------------------------------
+
+    @property
+    def task_names(self):
+        """Every task this family builds, "backbone" first."""
+        return (BACKBONE_TASK, *self.tasks)
+
+    def task_class(self, task):
+        """The class `build(..., task=task)` makes (the backbone class for "backbone")."""
+        if task == BACKBONE_TASK:
+            return self.backbone
+        if task not in self.tasks:
+            raise ValueError(
+                f"`task` must be one of {sorted(self.task_names)} for family {self.name!r}; "
+                f"got task={task!r}."
+            )
+        return self.tasks[task]
+
+    @property
+    def config_class(self):
+        """The backbone's config dataclass, or None when the backbone declares none."""
+        return getattr(self.backbone, "config_class", None)
+
+    @property
+    def config_fields(self):
+        """Names of the backbone configuration (the dataclass fields, else the constructor's
+        keyword arguments)."""
+        if self.config_class is not None:
+            return tuple(f.name for f in dataclasses.fields(self.config_class))
+        return _keywords(self.backbone, exclude=("dtype",))
+
+    def task_fields(self, task):
+        """Names of the arguments of `task`'s model besides the backbone."""
+        if task == BACKBONE_TASK:
+            return ()
+        return _keywords(self.task_class(task), exclude=("backbone", "dtype"))
+
+    def split_overrides(self, task, overrides):
+        """(config overrides, task overrides) of `overrides`; unknown names raise ValueError."""
+        config_names, task_names = set(self.config_fields), set(self.task_fields(task))
+        config, task_config = {}, {}
+        for key, value in overrides.items():
+            if key in config_names:
+                config[key] = value
+            elif key in task_names:
+                task_config[key] = value
+            else:
+                allowed = sorted(config_names | task_names)
+                close = difflib.get_close_matches(key, allowed, n=3)
+                hint = f" Did you mean {close}?" if close else ""
+                raise ValueError(
+                    f"Unknown override {key}={value!r} for family {self.name!r}, task "
+                    f"{task!r}.{hint} Allowed: {allowed}."
+                )
+        return config, task_config
+
+    def build(self, config, task=None, task_config=None, dtype=None, source=None):
+        """A new model (no trained weights) of this family from a backbone `config` dict.
+
+        `source` (a file name) is named in the error when `config` has unknown fields.
+        """
+        task = self.default_task if task is None else task
+        task_cls = self.task_class(task)
+        unknown = sorted(set(config) - set(self.config_fields))
+        if unknown:
+            where = f" in {source!r}" if source else ""
+            raise ValueError(
+                f"Unknown {self.name} config field(s) {unknown}{where}. Allowed: "
+                f"{sorted(self.config_fields)}."
+            )
+        dtype_kwargs = {} if dtype is None else {"dtype": dtype}
+        backbone = self.backbone(**config, **dtype_kwargs)
+        if task == BACKBONE_TASK:
+            return backbone
+        return task_cls(backbone=backbone, **(task_config or {}), **dtype_kwargs)
+
+    def task_of(self, model):
+        """The task name of `model`, a backbone or task model of this family."""
+        if isinstance(model, self.backbone):
+            return BACKBONE_TASK
+        for task, cls in self.tasks.items():
+            if isinstance(model, cls):
+                return task
+        raise ValueError(f"`model` is not a {self.name} model; got {type(model).__name__}.")
+
+    def describe(self, model):
+        """(task, backbone config, task config) of `model`: what `build` needs to remake it."""
+        task = self.task_of(model)
+        backbone = model if task == BACKBONE_TASK else model.backbone
+        config = {k: v for k, v in backbone.get_config().items() if k not in _RESERVED}
+        task_config = {}
+        if task != BACKBONE_TASK:
+            task_config = {k: v for k, v in model.get_config().items()
+                           if k not in _RESERVED and k != "backbone"}
+        return task, config, task_config
+
+    @property
+    def presets(self):
+        """Names of the presets of this family."""
+        return tuple(n for n in preset_names() if preset_spec(n)["family"] == self.name)
+
+    # -- Hugging Face import / export ---------------------------------------------------------
+
+    def _converter_module(self):
+        if self.converter is None:
+            raise ValueError(
+                f"No Hugging Face converter for family={self.name!r}; families with one: "
+                f"{sorted(f.name for f in _FAMILIES if f.converter)}."
+            )
+        return importlib.import_module(self.converter)
+
+    def config_from_hf(self, hf_config, **kwargs):
+        """(family, backbone config, task, task config) for a Hugging Face config dict
+        (`kwargs` go to the converter's `config_from_hf`)."""
+        return self._converter_module().config_from_hf(hf_config, **kwargs)
+
+    def load_hf_weights(self, model, state, strict=True):
+        """Assign a Hugging Face state dict (name -> array) to `model`; with `strict`, a
+        missing or left-over tensor raises ValueError."""
+        module = self._converter_module()
+        reader = checkpoints.WeightReader(state, ignore=getattr(module, "IGNORED_WEIGHTS", ()))
+        module.load_weights(model, reader)
+        if strict:
+            reader.finish()
+
+    def to_hf(self, model):
+        """(Hugging Face config dict, state dict) of `model`."""
+        return self._converter_module().to_hf(model)
+
+
+def _keywords(cls, exclude):
+    params = inspect.signature(cls.__init__).parameters.values()
+    return tuple(p.name for p in params
+                 if p.name != "self" and p.name not in exclude
+                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+_FAMILIES = (
+    Family(
+        "bert", bert.BertBackbone,
+        tasks={"masked_lm": bert.BertMaskedLM, "classifier": bert.BertClassifier},
+        default_task="masked_lm", model_types=("bert",), converter="kzoo.convert.bert",
+    ),
+    Family(
+        "gpt", gpt.GPTBackbone,
+        tasks={"causal_lm": gpt.GPTCausalLM},
+        default_task="causal_lm",
+        # GPT-2, and the modern configuration (RMSNorm, RoPE, SwiGLU, GQA; Mixtral: with MoE).
+        model_types=("gpt2", "llama", "mixtral"), converter="kzoo.convert.gpt",
+    ),
+    Family(
+        "t5", t5.T5Backbone,
+        tasks={"seq2seq_lm": t5.T5Seq2SeqLM},
+        default_task="seq2seq_lm", model_types=("t5",), converter="kzoo.convert.t5",
+    ),
+    Family(
+        "vit", vit.ViTBackbone,
+        tasks={"classifier": vit.ViTClassifier},
+        default_task="classifier", model_types=("vit",), converter="kzoo.convert.vit",
+    ),
+    Family(
+        "graphormer", graphormer.GraphormerBackbone,
+        tasks={"predictor": graphormer.GraphormerPredictor},
+        default_task="predictor", model_types=("graphormer",),
+        converter="kzoo.convert.graphormer",
+    ),
+)
+_BY_NAME = {f.name: f for f in _FAMILIES}
+_BY_MODEL_TYPE = {t: f for f in _FAMILIES for t in f.model_types}
+assert len(_BY_NAME) == len(_FAMILIES), "two families share a name"
+assert len(_BY_MODEL_TYPE) == sum(len(f.model_types) for f in _FAMILIES), \
+    "two families read the same model_type"
+
+
+def families():
+    """Every registered `Family`, in registration order."""
+    return _FAMILIES
+
+
+def family(name):
+    """The `Family` called `name`; ValueError listing the known names otherwise."""
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise _unknown("family", name, _BY_NAME, "Known families")
+    return _BY_NAME[name]
+
+
+def for_model_type(model_type):
+    """The `Family` that reads Hugging Face checkpoints of `model_type`."""
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(
+            f"Unsupported Hugging Face model_type={model_type!r}. Supported: "
+            f"{sorted(_BY_MODEL_TYPE)}."
+        )
+    return _BY_MODEL_TYPE[model_type]
+
+
+def for_model(model):
+    """The `Family` of a kzoo backbone or task model."""
+    for fam in _FAMILIES:
+        if isinstance(model, (fam.backbone, *fam.tasks.values())):
+            return fam
+    raise ValueError(
+        f"`model` must be a backbone or task model of a kzoo family {sorted(_BY_NAME)}; got "
+        f"{type(model).__name__}."
+    )
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+
+def preset_dir():
+    """The directory of the preset JSON files: `kzoo/preset_files` in an installed package (the
+    wheel maps the top-level `presets/` there, see pyproject.toml), else the top-level `presets/`
+    of the source checkout that holds this `kzoo`."""
+    packaged = resources.files("kzoo").joinpath("preset_files")
+    if packaged.is_dir():
+        return packaged
+    return pathlib.Path(__file__).resolve().parent.parent / "presets"
+
+
+def preset_names():
+    """Sorted names of the presets that ship with kzoo."""
+    return sorted(p.name[: -len(_PRESET_SUFFIX)] for p in preset_dir().iterdir()
+                  if p.name.endswith(_PRESET_SUFFIX))
+
+
+def preset_spec(name):
+    """The JSON description of preset `name` (a new dict each call), checked: its family is
+    registered, `config` and `task_config` are objects and its task is one of the family's."""
+    if not isinstance(name, str) or any(c in name for c in "/\\:") or name.startswith("."):
+        raise ValueError(
+            f"`name` must be a preset name (no path separators or ':', not starting with '.'); got "
+            f"name={name!r}. Known presets: {preset_names()}."
+        )
+    names = preset_names()
+    if name not in names:
+        raise _unknown("preset name", name, names, "Known presets")
+    entry = preset_dir().joinpath(name + _PRESET_SUFFIX)
+    spec = checkpoints.parse_json(entry.read_bytes(), str(entry), "preset file")
+    check_spec(spec, f"the preset file {str(entry)!r}")
+    return spec
+
+
+def check_spec(spec, source):
+    """The `Family` of `spec`, a model description as preset files and saved directories hold
+    it (`family`, `task`, `config`, `task_config`), after checking it; errors name `source`."""
+    try:
+        fam = family(spec.get("family"))
+        fam.task_class(spec.get("task", fam.default_task))
+    except ValueError as e:
+        raise ValueError(f"In {source}: {e}") from None
+    for key in ("config", "task_config"):
+        value = spec.get(key, {} if key == "task_config" else None)
+        if not isinstance(value, dict):
+            raise ValueError(f"In {source}: `{key}` must be a JSON object; got {value!r}.")
+    return fam
+
+
+__all__ = ["Family", "BACKBONE_TASK", "families", "family", "for_model_type", "for_model",
+           "preset_dir", "preset_names", "preset_spec", "check_spec"]
