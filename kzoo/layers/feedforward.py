@@ -7,6 +7,7 @@ their activations up here so that "gelu" means the same function everywhere.
 import keras
 from keras import ops
 
+from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
@@ -86,12 +87,6 @@ def get_activation(name):
     return _ACTIVATIONS[name]
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
-
-
 def _ffn_config(layer):
     return {
         "intermediate_dim": layer.intermediate_dim,
@@ -125,7 +120,7 @@ class _FeedForwardBase(keras.layers.Layer):
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         get_activation(activation)
         self.activation = activation
-        self.use_bias = _check_bool("use_bias", use_bias)
+        self.use_bias = check_bool("use_bias", use_bias)
         self.dropout = check_rate("dropout", dropout)
         self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
         self.kernel_initializer = serialize_initializer(kernel_initializer)
@@ -215,7 +210,6 @@ class FeedForward(_FeedForwardBase):
         h = self._activation_fn(self.intermediate_dense(inputs))
         h = self.dropout_layer(h, training=training)
         return self.output_dense(h)
-
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
