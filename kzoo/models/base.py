@@ -192,8 +192,12 @@ class Backbone(FunctionalModel):
 
     config_class = None
 
-    def _store_config(self, config):
-        """Keep `config` as `self.config` and each of its fields as an attribute."""
+    def _store_config(self, config, dtype=None):
+        """Keep `config` as `self.config` and each of its fields as an attribute; with
+        `dtype`, make it the model's own dtype policy too (what `get_config` records, so
+        `from_config` rebuilds a mixed-precision backbone as one)."""
+        if dtype is not None:
+            self.dtype_policy = keras.dtype_policies.get(dtype)
         self.config = config
         for name in config.field_names():
             setattr(self, name, getattr(config, name))

@@ -413,7 +413,7 @@ class GPTBackbone(Backbone):
             **kwargs,
         )
 
-        self._store_config(config)
+        self._store_config(config, dtype)
 
     # === Cached decoding ===
 

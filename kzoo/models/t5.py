@@ -325,7 +325,7 @@ class T5Backbone(Backbone):
             **kwargs,
         )
 
-        self._store_config(config)
+        self._store_config(config, dtype)
         self._t5_initialize()
 
     def _t5_initialize(self):
