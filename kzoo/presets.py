@@ -224,7 +224,9 @@ def _load_hf(path, task=None, dtype=None, overrides=None):
     """The kzoo model of a Hugging Face checkpoint directory, with its weights (and tokenizer)."""
     hf_config = checkpoints.read_hf_config(path)
     family = registry.for_model_type(hf_config["model_type"])
-    _, config, hf_task, task_config = family.config_from_hf(hf_config)
+    _, config, hf_task, task_config = family.config_from_hf(
+        hf_config, source=os.path.join(path, "config.json")
+    )
     model = _build(family, config, hf_task, task_config, task=task, dtype=dtype,
                    overrides=overrides or {})
     # Another head than the checkpoint's: its head weights are left over, the new head's

@@ -21,6 +21,7 @@ import numpy as np
 
 from kzoo import registry
 from kzoo.convert import assign
+from kzoo.models.bert import BertConfig
 
 FAMILY = "bert"
 MODEL_TYPES = registry.family(FAMILY).model_types
@@ -105,12 +106,30 @@ def _num_labels(hf_config):
     return int(hf_config.get("num_labels", 2))
 
 
-def config_from_hf(hf_config):
+# kzoo field -> its config.json key (named in the errors of `BertConfig`).
+_HF_NAMES = {
+    "vocabulary_size": "vocab_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "hidden_dim": "hidden_size",
+    "intermediate_dim": "intermediate_size",
+    "max_sequence_length": "max_position_embeddings",
+    "num_segments": "type_vocab_size",
+    "dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "layer_norm_epsilon": "layer_norm_eps",
+    "activation": "hidden_act",
+    "initializer_range": "initializer_range",
+}
+
+
+def config_from_hf(hf_config, source="config.json"):
     """`(family, backbone_config, task, task_config)` for a Hugging Face BERT config dict.
 
     Raises `ValueError` naming any field kzoo cannot honour (a relative
     `position_embedding_type`, `is_decoder`, cross-attention, untied decoder, pruned heads,
-    an unknown `hidden_act` or architecture).
+    an unknown `hidden_act` or architecture); the kzoo fields are checked by `BertConfig`,
+    whose errors name the kzoo field, the config.json key and `source`.
     """
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -150,21 +169,13 @@ def config_from_hf(hf_config):
             f"{sorted(ARCHITECTURES)}."
         )
     task = ARCHITECTURES[arch]
-    hidden_dropout = float(_get(hf_config, "hidden_dropout_prob"))
     config = {
-        "vocabulary_size": int(_get(hf_config, "vocab_size")),
-        "num_layers": int(_get(hf_config, "num_hidden_layers")),
-        "num_heads": int(_get(hf_config, "num_attention_heads")),
-        "hidden_dim": int(_get(hf_config, "hidden_size")),
-        "intermediate_dim": int(_get(hf_config, "intermediate_size")),
-        "max_sequence_length": int(_get(hf_config, "max_position_embeddings")),
-        "num_segments": int(_get(hf_config, "type_vocab_size")),
-        "dropout": hidden_dropout,
-        "attention_dropout": float(_get(hf_config, "attention_probs_dropout_prob")),
-        "layer_norm_epsilon": float(_get(hf_config, "layer_norm_eps")),
-        "activation": HF_ACTIVATIONS[act],
-        "initializer_range": float(_get(hf_config, "initializer_range")),
+        kzoo: _get(hf_config, hf) for kzoo, hf in _HF_NAMES.items() if kzoo != "activation"
     }
+    config["activation"] = HF_ACTIVATIONS[act]
+    checked = BertConfig.from_dict(config, source=source, names=_HF_NAMES)
+    config = {key: getattr(checked, key) for key in config}
+    hidden_dropout = config["dropout"]
     task_config = {}
     if task == "classifier":
         classifier_dropout = hf_config.get("classifier_dropout")

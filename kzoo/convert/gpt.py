@@ -40,6 +40,7 @@ import numpy as np
 
 from kzoo import registry
 from kzoo.convert import assign
+from kzoo.models.gpt import GPTConfig
 
 FAMILY = "gpt"
 MODEL_TYPES = registry.family(FAMILY).model_types
@@ -105,14 +106,40 @@ _DEFAULTS = dict(
 )
 
 
-def config_from_hf(hf_config):
+# kzoo field -> its GPT-2 config.json key (named in the errors of `GPTConfig`).
+_HF_NAMES = dict(
+    vocabulary_size="vocab_size", num_layers="n_layer", num_heads="n_head",
+    hidden_dim="n_embd", intermediate_dim="n_inner", max_sequence_length="n_positions",
+    dropout="resid_pdrop", layer_norm_epsilon="layer_norm_epsilon",
+    activation="activation_function", tie_embeddings="tie_word_embeddings",
+    initializer_range="initializer_range",
+)
+
+
+def _times(factor, value):
+    """`factor * value` for a number, else `value` itself (left for `GPTConfig` to reject)."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return factor * value if is_number else value
+
+
+def _validated(config, source, names):
+    """`config` checked by `GPTConfig` (errors name the config.json key and `source`),
+    with each value as `GPTConfig` normalises it."""
+    checked = GPTConfig.from_dict(config, source=source, names=names)
+    return {key: getattr(checked, key) for key in config}
+
+
+def config_from_hf(hf_config, source="config.json"):
     """`(family, backbone_config, task, task_config)` for a GPT-2 `config.json` dict.
+
+    The kzoo fields are checked by `GPTConfig`: a bad value raises a `ValueError` naming
+    the kzoo field, the config.json key and `source` (the file it came from).
 
     Example:
     >>> config_from_hf({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2})
     """
     if hf_config.get("model_type") in MODERN_ARCHITECTURES:
-        return _modern_config_from_hf(hf_config)
+        return _modern_config_from_hf(hf_config, source)
     cfg = {**_DEFAULTS, **hf_config}
     if hf_config.get("model_type") not in MODEL_TYPES:
         raise ValueError(
@@ -140,10 +167,6 @@ def config_from_hf(hf_config):
             f"GPT-2 config field `activation_function`={act!r} is not supported; kzoo reads "
             f"{sorted(_ACTIVATIONS)}."
         )
-    if cfg["n_embd"] % cfg["n_head"]:
-        raise ValueError(
-            f"GPT-2 config: `n_head`={cfg['n_head']} must divide `n_embd`={cfg['n_embd']}."
-        )
     if cfg.get("n_ctx") is not None and cfg["n_ctx"] != cfg["n_positions"]:
         warnings.warn(
             f"GPT-2 config: n_ctx={cfg['n_ctx']} differs from n_positions="
@@ -158,24 +181,25 @@ def config_from_hf(hf_config):
             stacklevel=2,
         )
     config = dict(
-        vocabulary_size=int(cfg["vocab_size"]),
-        num_layers=int(cfg["n_layer"]),
-        num_heads=int(cfg["n_head"]),
-        hidden_dim=int(cfg["n_embd"]),
-        intermediate_dim=int(cfg["n_inner"] or 4 * cfg["n_embd"]),
-        max_sequence_length=int(cfg["n_positions"]),
-        dropout=float(cfg["resid_pdrop"]),
-        layer_norm_epsilon=float(cfg["layer_norm_epsilon"]),
+        vocabulary_size=cfg["vocab_size"],
+        num_layers=cfg["n_layer"],
+        num_heads=cfg["n_head"],
+        hidden_dim=cfg["n_embd"],
+        intermediate_dim=cfg["n_inner"] or _times(4, cfg["n_embd"]),
+        max_sequence_length=cfg["n_positions"],
+        dropout=cfg["resid_pdrop"],
+        layer_norm_epsilon=cfg["layer_norm_epsilon"],
         activation=_ACTIVATIONS[act],
         norm="layernorm",
         position="learned",
         feedforward="plain",
         use_bias=True,
-        tie_embeddings=bool(cfg["tie_word_embeddings"]),
+        tie_embeddings=cfg["tie_word_embeddings"],
         attention_scale=None if cfg["scale_attn_weights"] else 1.0,
-        initializer_range=float(cfg["initializer_range"]),
+        initializer_range=cfg["initializer_range"],
     )
-    return FAMILY, config, ARCHITECTURES[arch], {}
+    names = _HF_NAMES if cfg["n_inner"] else {**_HF_NAMES, "intermediate_dim": "n_embd"}
+    return FAMILY, _validated(config, source, names), ARCHITECTURES[arch], {}
 
 
 # LlamaConfig / MixtralConfig defaults.
@@ -198,7 +222,20 @@ _MODERN_DEFAULTS = {
 }
 
 
-def _modern_config_from_hf(hf_config):
+# kzoo field -> its LLaMA / Mixtral config.json key.
+_MODERN_HF_NAMES = dict(
+    vocabulary_size="vocab_size", num_layers="num_hidden_layers",
+    num_heads="num_attention_heads", hidden_dim="hidden_size",
+    intermediate_dim="intermediate_size", max_sequence_length="max_position_embeddings",
+    dropout="attention_dropout", layer_norm_epsilon="rms_norm_eps",
+    activation="hidden_act", num_kv_heads="num_key_value_heads",
+    rope_max_wavelength="rope_theta", tie_embeddings="tie_word_embeddings",
+    initializer_range="initializer_range", num_experts="num_local_experts",
+    top_k="num_experts_per_tok",
+)
+
+
+def _modern_config_from_hf(hf_config, source):
     model_type = hf_config["model_type"]
     cfg = {**_MODERN_DEFAULTS[model_type], **hf_config}
     archs = MODERN_ARCHITECTURES[model_type]
@@ -207,17 +244,6 @@ def _modern_config_from_hf(hf_config):
         raise ValueError(
             f"Unsupported {model_type} architecture {arch!r} (config field `architectures`); "
             f"kzoo reads {sorted(archs)}."
-        )
-    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
-    if hidden % heads:
-        raise ValueError(
-            f"{model_type} config: `num_attention_heads`={heads} must divide "
-            f"`hidden_size`={hidden}."
-        )
-    if cfg.get("head_dim") not in (None, hidden // heads):
-        raise ValueError(
-            f"{model_type} config field `head_dim`={cfg['head_dim']} is not supported: kzoo "
-            f"needs head_dim = hidden_size / num_attention_heads = {hidden // heads}."
         )
     if cfg.get("rope_scaling") is not None:
         raise ValueError(
@@ -241,35 +267,48 @@ def _modern_config_from_hf(hf_config):
             f"{model_type} config: pretraining_tp={cfg['pretraining_tp']} only splits the "
             "matrix products; the result is the same.", stacklevel=2,
         )
-    window = cfg.get("sliding_window")
-    if window is not None and window < cfg["max_position_embeddings"]:
+    window, positions = cfg.get("sliding_window"), cfg["max_position_embeddings"]
+    if window is not None and not (
+        isinstance(window, (int, float)) and isinstance(positions, (int, float))
+        and window >= positions
+    ):
         raise ValueError(
             f"{model_type} config field `sliding_window`={window} is not supported (only None "
             f"or >= max_position_embeddings={cfg['max_position_embeddings']})."
         )
+    heads = cfg["num_attention_heads"]
     config = dict(
-        vocabulary_size=int(cfg["vocab_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        vocabulary_size=cfg["vocab_size"],
+        num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
-        hidden_dim=hidden,
-        intermediate_dim=int(cfg["intermediate_size"]),
-        max_sequence_length=int(cfg["max_position_embeddings"]),
-        dropout=float(cfg.get("attention_dropout") or 0.0),
-        layer_norm_epsilon=float(cfg["rms_norm_eps"]),
+        hidden_dim=cfg["hidden_size"],
+        intermediate_dim=cfg["intermediate_size"],
+        max_sequence_length=cfg["max_position_embeddings"],
+        dropout=cfg.get("attention_dropout") or 0.0,
+        layer_norm_epsilon=cfg["rms_norm_eps"],
         activation=_ACTIVATIONS[act],
         norm="rmsnorm",
         position="rotary",
         feedforward="moe" if model_type == "mixtral" else "gated",
-        num_kv_heads=int(cfg["num_key_value_heads"] or heads),
+        num_kv_heads=cfg["num_key_value_heads"] or heads,
         use_bias=bias,
-        rope_max_wavelength=float(cfg["rope_theta"]),
-        tie_embeddings=bool(cfg["tie_word_embeddings"]),
-        initializer_range=float(cfg["initializer_range"]),
+        rope_max_wavelength=cfg["rope_theta"],
+        tie_embeddings=cfg["tie_word_embeddings"],
+        initializer_range=cfg["initializer_range"],
     )
     if model_type == "mixtral":
-        config.update(num_experts=int(cfg["num_local_experts"]),
-                      top_k=int(cfg["num_experts_per_tok"]), capacity_factor=None,
-                      expert_type="gated")
+        config.update(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                      capacity_factor=None, expert_type="gated")
+    names = dict(_MODERN_HF_NAMES)
+    if not cfg["num_key_value_heads"]:
+        names["num_kv_heads"] = "num_attention_heads"
+    config = _validated(config, source, names)
+    head_dim = config["hidden_dim"] // config["num_heads"]
+    if cfg.get("head_dim") not in (None, head_dim):
+        raise ValueError(
+            f"{model_type} config field `head_dim`={cfg['head_dim']} is not supported: kzoo "
+            f"needs head_dim = hidden_size / num_attention_heads = {head_dim}."
+        )
     return FAMILY, config, archs[arch], {}
 
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from kzoo import registry
 from kzoo.convert import assign
+from kzoo.models.graphormer import GraphormerConfig
 
 FAMILY = "graphormer"
 MODEL_TYPES = registry.family(FAMILY).model_types
@@ -85,9 +86,40 @@ def _unsupported(field, value, why):
     raise ValueError(f"Unsupported Graphormer config field {field}={value!r}: {why}")
 
 
-def config_from_hf(hf):
+# kzoo field -> its config.json key (named in the errors of `GraphormerConfig`).
+_HF_NAMES = {
+    "num_atoms": "num_atoms",
+    "num_in_degree": "num_in_degree",
+    "num_out_degree": "num_out_degree",
+    "num_edges": "num_edges",
+    "num_spatial": "num_spatial",
+    "num_edge_dis": "num_edge_dis",
+    "edge_type": "edge_type",
+    "multi_hop_max_dist": "multi_hop_max_dist",
+    "num_layers": "num_hidden_layers",
+    "hidden_dim": "embedding_dim",
+    "intermediate_dim": "ffn_embedding_dim",
+    "num_heads": "num_attention_heads",
+    "dropout": "dropout",
+    "attention_dropout": "attention_dropout",
+    "activation_dropout": "activation_dropout",
+    "activation": "activation_fn",
+    "pre_layernorm": "pre_layernorm",
+    "encoder_normalize_before": "encoder_normalize_before",
+    "embed_scale": "embed_scale",
+    "apply_graphormer_init": "apply_graphormer_init",
+    "use_attention_bias": "bias",
+    "num_frozen_layers": "num_trans_layers_to_freeze",
+}
+
+
+def config_from_hf(hf, source="config.json"):
     """(family, backbone config, task, task config) of a Hugging Face Graphormer
-    `config.json` (a dict)."""
+    `config.json` (a dict).
+
+    The kzoo fields are checked by `GraphormerConfig`: a bad value raises a `ValueError`
+    naming the kzoo field, the config.json key and `source` (the file it came from).
+    """
     if hf.get("model_type") not in MODEL_TYPES:
         raise ValueError(
             f"config_from_hf for Graphormer needs model_type in {list(MODEL_TYPES)}; got "
@@ -138,23 +170,27 @@ def config_from_hf(hf):
         "edge_type": "multi_hop" if hf.get("edge_type", "multi_hop") == "multi_hop"
         else "single_hop",
         # transformers cuts hops only when multi_hop_max_dist > 0.
-        "multi_hop_max_dist": max(int(multi_hop), 0),
+        "multi_hop_max_dist": max(multi_hop, 0) if isinstance(multi_hop, int) else multi_hop,
         "num_layers": hf.get("num_hidden_layers", 12),
         "hidden_dim": hidden,
         "intermediate_dim": hf.get("ffn_embedding_dim", 768),
         "num_heads": hf.get("num_attention_heads", 32),
-        "dropout": float(hf.get("dropout", 0.1)),
-        "attention_dropout": float(hf.get("attention_dropout", 0.1)),
-        "activation_dropout": float(hf.get("activation_dropout", 0.1)),
+        "dropout": hf.get("dropout", 0.1),
+        "attention_dropout": hf.get("attention_dropout", 0.1),
+        "activation_dropout": hf.get("activation_dropout", 0.1),
         "activation": _ACTIVATIONS[activation],
-        "pre_layernorm": bool(hf.get("pre_layernorm", False)),
+        "pre_layernorm": hf.get("pre_layernorm", False),
         "layer_norm_epsilon": HF_LAYER_NORM_EPSILON,
-        "encoder_normalize_before": bool(hf.get("encoder_normalize_before", False)),
-        "embed_scale": None if embed_scale is None else float(embed_scale),
-        "apply_graphormer_init": bool(hf.get("apply_graphormer_init", False)),
-        "use_attention_bias": bool(hf.get("bias", True)),
-        "num_frozen_layers": int(hf.get("num_trans_layers_to_freeze", 0)),
+        "encoder_normalize_before": hf.get("encoder_normalize_before", False),
+        "embed_scale": embed_scale,
+        "apply_graphormer_init": hf.get("apply_graphormer_init", False),
+        "use_attention_bias": hf.get("bias", True),
+        "num_frozen_layers": hf.get("num_trans_layers_to_freeze", 0),
     }
+    names = _HF_NAMES if "embedding_dim" in hf or "hidden_size" not in hf else {
+        **_HF_NAMES, "hidden_dim": "hidden_size"}
+    checked = GraphormerConfig.from_dict(config, source=source, names=names)
+    config = {key: getattr(checked, key) for key in config}
     task = ARCHITECTURES[architecture]
     task_config = {"num_classes": hf.get("num_classes", 1)} if task == "predictor" else {}
     return FAMILY, config, task, task_config

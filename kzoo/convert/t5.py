@@ -28,6 +28,7 @@ import numpy as np
 
 from kzoo import registry
 from kzoo.convert import assign
+from kzoo.models.t5 import T5Config
 
 FAMILY = "t5"
 MODEL_TYPES = registry.family(FAMILY).model_types
@@ -91,8 +92,30 @@ def _feedforward(hf):
     return _FEEDFORWARD_FROM_HF[key]
 
 
-def config_from_hf(hf):
-    """(family, backbone config, task, task config) of a Hugging Face T5 `config.json`."""
+# kzoo field -> its config.json key (named in the errors of `T5Config`).
+_HF_NAMES = {
+    "vocabulary_size": "vocab_size",
+    "num_layers": "num_layers",
+    "num_decoder_layers": "num_decoder_layers",
+    "num_heads": "num_heads",
+    "hidden_dim": "d_model",
+    "key_value_dim": "d_kv",
+    "intermediate_dim": "d_ff",
+    "dropout": "dropout_rate",
+    "layer_norm_epsilon": "layer_norm_epsilon",
+    "feedforward": "feed_forward_proj",
+    "relative_attention_num_buckets": "relative_attention_num_buckets",
+    "relative_attention_max_distance": "relative_attention_max_distance",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def config_from_hf(hf, source="config.json"):
+    """(family, backbone config, task, task config) of a Hugging Face T5 `config.json`.
+
+    The kzoo fields are checked by `T5Config`: a bad value raises a `ValueError` naming the
+    kzoo field, the config.json key and `source` (the file it came from).
+    """
     if hf.get("model_type") not in MODEL_TYPES:
         raise ValueError(
             f"config_from_hf for T5 needs model_type in {list(MODEL_TYPES)}; got "
@@ -124,13 +147,17 @@ def config_from_hf(hf):
         "hidden_dim": hf.get("d_model", 512),
         "key_value_dim": hf.get("d_kv", 64),
         "intermediate_dim": hf.get("d_ff", 2048),
-        "dropout": float(hf.get("dropout_rate", 0.1)),
-        "layer_norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-6)),
+        "dropout": hf.get("dropout_rate", 0.1),
+        "layer_norm_epsilon": hf.get("layer_norm_epsilon", 1e-6),
         "feedforward": _feedforward(hf),
         "relative_attention_num_buckets": hf.get("relative_attention_num_buckets", 32),
         "relative_attention_max_distance": hf.get("relative_attention_max_distance", 128),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "tie_embeddings": hf.get("tie_word_embeddings", True),
     }
+    names = _HF_NAMES if num_decoder_layers is not None else {
+        **_HF_NAMES, "num_decoder_layers": "num_layers"}
+    checked = T5Config.from_dict(config, source=source, names=names)
+    config = {key: getattr(checked, key) for key in config}
     return FAMILY, config, ARCHITECTURES[architecture], {}
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from kzoo import registry
 from kzoo.convert import assign
+from kzoo.models.vit import ViTConfig
 
 FAMILY = "vit"
 MODEL_TYPES = registry.family(FAMILY).model_types
@@ -71,8 +72,29 @@ def _size(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def config_from_hf(hf_config):
-    """`(family, backbone_config, task, task_config)` for a ViT `config.json` dict."""
+# kzoo field -> its config.json key (named in the errors of `ViTConfig`).
+_HF_NAMES = {
+    "image_size": "image_size",
+    "patch_size": "patch_size",
+    "num_channels": "num_channels",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "hidden_dim": "hidden_size",
+    "intermediate_dim": "intermediate_size",
+    "dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "layer_norm_epsilon": "layer_norm_eps",
+    "activation": "hidden_act",
+    "qkv_bias": "qkv_bias",
+}
+
+
+def config_from_hf(hf_config, source="config.json"):
+    """`(family, backbone_config, task, task_config)` for a ViT `config.json` dict.
+
+    The kzoo fields are checked by `ViTConfig`: a bad value raises a `ValueError` naming
+    the kzoo field, the config.json key and `source` (the file it came from).
+    """
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"`model_type` must be one of {list(MODEL_TYPES)}; got {model_type!r}.")
@@ -102,13 +124,15 @@ def config_from_hf(hf_config):
         "num_heads": hf_config.get("num_attention_heads", 12),
         "hidden_dim": hf_config.get("hidden_size", 768),
         "intermediate_dim": hf_config.get("intermediate_size", 3072),
-        "dropout": float(hf_config.get("hidden_dropout_prob", 0.0)),
-        "attention_dropout": float(hf_config.get("attention_probs_dropout_prob", 0.0)),
-        "layer_norm_epsilon": float(hf_config.get("layer_norm_eps", 1e-12)),
+        "dropout": hf_config.get("hidden_dropout_prob", 0.0),
+        "attention_dropout": hf_config.get("attention_probs_dropout_prob", 0.0),
+        "layer_norm_epsilon": hf_config.get("layer_norm_eps", 1e-12),
         "activation": _ACTIVATIONS[act],
         "use_class_token": True,
-        "qkv_bias": bool(hf_config.get("qkv_bias", True)),
+        "qkv_bias": hf_config.get("qkv_bias", True),
     }
+    checked = ViTConfig.from_dict(config, source=source, names=_HF_NAMES)
+    config = {key: getattr(checked, key) for key in config}
     # `encoder_stride` only shapes ViTForMaskedImageModeling's decoder: ignored here.
     task_config = {}
     if task == "classifier":

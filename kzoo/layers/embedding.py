@@ -3,15 +3,10 @@
 import keras
 from keras import ops
 
+from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import serialize_initializer
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
 
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -78,7 +73,7 @@ class TokenEmbedding(keras.layers.Layer):
         super().__init__(**kwargs)
         self.vocabulary_size = check_positive_int("vocabulary_size", vocabulary_size)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
-        self.tie_weights = _check_bool("tie_weights", tie_weights)
+        self.tie_weights = check_bool("tie_weights", tie_weights)
         self.embeddings_initializer = serialize_initializer(embeddings_initializer)
         if logit_soft_cap is not None:
             logit_soft_cap = check_positive_float("logit_soft_cap", logit_soft_cap)
@@ -224,7 +219,7 @@ class PatchEmbedding(keras.layers.Layer):
         self.patch_size = patch_size if isinstance(patch_size, int) else list(patch_size)
         self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
         self.num_channels = check_positive_int("num_channels", num_channels, allow_none=True)
-        self.use_bias = _check_bool("use_bias", use_bias)
+        self.use_bias = check_bool("use_bias", use_bias)
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self.bias_initializer = serialize_initializer(bias_initializer)
 

@@ -222,7 +222,6 @@ class FeedForward(_FeedForwardBase):
         return self.output_dense(h)
 
 
-
 @keras.saving.register_keras_serializable(package="kzoo")
 class GatedFeedForward(_FeedForwardBase):
     """Gated linear unit feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer").

@@ -46,6 +46,7 @@ import keras
 from keras import ops
 
 from kzoo.layers.feedforward import get_activation
+from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
@@ -72,15 +73,6 @@ def _concrete_int(value):
         return int(value)
     except Exception:  # tracers and graph tensors refuse conversion to a Python int
         return None
-
-
-def _check_bool(name, value, allow_none=False):
-    if value is None and allow_none:
-        return value
-    if not isinstance(value, bool):
-        allowed = "True, False or None" if allow_none else "True or False"
-        raise ValueError(f"`{name}` must be {allowed}; got {name}={value!r}.")
-    return value
 
 
 def _check_non_negative_float(name, value):
@@ -297,11 +289,11 @@ class MixtureOfExperts(keras.layers.Layer):
         if activation is not None:
             get_activation(activation)
         self.activation = activation
-        self.use_bias = _check_bool("use_bias", use_bias, allow_none=True)
+        self.use_bias = check_bool("use_bias", use_bias, allow_none=True)
         if capacity_factor is not None:
             capacity_factor = check_positive_float("capacity_factor", capacity_factor)
         self.capacity_factor = capacity_factor
-        self.normalize_top_k = _check_bool("normalize_top_k", normalize_top_k)
+        self.normalize_top_k = check_bool("normalize_top_k", normalize_top_k)
         self.load_balance_loss_weight = _check_non_negative_float(
             "load_balance_loss_weight", load_balance_loss_weight
         )

@@ -19,18 +19,13 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rank
 from kzoo.layers.utils import serialize_initializer
 
 # === Helpers ===
-
-
-def _check_bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be a bool (True or False); got {name}={value!r}.")
-    return bool(value)
 
 
 def _check_start_index(start_index):
@@ -320,7 +315,7 @@ class RotaryEmbedding(keras.layers.Layer):
         super().__init__(**kwargs)
         check_positive_float("max_wavelength", max_wavelength)
         check_positive_float("scaling_factor", scaling_factor)
-        _check_bool("interleaved", interleaved)
+        check_bool("interleaved", interleaved)
         self.max_wavelength = max_wavelength
         self.scaling_factor = scaling_factor
         self.interleaved = interleaved
@@ -445,7 +440,7 @@ class ALiBiBias(keras.layers.Layer):
     def __init__(self, num_heads, bidirectional=False, **kwargs):
         super().__init__(**kwargs)
         check_positive_int("num_heads", num_heads)
-        _check_bool("bidirectional", bidirectional)
+        check_bool("bidirectional", bidirectional)
         self.num_heads = num_heads
         self.bidirectional = bidirectional
 
@@ -479,7 +474,7 @@ class ALiBiBias(keras.layers.Layer):
 
 
 def _check_bucket_args(bidirectional, num_buckets, max_distance):
-    _check_bool("bidirectional", bidirectional)
+    check_bool("bidirectional", bidirectional)
     minimum = 4 if bidirectional else 2
     if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < minimum:
         raise ValueError(

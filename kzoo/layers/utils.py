@@ -4,6 +4,7 @@ These are the one set of validators every layer, family config and task uses: ea
 `ValueError` that names the argument, its value and what is allowed.
 """
 
+import math
 import numbers
 
 import keras
@@ -11,65 +12,156 @@ import numpy as np
 from keras import ops
 
 
+class FieldError(ValueError):
+    """The `ValueError` every validator here raises: one argument or config field is bad.
+
+    `field` names it (None when the message is about no single field), so that a caller
+    that knows the field under another name (a Hugging Face `config.json` key) can say so.
+    """
+
+    def __init__(self, message, field=None):
+        super().__init__(message)
+        self.field = field
+
+
 def _is_int(value):
     """True for Python and NumPy integers, never for bools."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def _is_real(value):
+    """True for Python and NumPy real numbers, never for bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def check_bool(name, value, allow_none=False):
-    """Raise `ValueError` unless `value` is True or False (or None when allowed)."""
+    """Raise unless `value` is True or False (or None when allowed); NumPy bools become bools."""
     if value is None and allow_none:
         return value
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
+    if not isinstance(value, (bool, np.bool_)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise FieldError(f"`{name}` must be {allowed}; got {name}={value!r}.", name)
+    return bool(value)
 
 
 def check_positive_int(name, value, allow_none=False):
-    """Raise `ValueError` unless `value` is a positive integer (or None when allowed).
+    """Raise unless `value` is a positive integer (or None when allowed).
 
     NumPy integers are accepted and returned as Python ints.
     """
     if value is None and allow_none:
         return value
     if not _is_int(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer; got {name}={value!r}.")
+        allowed = "a positive integer or None" if allow_none else "a positive integer"
+        raise FieldError(f"`{name}` must be {allowed}; got {name}={value!r}.", name)
     return int(value)
 
 
 def check_non_negative_int(name, value):
     if not _is_int(value) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative integer; got {name}={value!r}.")
+        raise FieldError(
+            f"`{name}` must be a non-negative integer; got {name}={value!r}.", name
+        )
     return int(value)
 
 
-def check_rate(name, value):
-    """A probability in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"`{name}` must be a float in [0, 1); got {name}={value!r}.")
+def check_int_at_least(name, value, minimum, why=""):
+    """Raise unless `value` is an integer >= `minimum` (`why` explains the bound)."""
+    if not _is_int(value) or value < minimum:
+        raise FieldError(
+            f"`{name}` must be an integer >= {minimum}{why}; got {name}={value!r}.", name
+        )
+    return int(value)
+
+
+def check_rate(name, value, allow_none=False):
+    """A probability in [0, 1) (or None when allowed), returned as a float."""
+    if value is None and allow_none:
+        return value
+    if not _is_real(value) or not 0.0 <= value < 1.0:
+        allowed = "a float in [0, 1) or None" if allow_none else "a float in [0, 1)"
+        raise FieldError(f"`{name}` must be {allowed}; got {name}={value!r}.", name)
     return float(value)
 
 
-def check_positive_float(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` must be a positive number; got {name}={value!r}.")
+def check_positive_float(name, value, allow_none=False):
+    """A finite number > 0 (or None when allowed), returned as a float."""
+    if value is None and allow_none:
+        return value
+    if not _is_real(value) or not 0 < value < math.inf:
+        allowed = "a positive number or None" if allow_none else "a positive number"
+        raise FieldError(f"`{name}` must be {allowed}; got {name}={value!r}.", name)
+    return float(value)
+
+
+def check_number(name, value, allow_none=False):
+    """A finite real number (or None when allowed), returned as a float."""
+    if value is None and allow_none:
+        return value
+    if not _is_real(value) or not math.isfinite(value):
+        allowed = "a finite number or None" if allow_none else "a finite number"
+        raise FieldError(f"`{name}` must be {allowed}; got {name}={value!r}.", name)
     return float(value)
 
 
 def check_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(
-            f"`{name}` must be one of {sorted(allowed)}; got {name}={value!r}."
+    try:
+        ok = value in allowed
+    except TypeError:  # e.g. an unhashable value against a set or dict
+        ok = False
+    if not ok:
+        raise FieldError(
+            f"`{name}` must be one of {sorted(allowed)}; got {name}={value!r}.", name
         )
     return value
 
 
-def check_divides(name, value, other_name, other):
-    """Raise unless `value` divides `other` exactly."""
-    if other % value != 0:
-        raise ValueError(
-            f"`{name}`={value} must divide `{other_name}`={other} exactly."
+def check_int_pair(name, value):
+    """A positive int or a pair `(height, width)` of positive ints -> the pair, a tuple."""
+    pair = tuple(value) if isinstance(value, (list, tuple)) else (value, value)
+    if len(pair) != 2 or not all(_is_int(v) and v > 0 for v in pair):
+        raise FieldError(
+            f"`{name}` must be a positive int or a pair (height, width) of positive ints; "
+            f"got {name}={value!r}.",
+            name,
         )
+    return tuple(int(v) for v in pair)
+
+
+def check_int_or_pair(name, value):
+    """A positive int (returned as an int) or a pair of positive ints (returned as a tuple)."""
+    pair = check_int_pair(name, value)
+    return pair if isinstance(value, (list, tuple)) else pair[0]
+
+
+def check_divides(name, value, other_name, other):
+    """Raise unless `value` (the field `name`) divides `other` (the field `other_name`)."""
+    if other % value != 0:
+        raise FieldError(
+            f"`{name}` must divide {other_name}={other}; got {name}={value} "
+            f"({other_name} % {name} = {other % value}).",
+            name,
+        )
+    return value
+
+
+def check_at_most(name, value, other_name, other):
+    """Raise unless `value` (the field `name`) is at most `other` (the field `other_name`)."""
+    if value > other:
+        raise FieldError(
+            f"`{name}` must be at most {other_name}={other}; got {name}={value}.", name
+        )
+    return value
+
+
+def check_instance(name, value, cls):
+    """Raise unless `value` is an instance of `cls` (e.g. the backbone of a task model)."""
+    if not isinstance(value, cls):
+        raise FieldError(
+            f"`{name}` must be a {cls.__name__}; got {name} of type {type(value).__name__}.",
+            name,
+        )
+    return value
 
 
 def check_rank(name, tensor, ranks):

@@ -1,16 +1,132 @@
-"""Base classes shared by every family: functional backbones and the task models on them.
+"""Base classes shared by every family: configs, functional backbones and task models.
 
-`FunctionalModel` is a functional `keras.Model` whose subclasses may create their layers as
-attributes before `super().__init__(inputs=..., outputs=...)`, on every backend, and whose
-variables are registered as torch parameters on the torch backend (so `zero_grad`, and
-with it `fit`, sees all of them). `TaskModel` adds the configuration plumbing of a task
-model built on a backbone (`get_config` serialises the backbone; `from_config` rebuilds it).
+- `FamilyConfig`: the base of each family's frozen dataclass config (`GPTConfig`,
+  `BertConfig`, ...): validated once in `__post_init__`, read from a dict with `from_dict`
+  (unknown keys refused, errors naming where the dict came from), turned into its backbone
+  with `build()`.
+- `FunctionalModel`: a functional `keras.Model` whose subclasses may create their layers as
+  attributes before `super().__init__(inputs=..., outputs=...)`, on every backend, and whose
+  variables are registered as torch parameters on the torch backend (so `zero_grad`, and
+  with it `fit`, sees all of them).
+- `Backbone`: a `FunctionalModel` described by a `FamilyConfig` (`backbone.config`);
+  `get_config()` is the base entries plus exactly the config's fields.
+- `TaskModel`: the configuration plumbing of a task model built on a backbone
+  (`get_config` serialises the backbone; `from_config` rebuilds it).
 """
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
 
 import keras
 
 from kzoo.layers.feedforward import get_activation
-from kzoo.layers.utils import check_positive_float, serialize_initializer
+from kzoo.layers.utils import FieldError, check_positive_float, serialize_initializer
+
+
+# === Config ===
+
+
+class FamilyConfig:
+    """Base of the family configs: frozen dataclasses whose `__post_init__` validates.
+
+    A subclass is a `@dataclasses.dataclass(frozen=True)` whose fields are exactly the
+    keyword arguments of its backbone (same names, same defaults) and whose
+    `__post_init__` checks every field with the validators of `kzoo.layers.utils` (each
+    returns the normalised value, e.g. a NumPy integer as an int, which `_check` stores),
+    then the rules that tie fields together. An invalid config can't be built: the first
+    bad field raises one `ValueError` naming the field, its value and what is allowed.
+
+    Example (with `GPTConfig`; every family is alike):
+    >>> config = GPTConfig(num_layers=2, hidden_dim=64, num_heads=4, intermediate_dim=256)
+    >>> backbone = config.build()                  # == GPTBackbone(**config.to_dict())
+    >>> backbone.config == config
+    True
+    >>> GPTConfig.from_dict({"num_layerz": 2})
+    ValueError: Unknown GPTConfig field 'num_layerz' ... Did you mean ['num_layers']? ...
+    """
+
+    # The backbone class that `build` constructs; each family module sets it.
+    backbone_class = None
+
+    def _check(self, name, validator, *args, **kwargs):
+        """`validator(name, value, *args, **kwargs)` on field `name`; store what it returns."""
+        object.__setattr__(self, name, validator(name, getattr(self, name), *args, **kwargs))
+
+    @classmethod
+    def field_names(cls):
+        return [field.name for field in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values, source=None, names=None):
+        """The config of a dict of fields, e.g. a preset's "config" entry.
+
+        Args:
+            values: a mapping field name -> value; fields it leaves out take their defaults.
+            source: where the dict came from (a preset JSON path, a Hugging Face
+                `config.json` path), named in every error.
+            names: optional mapping field -> the name the source gives it (a Hugging Face
+                key such as "n_layer" for `num_layers`), named in the error too.
+
+        Raises:
+            ValueError: `values` has a key that is not a field (the message lists the
+                allowed fields), or a field is invalid.
+
+        Example:
+        >>> BertConfig.from_dict({"num_layers": 2, "hidden_dim": 128, "num_heads": 2,
+        ...                       "intermediate_dim": 512}, source="my_preset.json")
+        """
+        where = f" in {source}" if source else ""
+        if not isinstance(values, Mapping):
+            raise ValueError(
+                f"A {cls.__name__} is read from a dict of fields; got "
+                f"{type(values).__name__}{where}."
+            )
+        allowed = cls.field_names()
+        unknown = [key for key in values if key not in allowed]
+        if unknown:
+            hints = {
+                key: difflib.get_close_matches(str(key), allowed, n=3) for key in unknown
+            }
+            hint = "".join(
+                f" Did you mean {close} for {key!r}?" for key, close in hints.items() if close
+            )
+            plural = "s" if len(unknown) > 1 else ""
+            raise ValueError(
+                f"Unknown {cls.__name__} field{plural} "
+                f"{', '.join(repr(k) for k in unknown)}{where}.{hint} Allowed fields: "
+                f"{allowed}."
+            )
+        try:
+            return cls(**values)
+        except FieldError as error:
+            if not source and not names:
+                raise
+            field = error.field
+            alias = (names or {}).get(field)
+            also = f" (field `{alias}`{where})" if alias else where
+            message = f"Invalid {cls.__name__}{also}: {error}"
+            raise FieldError(message, field) from error
+        except ValueError as error:
+            if not source:
+                raise
+            raise ValueError(f"Invalid {cls.__name__}{where}: {error}") from error
+
+    def to_dict(self):
+        """The fields as a plain dict (`dataclasses.asdict`)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes):
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def build(self, **kwargs):
+        """The backbone of this config; `kwargs` are Keras' own (`dtype`, `name`, ...).
+
+        Example:
+        >>> backbone = GPTConfig(num_layers=2).build(dtype="mixed_bfloat16")
+        """
+        return type(self).backbone_class(**self.to_dict(), **kwargs)
 
 
 def _deserialize_dtype(config):
@@ -61,6 +177,33 @@ class FunctionalModel(keras.Model):
     @classmethod
     def from_config(cls, config):
         return cls(**_deserialize_dtype(dict(config)))
+
+
+class Backbone(FunctionalModel):
+    """A functional backbone described by a family config (`config_class`).
+
+    The backbone's constructor takes the config's fields as keyword arguments (the public
+    API presets, converters and users call), builds `config = config_class(**fields)` first
+    (which validates them all) and builds its layers from it. `backbone.config` is that
+    dataclass, each field is also an attribute (`backbone.num_layers`), and `get_config()` is
+    the base entries (name, trainable, dtype) plus exactly the config's fields, so
+    `from_config(get_config())` rebuilds an identical model.
+    """
+
+    config_class = None
+
+    def _store_config(self, config, dtype=None):
+        """Keep `config` as `self.config` and each of its fields as an attribute; with
+        `dtype`, make it the model's own dtype policy too (what `get_config` records, so
+        `from_config` rebuilds a mixed-precision backbone as one)."""
+        if dtype is not None:
+            self.dtype_policy = keras.dtype_policies.get(dtype)
+        self.config = config
+        for name in config.field_names():
+            setattr(self, name, getattr(config, name))
+
+    def get_config(self):
+        return {**self._base_config(), **self.config.to_dict()}
 
 
 class TaskModel(FunctionalModel):

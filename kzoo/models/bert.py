@@ -17,6 +17,9 @@ Example:
 >>> model = BertClassifier(backbone, num_classes=3)
 """
 
+import dataclasses
+from typing import Optional
+
 import keras
 from keras import ops
 
@@ -26,11 +29,13 @@ from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_choice,
+    check_divides,
+    check_instance,
     check_positive_float,
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import FunctionalModel, HeadTransform, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, TaskModel
 
 FAMILY = "bert"
 
@@ -38,12 +43,6 @@ FAMILY = "bert"
 def bert_kernel_initializer(stddev=0.02):
     """BERT's initialiser: normal(0, stddev) for every kernel and embedding."""
     return keras.initializers.RandomNormal(stddev=stddev)
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
 
 
 def _dtype_policy(dtype):
@@ -99,11 +98,57 @@ class OutputBias(keras.layers.Layer):
         return tuple(input_shape)
 
 
+# === Config ===
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig(FamilyConfig):
+    """The configuration of a `BertBackbone`, validated once on construction.
+
+    Its fields are `BertBackbone`'s arguments (see there for their meaning), with the same
+    defaults (BERT-Base). `num_heads` must divide `hidden_dim`.
+
+    Example:
+    >>> config = BertConfig(vocabulary_size=1000, num_layers=2, num_heads=2, hidden_dim=64,
+    ...                     intermediate_dim=256)
+    >>> backbone = config.build()             # the same as BertBackbone(**config.to_dict())
+    """
+
+    vocabulary_size: int = 30522
+    num_layers: int = 12
+    num_heads: int = 12
+    hidden_dim: int = 768
+    intermediate_dim: int = 3072
+    max_sequence_length: int = 512
+    num_segments: int = 2
+    dropout: float = 0.1
+    attention_dropout: Optional[float] = None
+    layer_norm_epsilon: float = 1e-12
+    activation: str = "gelu"
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        check = self._check
+        check("vocabulary_size", check_positive_int)
+        check("num_layers", check_positive_int)
+        check("num_heads", check_positive_int)
+        check("hidden_dim", check_positive_int)
+        check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
+        check("intermediate_dim", check_positive_int)
+        check("max_sequence_length", check_positive_int)
+        check("num_segments", check_positive_int)
+        check("dropout", check_rate)
+        check("attention_dropout", check_rate, allow_none=True)
+        check("layer_norm_epsilon", check_positive_float)
+        check("activation", check_choice, ACTIVATION_NAMES)
+        check("initializer_range", check_positive_float)
+
+
 # === Backbone ===
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class BertBackbone(FunctionalModel):
+class BertBackbone(Backbone):
     """The BERT encoder (Devlin et al., 2019, arXiv:1810.04805).
 
     `embeddings = LayerNorm(token + position + segment)` then dropout; `num_layers` post-LN
@@ -128,6 +173,10 @@ class BertBackbone(FunctionalModel):
         initializer_range: standard deviation of the normal initialiser.
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
+    The arguments (all but `dtype` and Keras' own) are the fields of `BertConfig`, which
+    validates them: `BertBackbone(**fields)` and `BertConfig(**fields).build()` are the same
+    model, and `backbone.config` is that `BertConfig`.
+
     Inputs (a dict, each `(batch, seq)` int32):
         token_ids; segment_ids; padding_mask (1 for real tokens, 0 for padding).
 
@@ -146,6 +195,7 @@ class BertBackbone(FunctionalModel):
     """
 
     family = FAMILY
+    config_class = BertConfig
 
     def __init__(
         self,
@@ -164,24 +214,21 @@ class BertBackbone(FunctionalModel):
         dtype=None,
         **kwargs,
     ):
-        check_positive_int("vocabulary_size", vocabulary_size)
-        check_positive_int("num_layers", num_layers)
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("hidden_dim", hidden_dim)
-        if hidden_dim % num_heads != 0:
-            raise ValueError(
-                f"`num_heads` must be a positive integer dividing hidden_dim={hidden_dim}; "
-                f"got num_heads={num_heads}."
-            )
-        check_positive_int("intermediate_dim", intermediate_dim)
-        check_positive_int("max_sequence_length", max_sequence_length)
-        check_positive_int("num_segments", num_segments)
-        check_rate("dropout", dropout)
-        if attention_dropout is not None:
-            check_rate("attention_dropout", attention_dropout)
-        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        check_choice("activation", activation, ACTIVATION_NAMES)
-        check_positive_float("initializer_range", initializer_range)
+        # === Config ===
+        config = BertConfig(
+            vocabulary_size=vocabulary_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            hidden_dim=hidden_dim,
+            intermediate_dim=intermediate_dim,
+            max_sequence_length=max_sequence_length,
+            num_segments=num_segments,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+            activation=activation,
+            initializer_range=initializer_range,
+        )
         policy = _dtype_policy(dtype)
         init = bert_kernel_initializer(initializer_range)
 
@@ -249,36 +296,7 @@ class BertBackbone(FunctionalModel):
         if policy is not None:
             self.dtype_policy = policy
 
-        # === Config ===
-        self.vocabulary_size = vocabulary_size
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
-        self.intermediate_dim = intermediate_dim
-        self.max_sequence_length = max_sequence_length
-        self.num_segments = num_segments
-        self.dropout = dropout
-        self.attention_dropout = attention_dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.activation = activation
-        self.initializer_range = initializer_range
-
-    def get_config(self):
-        return {
-            **self._base_config(),
-            "vocabulary_size": self.vocabulary_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "hidden_dim": self.hidden_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "max_sequence_length": self.max_sequence_length,
-            "num_segments": self.num_segments,
-            "dropout": self.dropout,
-            "attention_dropout": self.attention_dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "activation": self.activation,
-            "initializer_range": self.initializer_range,
-        }
+        self._store_config(config)
 
 
 # === Task models ===
@@ -291,10 +309,7 @@ class _BertTask(TaskModel):
 
 
 def _check_backbone(backbone):
-    if not isinstance(backbone, BertBackbone):
-        raise ValueError(
-            f"`backbone` must be a BertBackbone; got backbone of type {type(backbone).__name__}."
-        )
+    check_instance("backbone", backbone, BertBackbone)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -365,8 +380,8 @@ class BertClassifier(_BertTask):
 
     def __init__(self, backbone, num_classes=2, dropout=0.1, dtype=None, **kwargs):
         _check_backbone(backbone)
-        check_positive_int("num_classes", num_classes)
-        check_rate("dropout", dropout)
+        num_classes = check_positive_int("num_classes", num_classes)
+        dropout = check_rate("dropout", dropout)
         policy = _dtype_policy(dtype) or backbone.dtype_policy
         # === Layers ===
         self.backbone = backbone
@@ -391,3 +406,7 @@ class BertClassifier(_BertTask):
 
     def _task_config(self):
         return {"num_classes": self.num_classes, "dropout": self.dropout}
+
+
+BertConfig.backbone_class = BertBackbone
+

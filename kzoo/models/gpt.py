@@ -24,7 +24,9 @@ Example:
 >>> lm.generate([[72, 101], [87]], max_new_tokens=5)       # two prompts, five tokens each
 """
 
+import dataclasses
 import math
+from typing import Optional
 
 import keras
 import numpy as np
@@ -35,13 +37,18 @@ from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
+    check_at_most,
+    check_bool,
     check_choice,
+    FieldError,
+    check_divides,
+    check_instance,
     check_positive_float,
     check_positive_int,
     check_rate,
 )
 from kzoo.models import sampling
-from kzoo.models.base import FunctionalModel, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, TaskModel
 
 FAMILY = "gpt"
 
@@ -49,12 +56,6 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 FEEDFORWARDS = ("plain", "gated", "moe")
 EXPERT_TYPES = ("plain", "gated")
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
 
 
 def _dtype_policy(dtype):
@@ -66,11 +67,106 @@ def gpt_initializer(stddev=0.02):
     return keras.initializers.RandomNormal(stddev=stddev)
 
 
+# === Config ===
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig(FamilyConfig):
+    """The configuration of a `GPTBackbone`, validated once on construction.
+
+    Its fields are `GPTBackbone`'s arguments (see there for their meaning), with the same
+    defaults (GPT-2 small). Rules between fields: `num_heads` divides `hidden_dim`,
+    `num_kv_heads` divides `num_heads`, rotary positions need an even head size,
+    `feedforward="moe"` needs `num_experts` (and `top_k <= num_experts`), `num_experts` is
+    only for `feedforward="moe"`.
+
+    Example:
+    >>> config = GPTConfig(vocabulary_size=260, num_layers=2, num_heads=4, hidden_dim=64,
+    ...                    intermediate_dim=256, max_sequence_length=128)
+    >>> backbone = config.build()              # the same as GPTBackbone(**config.to_dict())
+    >>> GPTConfig(num_kv_heads=5)
+    ValueError: `num_kv_heads` must divide num_heads=12; got num_kv_heads=5 ...
+    """
+
+    vocabulary_size: int = 50257
+    num_layers: int = 12
+    num_heads: int = 12
+    hidden_dim: int = 768
+    intermediate_dim: int = 3072
+    max_sequence_length: int = 1024
+    dropout: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_tanh"
+    norm: str = "layernorm"
+    position: str = "learned"
+    feedforward: str = "plain"
+    num_kv_heads: Optional[int] = None
+    use_bias: bool = True
+    rope_max_wavelength: float = 10000
+    num_experts: Optional[int] = None
+    top_k: int = 2
+    capacity_factor: Optional[float] = None
+    expert_type: str = "gated"
+    tie_embeddings: bool = True
+    attention_scale: Optional[float] = None
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        check = self._check
+        check("vocabulary_size", check_positive_int)
+        check("num_layers", check_positive_int)
+        check("num_heads", check_positive_int)
+        check("hidden_dim", check_positive_int)
+        check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
+        check("intermediate_dim", check_positive_int)
+        check("max_sequence_length", check_positive_int)
+        check("dropout", check_rate)
+        check("layer_norm_epsilon", check_positive_float)
+        check("activation", check_choice, ACTIVATION_NAMES)
+        check("norm", check_choice, NORMS)
+        check("position", check_choice, POSITIONS)
+        check("feedforward", check_choice, FEEDFORWARDS)
+        check("num_kv_heads", check_positive_int, allow_none=True)
+        if self.num_kv_heads is not None:
+            check("num_kv_heads", check_divides, "num_heads", self.num_heads)
+        check("use_bias", check_bool)
+        check("rope_max_wavelength", check_positive_float)
+        head_size = self.hidden_dim // self.num_heads
+        if self.position == "rotary" and head_size % 2:
+            raise FieldError(
+                "`position`='rotary' needs an even head size hidden_dim / num_heads; got "
+                f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads} (head size "
+                f"{head_size}).",
+                "position",
+            )
+        check("top_k", check_positive_int)
+        check("capacity_factor", check_positive_float, allow_none=True)
+        check("expert_type", check_choice, EXPERT_TYPES)
+        if self.feedforward == "moe":
+            if self.num_experts is None:
+                raise FieldError(
+                    "`num_experts` must be a positive integer when feedforward='moe'; got "
+                    "num_experts=None.",
+                    "num_experts",
+                )
+            check("num_experts", check_positive_int)
+            check("top_k", check_at_most, "num_experts", self.num_experts)
+        elif self.num_experts is not None:
+            raise FieldError(
+                f"`num_experts` is only used with feedforward='moe'; got "
+                f"num_experts={self.num_experts!r} with feedforward={self.feedforward!r}.",
+                "num_experts",
+            )
+        check("tie_embeddings", check_bool)
+        check("attention_scale", check_positive_float, allow_none=True)
+        check("initializer_range", check_positive_float)
+
+
 # === Backbone ===
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GPTBackbone(FunctionalModel):
+class GPTBackbone(Backbone):
     """The GPT decoder stack: GPT-2 by default, a LLaMA-style decoder by configuration.
 
     `x = token_embedding(ids) [+ position_embedding]`, dropout, `num_layers` pre-norm causal
@@ -111,6 +207,10 @@ class GPTBackbone(FunctionalModel):
         initializer_range: standard deviation of the normal initialiser.
         dtype: dtype policy of every layer.
 
+    The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
+    validates them: `GPTBackbone(**fields)` and `GPTConfig(**fields).build()` are the same
+    model, and `backbone.config` is that `GPTConfig`.
+
     Inputs (a dict, each `(batch, seq)` int32): `token_ids`; `padding_mask` (1 = real token).
     Output: `(batch, seq, hidden_dim)` hidden states after the final norm.
 
@@ -126,6 +226,7 @@ class GPTBackbone(FunctionalModel):
     """
 
     family = FAMILY
+    config_class = GPTConfig
 
     def __init__(
         self,
@@ -154,62 +255,31 @@ class GPTBackbone(FunctionalModel):
         dtype=None,
         **kwargs,
     ):
-        # === Validation ===
-        check_positive_int("vocabulary_size", vocabulary_size)
-        check_positive_int("num_layers", num_layers)
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("hidden_dim", hidden_dim)
-        if hidden_dim % num_heads != 0:
-            raise ValueError(
-                f"`num_heads` must be a positive integer dividing hidden_dim={hidden_dim}; "
-                f"got num_heads={num_heads}."
-            )
-        check_positive_int("intermediate_dim", intermediate_dim)
-        check_positive_int("max_sequence_length", max_sequence_length)
-        check_rate("dropout", dropout)
-        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        check_choice("activation", activation, ACTIVATION_NAMES)
-        check_choice("norm", norm, NORMS)
-        check_choice("position", position, POSITIONS)
-        check_choice("feedforward", feedforward, FEEDFORWARDS)
-        check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
-        if num_kv_heads is not None and num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"`num_kv_heads` must divide num_heads={num_heads}; got "
-                f"num_kv_heads={num_kv_heads}."
-            )
-        _check_bool("use_bias", use_bias)
-        check_positive_float("rope_max_wavelength", rope_max_wavelength)
-        if position == "rotary" and (hidden_dim // num_heads) % 2:
-            raise ValueError(
-                "position='rotary' needs an even head size hidden_dim / num_heads; got "
-                f"hidden_dim={hidden_dim}, num_heads={num_heads} (head size "
-                f"{hidden_dim // num_heads})."
-            )
-        if feedforward == "moe":
-            if num_experts is None:
-                raise ValueError(
-                    "`num_experts` must be a positive integer when feedforward='moe'; got "
-                    "num_experts=None."
-                )
-            check_positive_int("num_experts", num_experts)
-            check_positive_int("top_k", top_k)
-            if top_k > num_experts:
-                raise ValueError(
-                    f"`top_k` must be at most num_experts={num_experts}; got top_k={top_k}."
-                )
-            if capacity_factor is not None:
-                check_positive_float("capacity_factor", capacity_factor)
-        elif num_experts is not None:
-            raise ValueError(
-                f"`num_experts` is only used with feedforward='moe'; got "
-                f"num_experts={num_experts!r} with feedforward={feedforward!r}."
-            )
-        check_choice("expert_type", expert_type, EXPERT_TYPES)
-        _check_bool("tie_embeddings", tie_embeddings)
-        if attention_scale is not None:
-            check_positive_float("attention_scale", attention_scale)
-        check_positive_float("initializer_range", initializer_range)
+        # === Config ===
+        config = GPTConfig(
+            vocabulary_size=vocabulary_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            hidden_dim=hidden_dim,
+            intermediate_dim=intermediate_dim,
+            max_sequence_length=max_sequence_length,
+            dropout=dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+            activation=activation,
+            norm=norm,
+            position=position,
+            feedforward=feedforward,
+            num_kv_heads=num_kv_heads,
+            use_bias=use_bias,
+            rope_max_wavelength=rope_max_wavelength,
+            num_experts=num_experts,
+            top_k=top_k,
+            capacity_factor=capacity_factor,
+            expert_type=expert_type,
+            tie_embeddings=tie_embeddings,
+            attention_scale=attention_scale,
+            initializer_range=initializer_range,
+        )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
         residual_init = gpt_initializer(initializer_range / math.sqrt(2 * num_layers))
@@ -289,29 +359,7 @@ class GPTBackbone(FunctionalModel):
             **kwargs,
         )
 
-        # === Config ===
-        self.vocabulary_size = vocabulary_size
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
-        self.intermediate_dim = intermediate_dim
-        self.max_sequence_length = max_sequence_length
-        self.dropout = dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.activation = activation
-        self.norm = norm
-        self.position = position
-        self.feedforward = feedforward
-        self.num_kv_heads = num_kv_heads
-        self.use_bias = use_bias
-        self.rope_max_wavelength = rope_max_wavelength
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.capacity_factor = capacity_factor
-        self.expert_type = expert_type
-        self.tie_embeddings = tie_embeddings
-        self.attention_scale = attention_scale
-        self.initializer_range = initializer_range
+        self._store_config(config, dtype)
 
     # === Cached decoding ===
 
@@ -394,35 +442,6 @@ class GPTBackbone(FunctionalModel):
         x = self.final_norm(x)
         return x, ops.stack(new_caches, axis=1)
 
-    # === Config ===
-
-    def get_config(self):
-        return {
-            **self._base_config(),
-            "vocabulary_size": self.vocabulary_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "hidden_dim": self.hidden_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "max_sequence_length": self.max_sequence_length,
-            "dropout": self.dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "activation": self.activation,
-            "norm": self.norm,
-            "position": self.position,
-            "feedforward": self.feedforward,
-            "num_kv_heads": self.num_kv_heads,
-            "use_bias": self.use_bias,
-            "rope_max_wavelength": self.rope_max_wavelength,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "capacity_factor": self.capacity_factor,
-            "expert_type": self.expert_type,
-            "tie_embeddings": self.tie_embeddings,
-            "attention_scale": self.attention_scale,
-            "initializer_range": self.initializer_range,
-        }
-
 
 # === Task model ===
 
@@ -466,11 +485,7 @@ class GPTCausalLM(TaskModel):
     task_name = "causal_lm"
 
     def __init__(self, backbone, dtype=None, **kwargs):
-        if not isinstance(backbone, GPTBackbone):
-            raise ValueError(
-                "`backbone` must be a GPTBackbone; got backbone of type "
-                f"{type(backbone).__name__}."
-            )
+        check_instance("backbone", backbone, GPTBackbone)
         policy = _dtype_policy(dtype) or backbone.dtype_policy
         # === Functional Model ===
         inputs = backbone.input
@@ -717,8 +732,11 @@ class GPTCausalLM(TaskModel):
         return texts[0] if single else texts
 
 
+GPTConfig.backbone_class = GPTBackbone
+
 __all__ = [
     "FAMILY",
+    "GPTConfig",
     "GPTBackbone",
     "GPTCausalLM",
     "gpt_initializer",

@@ -46,20 +46,28 @@ Example:
 (2, 1)
 """
 
+import dataclasses
+from typing import Optional
+
 import keras
 from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.utils import (
+    check_at_most,
+    check_bool,
     check_choice,
+    check_divides,
+    check_instance,
     check_non_negative_int,
+    check_number,
     check_positive_float,
     check_positive_int,
     check_rate,
     serialize_initializer,
 )
-from kzoo.models.base import FunctionalModel, HeadTransform, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, TaskModel
 
 FAMILY = "graphormer"
 EDGE_TYPES = ("multi_hop", "single_hop")
@@ -82,12 +90,6 @@ def graphormer_initializer(stddev=0.02):
     >>> keras.layers.Dense(8, kernel_initializer=graphormer_initializer())
     """
     return keras.initializers.RandomNormal(stddev=stddev)
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
 
 
 def _table(table, padding, dtype):
@@ -433,8 +435,80 @@ class GraphormerDecoderHead(keras.layers.Layer):
 # === Functional Model ===
 
 
+# === Config ===
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphormerConfig(FamilyConfig):
+    """The configuration of a `GraphormerBackbone`, validated once on construction.
+
+    Its fields are `GraphormerBackbone`'s arguments (see there for their meaning), with the
+    same defaults (transformers' `GraphormerConfig`). Rules between fields: `num_heads`
+    divides `hidden_dim`; with `edge_type="multi_hop"`, `multi_hop_max_dist` is at most
+    `num_edge_dis`; `num_frozen_layers` is at most `num_layers`.
+
+    Example:
+    >>> config = GraphormerConfig(num_layers=2, hidden_dim=32, intermediate_dim=32,
+    ...                           num_heads=4)
+    >>> backbone = config.build()      # the same as GraphormerBackbone(**config.to_dict())
+    """
+
+    num_atoms: int = 512 * 9
+    num_in_degree: int = 512
+    num_out_degree: int = 512
+    num_edges: int = 512 * 3
+    num_spatial: int = 512
+    num_edge_dis: int = 128
+    edge_type: str = "multi_hop"
+    multi_hop_max_dist: int = 5
+    num_layers: int = 12
+    hidden_dim: int = 768
+    intermediate_dim: int = 768
+    num_heads: int = 32
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    activation_dropout: float = 0.1
+    activation: str = "gelu"
+    pre_layernorm: bool = False
+    layer_norm_epsilon: float = 1e-5
+    encoder_normalize_before: bool = False
+    embed_scale: Optional[float] = None
+    apply_graphormer_init: bool = False
+    use_attention_bias: bool = True
+    num_frozen_layers: int = 0
+
+    def __post_init__(self):
+        check = self._check
+        for name in ("num_atoms", "num_in_degree", "num_out_degree", "num_edges",
+                     "num_spatial", "num_edge_dis"):
+            check(name, check_positive_int)
+        check("edge_type", check_choice, EDGE_TYPES)
+        check("multi_hop_max_dist", check_non_negative_int)
+        if self.edge_type == "multi_hop":
+            # One hop matrix per hop.
+            check("multi_hop_max_dist", check_at_most, "num_edge_dis", self.num_edge_dis)
+        for name in ("num_layers", "hidden_dim", "intermediate_dim", "num_heads"):
+            check(name, check_positive_int)
+        check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
+        check("dropout", check_rate)
+        check("attention_dropout", check_rate)
+        check("activation_dropout", check_rate)
+        check("activation", check_choice, ACTIVATION_NAMES)
+        check("pre_layernorm", check_bool)
+        check("layer_norm_epsilon", check_positive_float)
+        check("encoder_normalize_before", check_bool)
+        check("embed_scale", check_number, allow_none=True)
+        check("apply_graphormer_init", check_bool)
+        check("use_attention_bias", check_bool)
+        check("num_frozen_layers", check_non_negative_int)
+        check("num_frozen_layers", check_at_most, "num_layers", self.num_layers)
+
+
+# === Backbone ===
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
-class GraphormerBackbone(FunctionalModel):
+class GraphormerBackbone(Backbone):
     """Graphormer encoder (Ying et al., 2021, arXiv:2106.05234), as transformers'
     `GraphormerModel`.
 
@@ -478,6 +552,11 @@ class GraphormerBackbone(FunctionalModel):
             (transformers' `num_trans_layers_to_freeze`).
         dtype: dtype policy of every layer.
 
+    The arguments (all but `dtype` and Keras' own) are the fields of `GraphormerConfig`,
+    which validates them: `GraphormerBackbone(**fields)` and
+    `GraphormerConfig(**fields).build()` are the same model, and `backbone.config` is that
+    `GraphormerConfig`.
+
     Call args:
         a dict with the keys of `INPUT_KEYS` (the output of `kzoo.graphs.batch` without
         `labels`).
@@ -497,6 +576,7 @@ class GraphormerBackbone(FunctionalModel):
     """
 
     family = FAMILY
+    config_class = GraphormerConfig
 
     def __init__(
         self,
@@ -526,43 +606,32 @@ class GraphormerBackbone(FunctionalModel):
         dtype=None,
         **kwargs,
     ):
-        for name, value in (("num_atoms", num_atoms), ("num_in_degree", num_in_degree),
-                            ("num_out_degree", num_out_degree), ("num_edges", num_edges),
-                            ("num_spatial", num_spatial), ("num_edge_dis", num_edge_dis),
-                            ("num_layers", num_layers), ("hidden_dim", hidden_dim),
-                            ("intermediate_dim", intermediate_dim), ("num_heads", num_heads)):
-            check_positive_int(name, value)
-        check_choice("edge_type", edge_type, EDGE_TYPES)
-        check_non_negative_int("multi_hop_max_dist", multi_hop_max_dist)
-        if edge_type == "multi_hop" and multi_hop_max_dist > num_edge_dis:
-            raise ValueError(
-                f"`multi_hop_max_dist` must be at most `num_edge_dis`={num_edge_dis} (one "
-                f"hop matrix per hop); got multi_hop_max_dist={multi_hop_max_dist}."
-            )
-        if hidden_dim % num_heads:
-            raise ValueError(
-                f"`num_heads` must divide `hidden_dim`={hidden_dim}; got num_heads={num_heads}."
-            )
-        check_rate("dropout", dropout)
-        check_rate("attention_dropout", attention_dropout)
-        check_rate("activation_dropout", activation_dropout)
-        check_choice("activation", activation, ACTIVATION_NAMES)
-        _check_bool("pre_layernorm", pre_layernorm)
-        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        _check_bool("encoder_normalize_before", encoder_normalize_before)
-        if embed_scale is not None:
-            if isinstance(embed_scale, bool) or not isinstance(embed_scale, (int, float)):
-                raise ValueError(
-                    f"`embed_scale` must be a number or None; got embed_scale={embed_scale!r}."
-                )
-        _check_bool("apply_graphormer_init", apply_graphormer_init)
-        _check_bool("use_attention_bias", use_attention_bias)
-        check_non_negative_int("num_frozen_layers", num_frozen_layers)
-        if num_frozen_layers > num_layers:
-            raise ValueError(
-                f"`num_frozen_layers` must be at most `num_layers`={num_layers}; got "
-                f"num_frozen_layers={num_frozen_layers}."
-            )
+        # === Config ===
+        config = GraphormerConfig(
+            num_atoms=num_atoms,
+            num_in_degree=num_in_degree,
+            num_out_degree=num_out_degree,
+            num_edges=num_edges,
+            num_spatial=num_spatial,
+            num_edge_dis=num_edge_dis,
+            edge_type=edge_type,
+            multi_hop_max_dist=multi_hop_max_dist,
+            num_layers=num_layers,
+            hidden_dim=hidden_dim,
+            intermediate_dim=intermediate_dim,
+            num_heads=num_heads,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            activation_dropout=activation_dropout,
+            activation=activation,
+            pre_layernorm=pre_layernorm,
+            layer_norm_epsilon=layer_norm_epsilon,
+            encoder_normalize_before=encoder_normalize_before,
+            embed_scale=embed_scale,
+            apply_graphormer_init=apply_graphormer_init,
+            use_attention_bias=use_attention_bias,
+            num_frozen_layers=num_frozen_layers,
+        )
 
         normal = graphormer_initializer()
         if apply_graphormer_init:
@@ -653,63 +722,12 @@ class GraphormerBackbone(FunctionalModel):
         for layer in encoder_layers[:num_frozen_layers]:
             layer.trainable = False
 
-        # === Config ===
-        self.num_atoms = num_atoms
-        self.num_in_degree = num_in_degree
-        self.num_out_degree = num_out_degree
-        self.num_edges = num_edges
-        self.num_spatial = num_spatial
-        self.num_edge_dis = num_edge_dis
-        self.edge_type = edge_type
-        self.multi_hop_max_dist = multi_hop_max_dist
-        self.num_layers = num_layers
-        self.hidden_dim = hidden_dim
-        self.intermediate_dim = intermediate_dim
-        self.num_heads = num_heads
-        self.dropout = dropout
-        self.attention_dropout = attention_dropout
-        self.activation_dropout = activation_dropout
-        self.activation = activation
-        self.pre_layernorm = pre_layernorm
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.encoder_normalize_before = encoder_normalize_before
-        self.embed_scale = embed_scale
-        self.apply_graphormer_init = apply_graphormer_init
-        self.use_attention_bias = use_attention_bias
-        self.num_frozen_layers = num_frozen_layers
+        self._store_config(config)
         self.node_feature = node_feature
         self.attention_bias = attention_bias
         self.embedding_norm = embedding_norm
         self.encoder_layers = encoder_layers
         self.head_transform = head_transform
-
-    def get_config(self):
-        return {
-            **self._base_config(),
-            "num_atoms": self.num_atoms,
-            "num_in_degree": self.num_in_degree,
-            "num_out_degree": self.num_out_degree,
-            "num_edges": self.num_edges,
-            "num_spatial": self.num_spatial,
-            "num_edge_dis": self.num_edge_dis,
-            "edge_type": self.edge_type,
-            "multi_hop_max_dist": self.multi_hop_max_dist,
-            "num_layers": self.num_layers,
-            "hidden_dim": self.hidden_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "num_heads": self.num_heads,
-            "dropout": self.dropout,
-            "attention_dropout": self.attention_dropout,
-            "activation_dropout": self.activation_dropout,
-            "activation": self.activation,
-            "pre_layernorm": self.pre_layernorm,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "encoder_normalize_before": self.encoder_normalize_before,
-            "embed_scale": self.embed_scale,
-            "apply_graphormer_init": self.apply_graphormer_init,
-            "use_attention_bias": self.use_attention_bias,
-            "num_frozen_layers": self.num_frozen_layers,
-        }
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -750,11 +768,8 @@ class GraphormerPredictor(TaskModel):
     task_name = "predictor"
 
     def __init__(self, backbone, num_classes=1, dtype=None, **kwargs):
-        if not isinstance(backbone, GraphormerBackbone):
-            raise ValueError(
-                f"`backbone` must be a GraphormerBackbone; got {type(backbone).__name__}."
-            )
-        check_positive_int("num_classes", num_classes)
+        check_instance("backbone", backbone, GraphormerBackbone)
+        num_classes = check_positive_int("num_classes", num_classes)
         dtype = dtype if dtype is not None else backbone.dtype_policy
 
         # === Layers ===
@@ -776,3 +791,7 @@ class GraphormerPredictor(TaskModel):
         return {
             "num_classes": self.num_classes,
         }
+
+
+GraphormerConfig.backbone_class = GraphormerBackbone
+

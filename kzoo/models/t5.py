@@ -24,6 +24,9 @@ Example:
 >>> model.generate({"encoder_token_ids": np.array([[5, 6, 7, 1]])}, max_new_tokens=5)
 """
 
+import dataclasses
+from typing import Optional
+
 import keras
 import numpy as np
 from keras import ops
@@ -31,14 +34,18 @@ from keras import ops
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.norm import RMSNorm
+from kzoo.layers.kernels import KERNELS
 from kzoo.layers.position import RelativePositionBias
 from kzoo.layers.utils import (
+    check_bool,
     check_choice,
+    check_instance,
+    check_int_at_least,
     check_positive_float,
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import FunctionalModel, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, TaskModel
 
 FAMILY = "t5"
 
@@ -57,12 +64,6 @@ FEEDFORWARDS = {
 }
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
-
-
 def _dtype_policy(dtype):
     return keras.dtype_policies.get(dtype) if dtype is not None else None
 
@@ -71,8 +72,64 @@ def _normal(stddev):
     return keras.initializers.RandomNormal(mean=0.0, stddev=float(stddev))
 
 
+# === Config ===
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config(FamilyConfig):
+    """The configuration of a `T5Backbone`, validated once on construction.
+
+    Its fields are `T5Backbone`'s arguments (see there for their meaning), with the same
+    defaults (T5-Small, v1.0). `relative_attention_num_buckets` must be at least 4 and
+    `relative_attention_max_distance` larger than half of it (the exact buckets).
+
+    Example:
+    >>> config = T5Config(vocabulary_size=1000, num_layers=2, num_heads=4, hidden_dim=64,
+    ...                   key_value_dim=16, intermediate_dim=128, feedforward="gated-gelu",
+    ...                   tie_embeddings=False)           # a small v1.1
+    >>> backbone = config.build()             # the same as T5Backbone(**config.to_dict())
+    """
+
+    vocabulary_size: int = 32128
+    num_layers: int = 6
+    num_decoder_layers: Optional[int] = None
+    num_heads: int = 8
+    hidden_dim: int = 512
+    key_value_dim: int = 64
+    intermediate_dim: int = 2048
+    dropout: float = 0.1
+    layer_norm_epsilon: float = 1e-6
+    feedforward: str = "relu"
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    tie_embeddings: bool = True
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        check = self._check
+        check("vocabulary_size", check_positive_int)
+        check("num_layers", check_positive_int)
+        check("num_decoder_layers", check_positive_int, allow_none=True)
+        check("num_heads", check_positive_int)
+        check("hidden_dim", check_positive_int)
+        check("key_value_dim", check_positive_int)
+        check("intermediate_dim", check_positive_int)
+        check("dropout", check_rate)
+        check("layer_norm_epsilon", check_positive_float)
+        check("feedforward", check_choice, tuple(FEEDFORWARDS))
+        check("relative_attention_num_buckets", check_int_at_least, 4)
+        exact = self.relative_attention_num_buckets // 2
+        check("relative_attention_max_distance", check_int_at_least, exact + 1,
+              f" (more than relative_attention_num_buckets // 2 = {exact})")
+        check("tie_embeddings", check_bool)
+        check("kernel", check_choice, KERNELS)
+
+
+# === Backbone ===
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
-class T5Backbone(FunctionalModel):
+class T5Backbone(Backbone):
     """The T5 encoder-decoder transformer (Raffel et al., 2020, arXiv:1910.10683).
 
     Encoder: `x = dropout(E[ids])`; `num_layers` pre-LN blocks
@@ -111,6 +168,10 @@ class T5Backbone(FunctionalModel):
         kernel: attention kernel ("auto", "reference", "fused", "chunked").
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
+    The arguments (all but `dtype` and Keras' own) are the fields of `T5Config`, which
+    validates them: `T5Backbone(**fields)` and `T5Config(**fields).build()` are the same
+    model, and `backbone.config` is that `T5Config`.
+
     Inputs (a dict, each `(batch, seq)` int32):
         encoder_token_ids, encoder_padding_mask, decoder_token_ids, decoder_padding_mask.
 
@@ -131,6 +192,7 @@ class T5Backbone(FunctionalModel):
     """
 
     family = FAMILY
+    config_class = T5Config
 
     def __init__(
         self,
@@ -151,37 +213,23 @@ class T5Backbone(FunctionalModel):
         dtype=None,
         **kwargs,
     ):
-        check_positive_int("vocabulary_size", vocabulary_size)
-        check_positive_int("num_layers", num_layers)
-        check_positive_int("num_decoder_layers", num_decoder_layers, allow_none=True)
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("hidden_dim", hidden_dim)
-        check_positive_int("key_value_dim", key_value_dim)
-        check_positive_int("intermediate_dim", intermediate_dim)
-        check_rate("dropout", dropout)
-        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        check_choice("feedforward", feedforward, tuple(FEEDFORWARDS))
-        if (
-            isinstance(relative_attention_num_buckets, bool)
-            or not isinstance(relative_attention_num_buckets, int)
-            or relative_attention_num_buckets < 4
-        ):
-            raise ValueError(
-                "`relative_attention_num_buckets` must be an integer >= 4; got "
-                f"relative_attention_num_buckets={relative_attention_num_buckets!r}."
-            )
-        exact = relative_attention_num_buckets // 2
-        if (
-            isinstance(relative_attention_max_distance, bool)
-            or not isinstance(relative_attention_max_distance, int)
-            or relative_attention_max_distance <= exact
-        ):
-            raise ValueError(
-                "`relative_attention_max_distance` must be an integer > "
-                f"relative_attention_num_buckets // 2 = {exact}; got "
-                f"relative_attention_max_distance={relative_attention_max_distance!r}."
-            )
-        _check_bool("tie_embeddings", tie_embeddings)
+        # === Config ===
+        config = T5Config(
+            vocabulary_size=vocabulary_size,
+            num_layers=num_layers,
+            num_decoder_layers=num_decoder_layers,
+            num_heads=num_heads,
+            hidden_dim=hidden_dim,
+            key_value_dim=key_value_dim,
+            intermediate_dim=intermediate_dim,
+            dropout=dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+            feedforward=feedforward,
+            relative_attention_num_buckets=relative_attention_num_buckets,
+            relative_attention_max_distance=relative_attention_max_distance,
+            tie_embeddings=tie_embeddings,
+            kernel=kernel,
+        )
         policy = _dtype_policy(dtype)
         decoder_depth = num_layers if num_decoder_layers is None else num_decoder_layers
         ffn_type, activation = FEEDFORWARDS[feedforward]
@@ -282,21 +330,7 @@ class T5Backbone(FunctionalModel):
             **kwargs,
         )
 
-        # === Config ===
-        self.vocabulary_size = vocabulary_size
-        self.num_layers = num_layers
-        self.num_decoder_layers = num_decoder_layers
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
-        self.key_value_dim = key_value_dim
-        self.intermediate_dim = intermediate_dim
-        self.dropout = dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.feedforward = feedforward
-        self.relative_attention_num_buckets = relative_attention_num_buckets
-        self.relative_attention_max_distance = relative_attention_max_distance
-        self.tie_embeddings = tie_embeddings
-        self.kernel = kernel
+        self._store_config(config, dtype)
 
     # === Stacks (shared by the functional graph and the decoding methods) ===
 
@@ -431,25 +465,6 @@ class T5Backbone(FunctionalModel):
 
     # === Config ===
 
-    def get_config(self):
-        return {
-            **self._base_config(),
-            "vocabulary_size": self.vocabulary_size,
-            "num_layers": self.num_layers,
-            "num_decoder_layers": self.num_decoder_layers,
-            "num_heads": self.num_heads,
-            "hidden_dim": self.hidden_dim,
-            "key_value_dim": self.key_value_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "dropout": self.dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "feedforward": self.feedforward,
-            "relative_attention_num_buckets": self.relative_attention_num_buckets,
-            "relative_attention_max_distance": self.relative_attention_max_distance,
-            "tie_embeddings": self.tie_embeddings,
-            "kernel": self.kernel,
-        }
-
 
 # === Task model ===
 
@@ -503,11 +518,7 @@ class T5Seq2SeqLM(TaskModel):
     task_name = "seq2seq_lm"
 
     def __init__(self, backbone, dtype=None, **kwargs):
-        if not isinstance(backbone, T5Backbone):
-            raise ValueError(
-                f"`backbone` must be a T5Backbone; got backbone of type "
-                f"{type(backbone).__name__}."
-            )
+        check_instance("backbone", backbone, T5Backbone)
         policy = _dtype_policy(dtype) or backbone.dtype_policy
         # === Layers ===
         self.backbone = backbone
@@ -722,3 +733,7 @@ class T5Seq2SeqLM(TaskModel):
             [row.tolist() for row in out], skip_special_tokens=True
         )
         return texts[0] if strings == "single" else texts
+
+
+T5Config.backbone_class = T5Backbone
+

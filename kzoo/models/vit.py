@@ -16,7 +16,9 @@ table once at load time with the same interpolation, as the paper does for fine-
 higher resolution.
 """
 
+import dataclasses
 import math
+from typing import Tuple, Union
 
 import keras
 import numpy as np
@@ -25,11 +27,17 @@ from keras import ops
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import PatchEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.utils import FieldError
+from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_choice
+from kzoo.layers.utils import check_divides
+from kzoo.layers.utils import check_instance
+from kzoo.layers.utils import check_int_or_pair
+from kzoo.layers.utils import check_int_pair
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
-from kzoo.models.base import FunctionalModel, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, TaskModel
 
 FAMILY = "vit"
 POOLINGS = ("token", "mean")
@@ -38,31 +46,9 @@ POOLINGS = ("token", "mean")
 # === Helpers ===
 
 
-def _pair(name, value):
-    """An int or a pair of positive ints -> (h, w); ValueError naming `name` otherwise."""
-    if isinstance(value, (list, tuple)):
-        pair = tuple(value)
-    else:
-        pair = (value, value)
-    if len(pair) != 2 or any(
-        isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in pair
-    ):
-        raise ValueError(
-            f"`{name}` must be a positive int or a pair (height, width) of positive ints; "
-            f"got {name}={value!r}."
-        )
-    return pair
-
-
 def _as_config(value):
     """Ints stay ints; pairs become lists (what a JSON round trip gives back)."""
     return list(value) if isinstance(value, (list, tuple)) else value
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
-    return value
 
 
 def bicubic_resize_matrix(in_size, out_size):
@@ -169,8 +155,8 @@ class ViTEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self._image = _pair("image_size", image_size)
-        self._patch = _pair("patch_size", patch_size)
+        self._image = check_int_pair("image_size", image_size)
+        self._patch = check_int_pair("patch_size", patch_size)
         for axis, size, patch in zip(("height", "width"), self._image, self._patch):
             if size % patch:
                 raise ValueError(
@@ -181,7 +167,7 @@ class ViTEmbedding(keras.layers.Layer):
         self.patch_size = _as_config(patch_size)
         self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
         self.num_channels = check_positive_int("num_channels", num_channels)
-        self.use_class_token = _check_bool("use_class_token", use_class_token)
+        self.use_class_token = check_bool("use_class_token", use_class_token)
         self.dropout = check_rate("dropout", dropout)
         self.grid = (self._image[0] // self._patch[0], self._image[1] // self._patch[1])
         self.num_prefix = 1 if use_class_token else 0
@@ -313,11 +299,71 @@ class ViTEmbedding(keras.layers.Layer):
         return config
 
 
+# === Config ===
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig(FamilyConfig):
+    """The configuration of a `ViTBackbone`, validated once on construction.
+
+    Its fields are `ViTBackbone`'s arguments (see there for their meaning), with the same
+    defaults (ViT-B/16 at 224). `image_size` and `patch_size` are each an int or a pair
+    `(height, width)` (kept as given; a list becomes a tuple); the patch size must divide
+    the image size along both axes and `num_heads` must divide `hidden_dim`.
+
+    Example:
+    >>> config = ViTConfig(image_size=32, patch_size=8, num_layers=2, num_heads=4,
+    ...                    hidden_dim=64, intermediate_dim=128)
+    >>> backbone = config.build()             # the same as ViTBackbone(**config.to_dict())
+    """
+
+    image_size: Union[int, Tuple[int, int]] = 224
+    patch_size: Union[int, Tuple[int, int]] = 16
+    num_channels: int = 3
+    num_layers: int = 12
+    num_heads: int = 12
+    hidden_dim: int = 768
+    intermediate_dim: int = 3072
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layer_norm_epsilon: float = 1e-6
+    activation: str = "gelu"
+    use_class_token: bool = True
+    qkv_bias: bool = True
+
+    def __post_init__(self):
+        check = self._check
+        check("image_size", check_int_or_pair)
+        check("patch_size", check_int_or_pair)
+        image = check_int_pair("image_size", self.image_size)
+        patch = check_int_pair("patch_size", self.patch_size)
+        for axis, size, step in zip(("height", "width"), image, patch):
+            if size % step:
+                raise FieldError(
+                    f"`patch_size`={self.patch_size!r} must divide "
+                    f"`image_size`={self.image_size!r} (image {axis} {size} is not a "
+                    f"multiple of patch {axis} {step}).",
+                    "patch_size",
+                )
+        check("num_channels", check_positive_int)
+        check("num_layers", check_positive_int)
+        check("num_heads", check_positive_int)
+        check("hidden_dim", check_positive_int)
+        check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
+        check("intermediate_dim", check_positive_int)
+        check("dropout", check_rate)
+        check("attention_dropout", check_rate)
+        check("layer_norm_epsilon", check_positive_float)
+        check("activation", check_choice, ACTIVATION_NAMES)
+        check("use_class_token", check_bool)
+        check("qkv_bias", check_bool)
+
+
 # === Functional Model ===
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class ViTBackbone(FunctionalModel):
+class ViTBackbone(Backbone):
     """Vision Transformer encoder (Dosovitskiy et al., 2021, arXiv:2010.11929).
 
     images -> `ViTEmbedding` (patches, class token, learned positions) -> `num_layers`
@@ -347,6 +393,10 @@ class ViTBackbone(FunctionalModel):
         qkv_bias: biases in the query/key/value projections.
         dtype: dtype policy of every layer.
 
+    The arguments (all but `dtype` and Keras' own) are the fields of `ViTConfig`, which
+    validates them: `ViTBackbone(**fields)` and `ViTConfig(**fields).build()` are the same
+    model, and `backbone.config` is that `ViTConfig`.
+
     Call args:
         images: float `(batch, height, width, num_channels)`, channels last.
 
@@ -363,6 +413,7 @@ class ViTBackbone(FunctionalModel):
     """
 
     family = FAMILY
+    config_class = ViTConfig
 
     def __init__(
         self,
@@ -382,21 +433,22 @@ class ViTBackbone(FunctionalModel):
         dtype=None,
         **kwargs,
     ):
-        check_positive_int("num_layers", num_layers)
-        check_positive_int("num_heads", num_heads)
-        check_positive_int("hidden_dim", hidden_dim)
-        check_positive_int("intermediate_dim", intermediate_dim)
-        check_positive_int("num_channels", num_channels)
-        if hidden_dim % num_heads:
-            raise ValueError(
-                f"`num_heads` must divide `hidden_dim`={hidden_dim}; got num_heads={num_heads}."
-            )
-        check_rate("dropout", dropout)
-        check_rate("attention_dropout", attention_dropout)
-        check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        check_choice("activation", activation, ACTIVATION_NAMES)
-        _check_bool("use_class_token", use_class_token)
-        _check_bool("qkv_bias", qkv_bias)
+        # === Config ===
+        config = ViTConfig(
+            image_size=image_size,
+            patch_size=patch_size,
+            num_channels=num_channels,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            hidden_dim=hidden_dim,
+            intermediate_dim=intermediate_dim,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+            activation=activation,
+            use_class_token=use_class_token,
+            qkv_bias=qkv_bias,
+        )
 
         # === Layers ===
         embedding = ViTEmbedding(
@@ -441,41 +493,10 @@ class ViTBackbone(FunctionalModel):
         if dtype is not None:
             self.dtype_policy = keras.dtype_policies.get(dtype)
 
-        # === Config ===
-        self.image_size = _as_config(image_size)
-        self.patch_size = _as_config(patch_size)
-        self.num_channels = num_channels
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
-        self.intermediate_dim = intermediate_dim
-        self.dropout = dropout
-        self.attention_dropout = attention_dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.activation = activation
-        self.use_class_token = use_class_token
-        self.qkv_bias = qkv_bias
+        self._store_config(config)
         self.embedding = embedding
         self.encoder_layers = encoder_layers
         self.final_norm = final_norm
-
-    def get_config(self):
-        return {
-            **self._base_config(),
-            "image_size": self.image_size,
-            "patch_size": self.patch_size,
-            "num_channels": self.num_channels,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "hidden_dim": self.hidden_dim,
-            "intermediate_dim": self.intermediate_dim,
-            "dropout": self.dropout,
-            "attention_dropout": self.attention_dropout,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "activation": self.activation,
-            "use_class_token": self.use_class_token,
-            "qkv_bias": self.qkv_bias,
-        }
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -509,13 +530,10 @@ class ViTClassifier(TaskModel):
 
     def __init__(self, backbone, num_classes=1000, pooling="token", dropout=0.0, dtype=None,
                  **kwargs):
-        if not isinstance(backbone, ViTBackbone):
-            raise ValueError(
-                f"`backbone` must be a ViTBackbone; got {type(backbone).__name__}."
-            )
-        check_positive_int("num_classes", num_classes)
-        check_choice("pooling", pooling, POOLINGS)
-        check_rate("dropout", dropout)
+        check_instance("backbone", backbone, ViTBackbone)
+        num_classes = check_positive_int("num_classes", num_classes)
+        pooling = check_choice("pooling", pooling, POOLINGS)
+        dropout = check_rate("dropout", dropout)
         if pooling == "token" and not backbone.use_class_token:
             raise ValueError(
                 "`pooling`='token' needs a backbone with use_class_token=True; got "
@@ -557,3 +575,7 @@ class ViTClassifier(TaskModel):
             "pooling": self.pooling,
             "dropout": self.dropout,
         }
+
+
+ViTConfig.backbone_class = ViTBackbone
+
