@@ -49,6 +49,9 @@ EDGE_PUNCTUATION = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 def add_arguments(parser):
     gpt_text.add_arguments(parser)
     parser.set_defaults(**OPTION_DEFAULTS)
+    for action in parser._actions:  # the shared help texts name gpt_text's defaults
+        if action.dest in OPTION_DEFAULTS and action.help:
+            action.help += " [the demo's default: %(default)s]"
 
 
 def words(text):
