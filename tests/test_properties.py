@@ -152,3 +152,20 @@ def test_fully_masked_rows_give_zeros_on_every_kernel():
                                                                 kernel=kernel))
         np.testing.assert_array_equal(out[0, 1], np.zeros((2, 4), np.float32))
         assert np.abs(out[0, 0]).sum() > 0
+
+
+def test_rows_emptied_by_mask_and_causal_together_give_zeros_on_every_kernel():
+    """Found by the property above (JAX's fused kernel, equal lengths): query 0 may only see
+    key 0 causally, and the mask hides key 0, so its row sees nothing; neither the mask nor
+    the causal flag alone empties it."""
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(1, 4, 2, 8)).astype("float32")
+    k = v = rng.normal(size=(1, 4, 1, 8)).astype("float32")
+    mask = np.ones((1, 1, 4, 4), bool)
+    mask[0, 0, 0, 0] = False
+    for kernel in KERNELS:
+        out = keras.ops.convert_to_numpy(dot_product_attention(q, k, v, mask=mask,
+                                                                is_causal=True, kernel=kernel))
+        np.testing.assert_array_equal(out[0, 0], np.zeros((2, 8), np.float32), err_msg=kernel)
+        np.testing.assert_allclose(out, numpy_attention(q, k, v, mask, None, True, 8 ** -0.5),
+                                   rtol=2e-4, atol=2e-5, err_msg=kernel)
