@@ -53,7 +53,10 @@ def fused(query, key, value, mask, bias, is_causal, scale):
         implementation=implementation,
     )
     if mask is not None:
-        visible = ops.transpose(_rows_with_any_key(mask), (0, 2, 1, 3))
+        # A row can be emptied by the mask and the causal flag together (both stay passed
+        # to jax.nn): the rows to zero are those of mask AND causal.
+        seen = ops.logical_and(mask, causal_mask(q_len, k_len)) if is_causal else mask
+        visible = ops.transpose(_rows_with_any_key(seen), (0, 2, 1, 3))
         out = ops.where(visible, out, ops.zeros((), dtype=out.dtype))
     return out
 
