@@ -263,9 +263,10 @@ def test_call_with_cache_equals_full_recompute():
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_compiled_decode_step_equals_full_recompute(kind):
-    """The (compiled) prefill + one-token steps that `generate` runs give the logits of a
-    full forward pass over the whole sequence, also with a left-padded row."""
+def test_generation_prefill_and_steps_equal_full_recompute(kind):
+    """The prefill + one-token steps that the decode loop runs (the model's decoding
+    interface) give the logits of a full forward pass over the whole sequence, also with a
+    left-padded row."""
     lm = shared_lm(kind)
     ids = _ids(2, 8, seed=4)
     full = to_numpy(_forward(lm, _inputs(ids)))
@@ -273,16 +274,17 @@ def test_compiled_decode_step_equals_full_recompute(kind):
     row1 = ids[1, :6]
     full1 = to_numpy(_forward(lm, _inputs(row1[None])))
     prompt = np.stack([ids[0, :5], np.concatenate([[0, 0], row1[:3]])]).astype("int32")
-    mask = np.ones((2, 8), "int32")
+    mask = np.ones((2, 5), "int32")
     mask[1, :2] = 0
     offset = np.array([0, 2], "int32")
-    step = lm._decode_fn(compile=True)
-    cache = lm.backbone.init_cache(2, 8)
-    logits, cache = step(prompt, cache, 0, mask, offset)
+    logits, state, constants = lm.generation_prefill(
+        {"token_ids": prompt, "padding_mask": mask, "position_offset": offset}, 3
+    )
+    assert tuple(state["cache"].shape)[3] == 8
     got0, got1 = [to_numpy(logits)[0]], [to_numpy(logits)[1]]
     for i in range(5, 8):
         tokens = np.array([[ids[0, i]], [row1[i - 2] if i - 2 < 6 else 0]], "int32")
-        logits, cache = step(tokens, cache, i, mask, offset)
+        logits, state = lm.generation_step(tokens, state, constants, i - 5)
         got0.append(to_numpy(logits)[0])
         got1.append(to_numpy(logits)[1])
     np.testing.assert_allclose(np.stack(got0), full[0, 4:8], atol=2e-5)
