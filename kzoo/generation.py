@@ -7,8 +7,9 @@ takes part by exposing two methods, the *decoding interface*:
   (GPT: the left-padded prompt on a fresh key/value cache; T5: the encoder, the
   cross-attention keys/values and the decoder start token) and returns the float32 logits
   `(batch, vocab)` of the first new token, the `state` that each step updates (a dict of
-  tensors with the batch first: the key/value caches) and the `constants` that every step
-  reads (a dict of tensors with the batch first: padding masks, position offsets, the
+  tensors, or of lists of tensors, with the batch first: the key/value caches, best one
+  tensor a layer so that each is written in place and never re-stacked) and the
+  `constants` that every step reads (the same: padding masks, position offsets, the
   cross-attention keys/values).
 - `generation_step(token_ids, state, constants, index) -> (logits, state)`: feeds the new
   tokens `(batch, 1)` chosen at step `index` (0 = the first new token) and returns the
@@ -19,7 +20,9 @@ The loop (`decode`) is written once with `keras.ops` and compiled whole:
 - JAX: one `jax.jit` around the prefill and a `jax.lax.while_loop` over the steps, the
   model variables passed in statelessly (`keras.StatelessScope`). The cache is created inside
   the jitted function and is a loop carry, so XLA updates it in place (nothing to donate).
-- TensorFlow: one `tf.function(jit_compile=True)` around the prefill and a `tf.while_loop`.
+- TensorFlow: one `tf.function(jit_compile=True)` around the prefill and a `tf.while_loop`
+  (sampling runs the same graph without XLA: XLA's random kernels draw other numbers than
+  TensorFlow's, and a seed must give the same tokens compiled or not).
 - PyTorch: the same body in a Python loop under `torch.no_grad()` on a static cache; the
   only host read is the "has every row finished?" test, done once every
   `TORCH_DONE_CHECK_EVERY` (8) steps (extra steps after the end change nothing: finished rows
@@ -669,7 +672,7 @@ def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num
 
 
 def _map(fn, tree):
-    return {name: fn(value) for name, value in tree.items()}
+    return keras.tree.map_structure(fn, tree)
 
 
 def _loop_body(model, sampler, max_new_tokens):
@@ -784,7 +787,9 @@ def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
     elif backend == "tensorflow":
         import tensorflow as tf
 
-        compiled = tf.function(run, jit_compile=True)
+        # XLA draws other random numbers than TensorFlow's own kernels: sampling stays
+        # off XLA so that a seed gives the same tokens compiled or not.
+        compiled = tf.function(run, jit_compile=not sampler.uses_seed)
     else:
         raise ValueError(f"No compiled decode loop for backend {backend!r}.")
     cache[key] = compiled

@@ -280,7 +280,8 @@ def test_generation_prefill_and_steps_equal_full_recompute(kind):
     logits, state, constants = lm.generation_prefill(
         {"token_ids": prompt, "padding_mask": mask, "position_offset": offset}, 3
     )
-    assert tuple(state["cache"].shape)[3] == 8
+    caches = state["cache"]  # one (batch, 2, slots, kv_heads, head_dim) cache per layer
+    assert len(caches) == 2 and all(tuple(c.shape)[:3] == (2, 2, 8) for c in caches)
     got0, got1 = [to_numpy(logits)[0]], [to_numpy(logits)[1]]
     for i in range(5, 8):
         tokens = np.array([[ids[0, i]], [row1[i - 2] if i - 2 < 6 else 0]], "int32")

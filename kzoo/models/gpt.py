@@ -373,21 +373,21 @@ class GPTBackbone(FunctionalModel):
     def head_dim(self):
         return self.hidden_dim // self.num_heads
 
-    def init_cache(self, batch_size, max_length):
+    def init_cache(self, batch_size, max_length, per_layer=False):
         """An all-zero key/value cache `(batch, num_layers, 2, max_length, kv_heads, head_dim)`.
+
+        With `per_layer=True`, a list of `num_layers` caches `(batch, 2, max_length,
+        kv_heads, head_dim)` instead: what the decode loop of `kzoo.generation` carries, so
+        that each layer's keys/values are written in place and never re-stacked.
 
         Example:
         >>> cache = backbone.init_cache(2, 32)
         """
-        shape = (
-            batch_size,
-            self.num_layers,
-            2,
-            max_length,
-            self.num_kv_heads or self.num_heads,
-            self.head_dim,
-        )
-        return ops.zeros(shape, dtype=self.compute_dtype)
+        shape = (batch_size, 2, max_length, self.num_kv_heads or self.num_heads,
+                 self.head_dim)
+        if per_layer:
+            return [ops.zeros(shape, dtype=self.compute_dtype) for _ in range(self.num_layers)]
+        return ops.zeros(shape[:1] + (self.num_layers,) + shape[1:], dtype=self.compute_dtype)
 
     def call_with_cache(
         self, token_ids, cache, cache_index, padding_mask=None, position_offset=None,
@@ -402,7 +402,8 @@ class GPTBackbone(FunctionalModel):
 
         Args:
             token_ids: int `(batch, q_len)`.
-            cache: `(batch, num_layers, 2, max_length, kv_heads, head_dim)` (see `init_cache`).
+            cache: `(batch, num_layers, 2, max_length, kv_heads, head_dim)`, or a list of
+                per-layer caches (see `init_cache`); returned updated in the same form.
             cache_index: int or scalar int tensor, the cache slot of the first token.
             padding_mask: `(batch, max_length)` over the cache slots, 1 = may be attended
                 (prompt padding 0; slots not yet written may be 1: the causal mask hides
@@ -435,18 +436,19 @@ class GPTBackbone(FunctionalModel):
                 table = ops.cast(self.position_embedding.embeddings, x.dtype)
                 x = x + ops.take(table, positions, axis=0)
         x = self.embeddings_dropout(x, training=training)
+        per_layer = isinstance(cache, (list, tuple))
         new_caches = []
         for i, block in enumerate(self.transformer_layers):
             x, layer_cache = block(
                 x,
                 padding_mask=padding_mask,
-                cache=cache[:, i],
+                cache=cache[i] if per_layer else cache[:, i],
                 cache_index=cache_index,
                 training=training,
             )
             new_caches.append(layer_cache)
         x = self.final_norm(x)
-        return x, ops.stack(new_caches, axis=1)
+        return x, new_caches if per_layer else ops.stack(new_caches, axis=1)
 
     # === Config ===
 
@@ -567,7 +569,8 @@ class GPTCausalLM(TaskModel):
 
         Returns:
             `(logits, state, constants)`: the float32 logits `(batch, vocab)` of the first
-            new token, `{"cache"}`, and `{"padding_mask"}` over the whole cache,
+            new token, `{"cache"}` (a list of per-layer caches), and `{"padding_mask"}` over
+            the whole cache,
             `"position_offset"`, `"prompt_length"` (batch,) (the slot of step 0's token).
         """
         token_ids = ops.convert_to_tensor(inputs["token_ids"], "int32")
@@ -580,7 +583,7 @@ class GPTCausalLM(TaskModel):
             "position_offset": ops.cast(inputs["position_offset"], "int32"),
             "prompt_length": ops.full((batch,), prompt_len, "int32"),
         }
-        cache = self.backbone.init_cache(batch, prompt_len + max_new_tokens)
+        cache = self.backbone.init_cache(batch, prompt_len + max_new_tokens, per_layer=True)
         logits, cache = self._logits_with_cache(token_ids, cache, 0, constants)
         return logits, {"cache": cache}, constants
 

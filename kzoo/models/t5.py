@@ -361,13 +361,16 @@ class T5Backbone(FunctionalModel):
         padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         return self._encoder_stack(token_ids, padding_mask, training=training)
 
-    def init_cache(self, batch_size, max_length, encoder_outputs):
+    def init_cache(self, batch_size, max_length, encoder_outputs, per_layer=False):
         """Empty self-attention caches and the cross-attention keys/values.
 
         Args:
             batch_size: rows.
             max_length: decoder positions the self-attention cache holds.
             encoder_outputs: `(batch, enc_len, hidden_dim)` from `encode`.
+            per_layer: return lists of per-layer caches (`(batch, 2, ...)` each) instead of
+                stacked tensors: what the decode loop of `kzoo.generation` carries, so that
+                each layer's keys/values are written in place and never re-stacked.
 
         Returns:
             `(self_cache, cross_cache)`: zeros `(batch, num_decoder_layers, 2, max_length,
@@ -379,17 +382,15 @@ class T5Backbone(FunctionalModel):
         >>> self_cache, cross_cache = backbone.init_cache(1, 20, enc)
         """
         dtype = self.compute_dtype
-        self_cache = ops.zeros(
-            (batch_size, len(self.decoder_layers), 2, max_length, self.num_heads,
-             self.key_value_dim),
-            dtype,
-        )
-        cross = []
+        shape = (batch_size, 2, max_length, self.num_heads, self.key_value_dim)
+        self_caches = [ops.zeros(shape, dtype) for _ in self.decoder_layers]
+        cross_caches = []
         for block in self.decoder_layers:
             k, v = block.cross_attention_layer.project_key_value(encoder_outputs)
-            cross.append(ops.stack([k, v], axis=1))
-        cross_cache = ops.cast(ops.stack(cross, axis=1), dtype)
-        return self_cache, cross_cache
+            cross_caches.append(ops.cast(ops.stack([k, v], axis=1), dtype))
+        if per_layer:
+            return self_caches, cross_caches
+        return ops.stack(self_caches, axis=1), ops.stack(cross_caches, axis=1)
 
     def decode_step(
         self,
@@ -412,7 +413,9 @@ class T5Backbone(FunctionalModel):
         Args:
             decoder_token_ids: `(batch, step_len)` int ids.
             encoder_padding_mask: `(batch, enc_len)` (1 = real token).
-            self_cache, cross_cache: from `init_cache` (or the previous step).
+            self_cache, cross_cache: from `init_cache` (or the previous step): stacked
+                tensors or lists of per-layer caches (the updated cache comes back the same
+                way).
             cache_index: int or scalar int tensor, position of the first new token.
             decoder_padding_mask: optional `(batch, max_length)` mask over the cache.
 
@@ -425,11 +428,11 @@ class T5Backbone(FunctionalModel):
         ...                                           self_cache, cross_cache, 0)
         """
         token_ids = ops.convert_to_tensor(decoder_token_ids, "int32")
+        per_layer = isinstance(self_cache, (list, tuple))
         x = self.token_embedding(token_ids)
         x = self.decoder_embedding_dropout(x, training=training)
-        bias = self.decoder_relative_attention_bias(
-            x, self_cache[:, 0, 0], start_index=cache_index
-        )
+        keys = self_cache[0][:, 0] if per_layer else self_cache[:, 0, 0]
+        bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
         encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         caches = []
         for i, block in enumerate(self.decoder_layers):
@@ -438,15 +441,15 @@ class T5Backbone(FunctionalModel):
                 padding_mask=decoder_padding_mask,
                 attention_bias=bias,
                 encoder_padding_mask=encoder_padding_mask,
-                cache=self_cache[:, i],
+                cache=self_cache[i] if per_layer else self_cache[:, i],
                 cache_index=cache_index,
-                cross_cache=cross_cache[:, i],
+                cross_cache=cross_cache[i] if per_layer else cross_cache[:, i],
                 training=training,
             )
             caches.append(layer_cache)
         x = self.decoder_output_norm(x)
         x = self.decoder_output_dropout(x, training=training)
-        return x, ops.stack(caches, axis=1)
+        return x, caches if per_layer else ops.stack(caches, axis=1)
 
     # === Config ===
 
@@ -566,14 +569,14 @@ class T5Seq2SeqLM(TaskModel):
 
         Returns:
             `(logits, state, constants)`: the float32 logits `(batch, vocab)` of the first
-            new token, `{"cache"}` (self-attention) and `{"encoder_padding_mask",
-            "cross_cache"}`.
+            new token, `{"cache"}` (self-attention, a list of per-layer caches) and
+            `{"encoder_padding_mask", "cross_cache"}` (a list too).
         """
         token_ids = ops.convert_to_tensor(inputs["encoder_token_ids"], "int32")
         mask = ops.convert_to_tensor(inputs["encoder_padding_mask"], "int32")
         encoded = self.backbone.encode(token_ids, mask)
         self_cache, cross_cache = self.backbone.init_cache(
-            token_ids.shape[0], max_new_tokens, encoded
+            token_ids.shape[0], max_new_tokens, encoded, per_layer=True
         )
         constants = {"encoder_padding_mask": mask, "cross_cache": cross_cache}
         logits, state = self.generation_step(
