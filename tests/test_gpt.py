@@ -317,6 +317,20 @@ def test_generate_greedy_equals_recompute_and_batch_equals_alone(kind):
         assert lm.generate([prompt], max_new_tokens=6) == [out]
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_generate_beam_batch_equals_alone(kind):
+    """Beam search (token-for-token parity with transformers: tests/test_generation.py) on
+    every kind: a prompt gives the same best hypothesis alone or in a left-padded batch."""
+    lm = shared_lm(kind)
+    prompts = [[5, 6, 7, 8, 9, 10], [3], [11, 12, 13]]
+    options = dict(max_new_tokens=5, strategy="beam", num_beams=3, length_penalty=0.7,
+                   compile=False)
+    batch = lm.generate(prompts, **options)
+    assert [len(o) for o in batch] == [5, 5, 5]
+    for prompt, out in zip(prompts, batch):
+        assert lm.generate([prompt], **options) == [out]
+
+
 def test_generate_eager_equals_compiled():
     lm = shared_lm("gpt2")
     prompts = [[5, 6, 7, 8, 9, 10], [3]]
