@@ -270,9 +270,10 @@ def test_call_with_cache_equals_full_recompute():
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_compiled_decode_step_equals_full_recompute(kind):
-    """The (compiled) prefill + one-token steps that `generate` runs give the logits of a
-    full forward pass over the whole sequence, also with a left-padded row."""
+def test_generation_prefill_and_steps_equal_full_recompute(kind):
+    """The prefill + one-token steps that the decode loop runs (the model's decoding
+    interface) give the logits of a full forward pass over the whole sequence, also with a
+    left-padded row."""
     lm = shared_lm(kind)
     ids = _ids(2, 8, seed=4)
     full = to_numpy(_forward(lm, _inputs(ids)))
@@ -280,16 +281,18 @@ def test_compiled_decode_step_equals_full_recompute(kind):
     row1 = ids[1, :6]
     full1 = to_numpy(_forward(lm, _inputs(row1[None])))
     prompt = np.stack([ids[0, :5], np.concatenate([[0, 0], row1[:3]])]).astype("int32")
-    mask = np.ones((2, 8), "int32")
+    mask = np.ones((2, 5), "int32")
     mask[1, :2] = 0
     offset = np.array([0, 2], "int32")
-    step = lm._decode_fn(compile=True)
-    cache = lm.backbone.init_cache(2, 8)
-    logits, cache = step(prompt, cache, 0, mask, offset)
+    logits, state, constants = lm.generation_prefill(
+        {"token_ids": prompt, "padding_mask": mask, "position_offset": offset}, 3
+    )
+    caches = state["cache"]  # one (batch, 2, slots, kv_heads, head_dim) cache per layer
+    assert len(caches) == 2 and all(tuple(c.shape)[:3] == (2, 2, 8) for c in caches)
     got0, got1 = [to_numpy(logits)[0]], [to_numpy(logits)[1]]
     for i in range(5, 8):
         tokens = np.array([[ids[0, i]], [row1[i - 2] if i - 2 < 6 else 0]], "int32")
-        logits, cache = step(tokens, cache, i, mask, offset)
+        logits, state = lm.generation_step(tokens, state, constants, i - 5)
         got0.append(to_numpy(logits)[0])
         got1.append(to_numpy(logits)[1])
     np.testing.assert_allclose(np.stack(got0), full[0, 4:8], atol=2e-5)
@@ -319,6 +322,20 @@ def test_generate_greedy_equals_recompute_and_batch_equals_alone(kind):
     for prompt, out in zip(prompts, batch):
         assert out == _greedy_by_recompute(lm, prompt, 6)
         assert lm.generate([prompt], max_new_tokens=6) == [out]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_generate_beam_batch_equals_alone(kind):
+    """Beam search (token-for-token parity with transformers: tests/test_generation.py) on
+    every kind: a prompt gives the same best hypothesis alone or in a left-padded batch."""
+    lm = shared_lm(kind)
+    prompts = [[5, 6, 7, 8, 9, 10], [3], [11, 12, 13]]
+    options = dict(max_new_tokens=5, strategy="beam", num_beams=3, length_penalty=0.7,
+                   compile=False)
+    batch = lm.generate(prompts, **options)
+    assert [len(o) for o in batch] == [5, 5, 5]
+    for prompt, out in zip(prompts, batch):
+        assert lm.generate([prompt], **options) == [out]
 
 
 def test_generate_eager_equals_compiled():

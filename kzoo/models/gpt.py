@@ -15,7 +15,8 @@ Classes:
   hidden states `(batch, seq, hidden_dim)`; `call_with_cache` runs it incrementally on a
   key/value cache.
 - `GPTCausalLM`: next-token logits `(batch, seq, vocabulary_size)`, and `generate(...)`
-  (greedy / temperature / top-k / top-p decoding on the key/value cache).
+  (greedy / temperature / top-k / top-p / beam search decoding on the key/value cache, in
+  the one decode loop of `kzoo.generation`).
 
 Example:
 >>> backbone = GPTBackbone(vocabulary_size=260, num_layers=2, num_heads=4, hidden_dim=64,
@@ -47,7 +48,6 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models import sampling
 from kzoo.models.base import Backbone, FamilyConfig, TaskModel
 
 FAMILY = "gpt"
@@ -367,21 +367,21 @@ class GPTBackbone(Backbone):
     def head_dim(self):
         return self.hidden_dim // self.num_heads
 
-    def init_cache(self, batch_size, max_length):
+    def init_cache(self, batch_size, max_length, per_layer=False):
         """An all-zero key/value cache `(batch, num_layers, 2, max_length, kv_heads, head_dim)`.
+
+        With `per_layer=True`, a list of `num_layers` caches `(batch, 2, max_length,
+        kv_heads, head_dim)` instead: what the decode loop of `kzoo.generation` carries, so
+        that each layer's keys/values are written in place and never re-stacked.
 
         Example:
         >>> cache = backbone.init_cache(2, 32)
         """
-        shape = (
-            batch_size,
-            self.num_layers,
-            2,
-            max_length,
-            self.num_kv_heads or self.num_heads,
-            self.head_dim,
-        )
-        return ops.zeros(shape, dtype=self.compute_dtype)
+        shape = (batch_size, 2, max_length, self.num_kv_heads or self.num_heads,
+                 self.head_dim)
+        if per_layer:
+            return [ops.zeros(shape, dtype=self.compute_dtype) for _ in range(self.num_layers)]
+        return ops.zeros(shape[:1] + (self.num_layers,) + shape[1:], dtype=self.compute_dtype)
 
     def call_with_cache(
         self, token_ids, cache, cache_index, padding_mask=None, position_offset=None,
@@ -396,7 +396,8 @@ class GPTBackbone(Backbone):
 
         Args:
             token_ids: int `(batch, q_len)`.
-            cache: `(batch, num_layers, 2, max_length, kv_heads, head_dim)` (see `init_cache`).
+            cache: `(batch, num_layers, 2, max_length, kv_heads, head_dim)`, or a list of
+                per-layer caches (see `init_cache`); returned updated in the same form.
             cache_index: int or scalar int tensor, the cache slot of the first token.
             padding_mask: `(batch, max_length)` over the cache slots, 1 = may be attended
                 (prompt padding 0; slots not yet written may be 1: the causal mask hides
@@ -429,18 +430,19 @@ class GPTBackbone(Backbone):
                 table = ops.cast(self.position_embedding.embeddings, x.dtype)
                 x = x + ops.take(table, positions, axis=0)
         x = self.embeddings_dropout(x, training=training)
+        per_layer = isinstance(cache, (list, tuple))
         new_caches = []
         for i, block in enumerate(self.transformer_layers):
             x, layer_cache = block(
                 x,
                 padding_mask=padding_mask,
-                cache=cache[:, i],
+                cache=cache[i] if per_layer else cache[:, i],
                 cache_index=cache_index,
                 training=training,
             )
             new_caches.append(layer_cache)
         x = self.final_norm(x)
-        return x, ops.stack(new_caches, axis=1)
+        return x, new_caches if per_layer else ops.stack(new_caches, axis=1)
 
 
 # === Task model ===
@@ -493,7 +495,6 @@ class GPTCausalLM(TaskModel):
         logits = backbone.token_embedding(hidden, reverse=True)
         super().__init__(inputs=inputs, outputs=logits, dtype=policy, **kwargs)
         self.backbone = backbone
-        self._decode_fns = {}
 
     # === Training helpers ===
 
@@ -516,58 +517,57 @@ class GPTCausalLM(TaskModel):
 
     # === Generation ===
 
-    def _decode_step(self, token_ids, cache, cache_index, padding_mask, position_offset):
+    def generation_prefill(self, inputs, max_new_tokens):
+        """Run the prompts on a fresh key/value cache (the decoding interface of
+        `kzoo.generation`).
+
+        Args:
+            inputs: `{"token_ids": (batch, prompt_len)` left-padded prompts,
+                `"padding_mask": (batch, prompt_len)` (0 on the left padding),
+                `"position_offset": (batch,)` (the pad slots in front of each row)`}`.
+            max_new_tokens: the steps that follow (the cache holds `prompt_len +
+                max_new_tokens` slots).
+
+        Returns:
+            `(logits, state, constants)`: the float32 logits `(batch, vocab)` of the first
+            new token, `{"cache"}` (a list of per-layer caches), and `{"padding_mask"}` over
+            the whole cache,
+            `"position_offset"`, `"prompt_length"` (batch,) (the slot of step 0's token).
+        """
+        token_ids = ops.convert_to_tensor(inputs["token_ids"], "int32")
+        batch, prompt_len = token_ids.shape
+        mask = ops.cast(inputs["padding_mask"], "int32")
+        constants = {
+            "padding_mask": ops.concatenate(
+                [mask, ops.ones((batch, max_new_tokens), "int32")], axis=1
+            ),
+            "position_offset": ops.cast(inputs["position_offset"], "int32"),
+            "prompt_length": ops.full((batch,), prompt_len, "int32"),
+        }
+        cache = self.backbone.init_cache(batch, prompt_len + max_new_tokens, per_layer=True)
+        logits, cache = self._logits_with_cache(token_ids, cache, 0, constants)
+        return logits, {"cache": cache}, constants
+
+    def generation_step(self, token_ids, state, constants, index):
+        """Feed `token_ids (batch, 1)`, the tokens of step `index` (slot `prompt_length +
+        index`): the float32 logits `(batch, vocab)` of the next token and `{"cache"}`."""
+        cache_index = constants["prompt_length"][0] + ops.cast(index, "int32")
+        logits, cache = self._logits_with_cache(token_ids, state["cache"], cache_index,
+                                                constants)
+        return logits, {"cache": cache}
+
+    def _logits_with_cache(self, token_ids, cache, cache_index, constants):
         hidden, cache = self.backbone.call_with_cache(
-            token_ids, cache, cache_index, padding_mask=padding_mask,
-            position_offset=position_offset,
+            token_ids, cache, cache_index, padding_mask=constants["padding_mask"],
+            position_offset=constants["position_offset"],
         )
         logits = self.backbone.token_embedding(hidden[:, -1:, :], reverse=True)[:, 0, :]
         return ops.cast(logits, "float32"), cache
 
-    def _decode_fn(self, compile):
-        """The decoding step, compiled where the backend allows (jax.jit, tf.function)."""
-        backend = keras.backend.backend()
-        if not compile or backend == "torch":
-            if backend == "torch":
-                import torch
-
-                def run(*args):
-                    with torch.no_grad():
-                        return self._decode_step(*args)
-
-                return run
-            return self._decode_step
-        if backend in self._decode_fns:
-            return self._decode_fns[backend]
-        if backend == "jax":
-            import jax
-
-            variables = list(self.variables)
-
-            @jax.jit
-            def stateless_step(values, *args):
-                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                    return self._decode_step(*args)
-
-            def run(*args):
-                return stateless_step([v.value for v in variables], *args)
-
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            step = tf.function(self._decode_step)
-
-            def run(token_ids, cache, cache_index, padding_mask, position_offset):
-                return step(token_ids, cache, tf.constant(cache_index, tf.int32),
-                            padding_mask, position_offset)
-
-        else:  # pragma: no cover - other backends run eagerly
-            run = self._decode_step
-        self._decode_fns[backend] = run
-        return run
-
     def _prepare_prompts(self, prompts, padding_mask):
-        """Prompts -> (list of id lists, string flag, single flag)."""
+        """Prompts -> (list of id lists, string flag, single flag); ids checked once here."""
+        from kzoo import generation
+
         tokenizer = getattr(self, "tokenizer", None)
         if isinstance(prompts, str):
             prompts, strings, single = [prompts], True, True
@@ -583,7 +583,9 @@ class GPTCausalLM(TaskModel):
                     "`generate` got text prompts but the model has no `tokenizer` attribute; "
                     "pass token ids or set `model.tokenizer` (a tokenizers.Tokenizer)."
                 )
-            return [_encode(tokenizer, p) for p in prompts], True, single
+            rows = [_encode(tokenizer, p) for p in prompts]
+            generation.check_token_ids(rows, self.backbone.vocabulary_size)
+            return rows, True, single
         if isinstance(prompts, (list, tuple)) and all(
             isinstance(p, (list, tuple)) for p in prompts
         ):
@@ -592,12 +594,13 @@ class GPTCausalLM(TaskModel):
                     "`padding_mask` is only used with an array of prompts; lists of token "
                     "id lists carry their own lengths."
                 )
-            rows = [[int(t) for t in p] for p in prompts]
+            rows = generation.integer_rows(prompts, "prompts")
+            generation.check_token_ids(rows, self.backbone.vocabulary_size)
         else:
-            ids = np.asarray(keras.ops.convert_to_numpy(prompts))
+            ids = generation.integer_array(prompts, "prompts")
             if ids.ndim == 1:
                 ids = ids[None, :]
-            if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            if ids.ndim != 2:
                 raise ValueError(
                     "`prompts` must be a string, a list of strings, a list of token id lists "
                     f"or an integer array (batch, seq); got an array of shape {ids.shape} and "
@@ -610,6 +613,7 @@ class GPTCausalLM(TaskModel):
                     f"`padding_mask` must have the shape of the prompts {ids.shape}; got "
                     f"{mask.shape}."
                 )
+            generation.check_token_ids(ids, self.backbone.vocabulary_size, mask)
             rows = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
         if not rows:
             raise ValueError("`prompts` is empty: give at least one prompt.")
@@ -629,6 +633,9 @@ class GPTCausalLM(TaskModel):
         temperature=1.0,
         top_k=None,
         top_p=None,
+        num_beams=None,
+        length_penalty=1.0,
+        early_stopping=False,
         stop_token_ids=None,
         seed=None,
         padding_mask=None,
@@ -637,98 +644,76 @@ class GPTCausalLM(TaskModel):
         """Continue each prompt with up to `max_new_tokens` tokens on a key/value cache.
 
         The prompts are left-padded to a common length (a multiple of 8) and run through the
-        model in one pass (prefill), then one token is decoded per step for the whole batch.
-        Each row keeps its own positions (a left-padded row sees positions 0, 1, ... as it
-        would alone) and never attends to padding, so a prompt continues the same way alone or in
-        a batch. The step function is compiled with `jax.jit` / `tf.function` (torch runs
-        eagerly under `no_grad`). A row stops after producing one of `stop_token_ids`; the
-        loop ends when every row has stopped.
+        model in one pass (prefill), then one token is decoded per step for the whole batch
+        by the one loop of `kzoo.generation`, compiled whole (`jax.jit` + `lax.while_loop`,
+        `tf.function` + `tf.while_loop`; PyTorch runs the same loop eagerly under
+        `no_grad`). Each row keeps its own positions (a left-padded row sees positions 0,
+        1, ... as it would alone) and never attends to padding, so a prompt continues the
+        same way alone or in a batch. A row ends with one of `stop_token_ids`; the loop ends
+        when every row has ended.
 
         Args:
-            prompts: a list of token id lists (any lengths); an int array `(batch, seq)`
+            prompts: a list of token id lists (any lengths); an integer array `(batch, seq)`
                 (with `padding_mask`, 1 = real token, padding on either side); or, when the
-                model has a `tokenizer`, a string or a list of strings.
+                model has a `tokenizer`, a string or a list of strings. Ids must lie in
+                `[0, vocabulary_size)`; float arrays are refused.
             max_new_tokens: the most tokens to add to each prompt.
-            strategy: "greedy" or "sample" (see `kzoo.models.sampling.select_next_token`).
-            temperature, top_k, top_p: sampling controls.
+            strategy: "greedy", "sample" or "beam" (see `kzoo.generation`).
+            temperature, top_k, top_p: sampling controls (`strategy="sample"`).
+            num_beams: beams of beam search (None: 4 with `strategy="beam"`, else 1;
+                `num_beams > 1` with "greedy" means beam search).
+            length_penalty: beam search score = sum of log-probabilities / length **
+                length_penalty.
+            early_stopping: beam search end rule: False, True or "never" (as transformers).
             stop_token_ids: None, an int or a list of ints ending a row.
             seed: int, `keras.random.SeedGenerator` or None (sampling only).
             padding_mask: with an array of prompts, which entries are real tokens.
-            compile: compile the step function (True) or run it eagerly.
+            compile: compile the whole loop (True) or run it eagerly, step by step (False).
 
         Returns:
             For token ids: a list (one per prompt) of the new token ids, ending with the stop
-            token if one was produced. For strings: the decoded prompt + continuation (a
-            string for a single string prompt, else a list of strings).
+            token if one was produced (beam search: the best finished hypothesis). For
+            strings: the decoded prompt + continuation (a string for a single string prompt,
+            else a list of strings).
 
         Example:
         >>> lm.generate([[464, 2068], [464]], max_new_tokens=10, stop_token_ids=[50256])
+        >>> lm.generate([[464, 2068]], strategy="beam", num_beams=4, length_penalty=0.8)
         >>> lm.generate("The quick brown", max_new_tokens=10, strategy="sample", top_p=0.9)
         """
+        # `kzoo.generation` sits above the model families (it imports none of them).
+        from kzoo import generation
+
         check_positive_int("max_new_tokens", max_new_tokens)
-        sampling._check_sampling_args(strategy, temperature, top_k, top_p)
+        sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
+                                          length_penalty, early_stopping)
+        stops = generation.stop_ids(stop_token_ids)
         rows, strings, single = self._prepare_prompts(prompts, padding_mask)
-        backbone = self.backbone
-        batch = len(rows)
         lengths = np.array([len(r) for r in rows])
         prompt_len = int(lengths.max())
-        if prompt_len + max_new_tokens > backbone.max_sequence_length:
+        limit = self.backbone.max_sequence_length
+        if prompt_len + max_new_tokens > limit:
             raise ValueError(
                 f"The longest prompt ({prompt_len} tokens) plus max_new_tokens="
-                f"{max_new_tokens} exceeds max_sequence_length="
-                f"{backbone.max_sequence_length} of the model."
+                f"{max_new_tokens} exceeds max_sequence_length={limit} of the model."
             )
         # Left padding up to a multiple of 8: prompts of similar lengths share one compiled
-        # step (the pads never count as positions, see `position_offset`).
+        # loop (the pads never count as positions, see `position_offset`).
         prompt_len = -(-prompt_len // 8) * 8
-        total = prompt_len + max_new_tokens
-        ids = np.zeros((batch, prompt_len), "int32")
-        mask = np.ones((batch, total), "int32")
+        ids = np.zeros((len(rows), prompt_len), "int32")
+        mask = np.ones((len(rows), prompt_len), "int32")
         offset = (prompt_len - lengths).astype("int32")
         for b, row in enumerate(rows):
             ids[b, offset[b]:] = row
             mask[b, : offset[b]] = 0
-        step = self._decode_fn(compile)
-        if strategy == "sample":
-            if isinstance(seed, keras.random.SeedGenerator):
-                generator = seed
-            else:
-                generator = keras.random.SeedGenerator(seed)
-        else:
-            generator = None
-
-        cache = backbone.init_cache(batch, total)
-        mask_t = ops.convert_to_tensor(mask)
-        offset_t = ops.convert_to_tensor(offset)
-        logits, cache = step(ops.convert_to_tensor(ids), cache, 0, mask_t, offset_t)
-        generated = np.zeros((batch, max_new_tokens), "int32")
-        finished = np.zeros((batch,), bool)
-        done_at = np.full((batch,), max_new_tokens)
-        stops = () if stop_token_ids is None else (
-            (stop_token_ids,) if isinstance(stop_token_ids, int) else tuple(stop_token_ids)
+        outputs = generation.decode(
+            self, {"token_ids": ids, "padding_mask": mask, "position_offset": offset},
+            sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+            pad_token_id=0, seed=seed, compile=compile,
         )
-        for t in range(max_new_tokens):
-            next_ids = sampling.select_next_token(
-                logits, strategy=strategy, temperature=temperature, top_k=top_k,
-                top_p=top_p, seed=generator,
-            )
-            next_np = np.asarray(ops.convert_to_numpy(next_ids)).astype("int32")
-            next_np = np.where(finished, 0, next_np)
-            generated[:, t] = next_np
-            newly = ~finished & np.isin(next_np, stops)
-            done_at[newly] = t + 1
-            finished |= newly
-            if finished.all() or t == max_new_tokens - 1:
-                break
-            logits, cache = step(
-                ops.convert_to_tensor(next_np[:, None]), cache, prompt_len + t, mask_t,
-                offset_t,
-            )
-        outputs = [generated[b, : done_at[b]].tolist() for b in range(batch)]
         if not strings:
             return outputs
-        tokenizer = self.tokenizer
-        texts = [tokenizer.decode(rows[b] + outputs[b]) for b in range(batch)]
+        texts = [self.tokenizer.decode(rows[b] + outputs[b]) for b in range(len(rows))]
         return texts[0] if single else texts
 
 

@@ -11,7 +11,8 @@ Text-to-Text Transformer", https://arxiv.org/abs/1910.10683), versions 1.0 and 1
   Outputs `{"encoder_sequence_output", "decoder_sequence_output"}`.
 - `T5Seq2SeqLM`: vocabulary logits from the decoder, plus `generate` (the encoder runs
   once; the decoder runs one token per step on a key/value cache; the cross-attention
-  keys/values are computed once from the encoder output).
+  keys/values are computed once from the encoder output; greedy, sampling or beam search
+  in the one decode loop of `kzoo.generation`).
 
 Inputs follow keras-hub: `{"encoder_token_ids", "encoder_padding_mask",
 "decoder_token_ids", "decoder_padding_mask"}`, each `(batch, seq)` int32 (masks 1/True for
@@ -376,13 +377,16 @@ class T5Backbone(Backbone):
         padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         return self._encoder_stack(token_ids, padding_mask, training=training)
 
-    def init_cache(self, batch_size, max_length, encoder_outputs):
+    def init_cache(self, batch_size, max_length, encoder_outputs, per_layer=False):
         """Empty self-attention caches and the cross-attention keys/values.
 
         Args:
             batch_size: rows.
             max_length: decoder positions the self-attention cache holds.
             encoder_outputs: `(batch, enc_len, hidden_dim)` from `encode`.
+            per_layer: return lists of per-layer caches (`(batch, 2, ...)` each) instead of
+                stacked tensors: what the decode loop of `kzoo.generation` carries, so that
+                each layer's keys/values are written in place and never re-stacked.
 
         Returns:
             `(self_cache, cross_cache)`: zeros `(batch, num_decoder_layers, 2, max_length,
@@ -394,17 +398,15 @@ class T5Backbone(Backbone):
         >>> self_cache, cross_cache = backbone.init_cache(1, 20, enc)
         """
         dtype = self.compute_dtype
-        self_cache = ops.zeros(
-            (batch_size, len(self.decoder_layers), 2, max_length, self.num_heads,
-             self.key_value_dim),
-            dtype,
-        )
-        cross = []
+        shape = (batch_size, 2, max_length, self.num_heads, self.key_value_dim)
+        self_caches = [ops.zeros(shape, dtype) for _ in self.decoder_layers]
+        cross_caches = []
         for block in self.decoder_layers:
             k, v = block.cross_attention_layer.project_key_value(encoder_outputs)
-            cross.append(ops.stack([k, v], axis=1))
-        cross_cache = ops.cast(ops.stack(cross, axis=1), dtype)
-        return self_cache, cross_cache
+            cross_caches.append(ops.cast(ops.stack([k, v], axis=1), dtype))
+        if per_layer:
+            return self_caches, cross_caches
+        return ops.stack(self_caches, axis=1), ops.stack(cross_caches, axis=1)
 
     def decode_step(
         self,
@@ -427,7 +429,9 @@ class T5Backbone(Backbone):
         Args:
             decoder_token_ids: `(batch, step_len)` int ids.
             encoder_padding_mask: `(batch, enc_len)` (1 = real token).
-            self_cache, cross_cache: from `init_cache` (or the previous step).
+            self_cache, cross_cache: from `init_cache` (or the previous step): stacked
+                tensors or lists of per-layer caches (the updated cache comes back the same
+                way).
             cache_index: int or scalar int tensor, position of the first new token.
             decoder_padding_mask: optional `(batch, max_length)` mask over the cache.
 
@@ -440,11 +444,11 @@ class T5Backbone(Backbone):
         ...                                           self_cache, cross_cache, 0)
         """
         token_ids = ops.convert_to_tensor(decoder_token_ids, "int32")
+        per_layer = isinstance(self_cache, (list, tuple))
         x = self.token_embedding(token_ids)
         x = self.decoder_embedding_dropout(x, training=training)
-        bias = self.decoder_relative_attention_bias(
-            x, self_cache[:, 0, 0], start_index=cache_index
-        )
+        keys = self_cache[0][:, 0] if per_layer else self_cache[:, 0, 0]
+        bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
         encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         caches = []
         for i, block in enumerate(self.decoder_layers):
@@ -453,15 +457,15 @@ class T5Backbone(Backbone):
                 padding_mask=decoder_padding_mask,
                 attention_bias=bias,
                 encoder_padding_mask=encoder_padding_mask,
-                cache=self_cache[:, i],
+                cache=self_cache[i] if per_layer else self_cache[:, i],
                 cache_index=cache_index,
-                cross_cache=cross_cache[:, i],
+                cross_cache=cross_cache[i] if per_layer else cross_cache[:, i],
                 training=training,
             )
             caches.append(layer_cache)
         x = self.decoder_output_norm(x)
         x = self.decoder_output_dropout(x, training=training)
-        return x, ops.stack(caches, axis=1)
+        return x, caches if per_layer else ops.stack(caches, axis=1)
 
     # === Config ===
 
@@ -501,7 +505,8 @@ class T5Seq2SeqLM(TaskModel):
 
     Inputs: the backbone's dict. Output: logits `(batch, dec_len, vocabulary_size)`.
 
-    `generate(...)` decodes greedily or by sampling (see its docstring). When the model has
+    `generate(...)` decodes greedily, by sampling or by beam search (see its docstring,
+    and `kzoo.generation`). When the model has
     a `tokenizer` attribute (a `tokenizers.Tokenizer`, set by `kzoo.presets.load` on a
     Hugging Face directory with a `tokenizer.json`), it also takes and returns strings.
 
@@ -510,8 +515,8 @@ class T5Seq2SeqLM(TaskModel):
     ...                       hidden_dim=64, key_value_dim=16, intermediate_dim=128)
     >>> model = T5Seq2SeqLM(backbone)
     >>> model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5).shape
-    (1, 5)
+    >>> [len(row) for row in model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)]
+    [5]
     """
 
     family = FAMILY
@@ -536,7 +541,6 @@ class T5Seq2SeqLM(TaskModel):
         hidden = backbone(inputs)["decoder_sequence_output"]
         logits = self._logits(hidden)
         super().__init__(inputs=inputs, outputs=logits, dtype=policy, **kwargs)
-        self._compiled_step = None
 
     def _logits(self, hidden):
         if self.lm_head is not None:
@@ -546,192 +550,197 @@ class T5Seq2SeqLM(TaskModel):
 
     # === Generation ===
 
-    def _step(self, token_ids, self_cache, cache_index, cross_cache, encoder_padding_mask):
-        hidden, self_cache = self.backbone.decode_step(
-            token_ids, encoder_padding_mask, self_cache, cross_cache, cache_index
+    def generation_prefill(self, inputs, max_new_tokens):
+        """Encode, project the cross-attention keys/values once and feed the decoder start
+        token (the decoding interface of `kzoo.generation`).
+
+        Args:
+            inputs: `{"encoder_token_ids", "encoder_padding_mask"}` `(batch, enc_len)` and
+                `"decoder_start_token_ids"` `(batch, 1)`.
+            max_new_tokens: the steps that follow (the self-attention cache holds that many
+                positions: the start token and every new token but the last).
+
+        Returns:
+            `(logits, state, constants)`: the float32 logits `(batch, vocab)` of the first
+            new token, `{"cache"}` (self-attention, a list of per-layer caches) and
+            `{"encoder_padding_mask", "cross_cache"}` (a list too).
+        """
+        token_ids = ops.convert_to_tensor(inputs["encoder_token_ids"], "int32")
+        mask = ops.convert_to_tensor(inputs["encoder_padding_mask"], "int32")
+        encoded = self.backbone.encode(token_ids, mask)
+        self_cache, cross_cache = self.backbone.init_cache(
+            token_ids.shape[0], max_new_tokens, encoded, per_layer=True
         )
-        return ops.cast(self._logits(hidden)[:, -1, :], "float32"), self_cache
+        constants = {"encoder_padding_mask": mask, "cross_cache": cross_cache}
+        logits, state = self.generation_step(
+            inputs["decoder_start_token_ids"], {"cache": self_cache}, constants, -1
+        )
+        return logits, state, constants
 
-    def _step_function(self, compile):
-        """The decoding step, compiled where the backend allows it cheaply."""
-        if not compile:
-            return self._step
-        if self._compiled_step is not None:
-            return self._compiled_step
-        backend = keras.backend.backend()
-        if backend == "jax":
-            import jax
+    def generation_step(self, token_ids, state, constants, index):
+        """Feed `token_ids (batch, 1)`, the tokens of step `index` (decoder position
+        `index + 1`; -1 = the start token): the float32 logits `(batch, vocab)` of the next
+        token and the new `{"cache"}`."""
+        hidden, cache = self.backbone.decode_step(
+            token_ids, constants["encoder_padding_mask"], state["cache"],
+            constants["cross_cache"], ops.cast(index, "int32") + 1,
+        )
+        return ops.cast(self._logits(hidden)[:, -1, :], "float32"), {"cache": cache}
 
-            variables = list(self.variables)
+    def _prepare_inputs(self, prompts, padding_mask, pad_token_id):
+        """(token ids, padding mask, how to return) from strings, a dict or an array; the
+        ids are checked once here (integers in [0, vocabulary_size))."""
+        from kzoo import generation
 
-            def pure(values, *args):
-                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                    return self._step(*args)
-
-            jitted = jax.jit(pure)
-
-            def step(*args):
-                return jitted([v.value for v in variables], *args)
-
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            step = tf.function(self._step, reduce_retracing=True)
-        else:
-            step = self._step
-        self._compiled_step = step
-        return step
-
-    def _prepare_inputs(self, encoder_inputs, pad_token_id):
-        """(token ids, padding mask, how to return) from strings, a dict or an array."""
+        vocabulary_size = self.backbone.vocabulary_size
         strings = None
-        if isinstance(encoder_inputs, str) or (
-            isinstance(encoder_inputs, (list, tuple))
-            and encoder_inputs
-            and all(isinstance(s, str) for s in encoder_inputs)
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and all(isinstance(s, str) for s in prompts)
         ):
             tokenizer = getattr(self, "tokenizer", None)
             if tokenizer is None:
                 raise ValueError(
-                    "`encoder_inputs` are strings but this model has no `tokenizer`; set "
+                    "`prompts` are strings but this model has no `tokenizer`; set "
                     "`model.tokenizer` to a `tokenizers.Tokenizer` or pass token ids."
                 )
-            strings = "single" if isinstance(encoder_inputs, str) else "batch"
-            texts = [encoder_inputs] if strings == "single" else list(encoder_inputs)
+            strings = "single" if isinstance(prompts, str) else "batch"
+            texts = [prompts] if strings == "single" else list(prompts)
             encoded = [e.ids for e in tokenizer.encode_batch(texts)]
+            generation.check_token_ids(encoded, vocabulary_size)
             ids, mask = _right_pad(encoded, pad_token_id)
             return ids, mask, strings
-        if isinstance(encoder_inputs, dict):
-            if "encoder_token_ids" not in encoder_inputs:
+        if isinstance(prompts, dict):
+            if "encoder_token_ids" not in prompts:
                 raise ValueError(
-                    "`encoder_inputs` as a dict needs 'encoder_token_ids' (and optionally "
-                    f"'encoder_padding_mask'); got keys {sorted(encoder_inputs)}."
+                    "`prompts` as a dict needs 'encoder_token_ids' (and optionally "
+                    f"'encoder_padding_mask'); got keys {sorted(prompts)}."
                 )
-            ids = _to_numpy(encoder_inputs["encoder_token_ids"]).astype("int32")
-            mask = encoder_inputs.get("encoder_padding_mask")
-        elif isinstance(encoder_inputs, (list, tuple)) and encoder_inputs and all(
-            isinstance(row, (list, tuple, np.ndarray)) for row in encoder_inputs
+            if padding_mask is not None and "encoder_padding_mask" in prompts:
+                raise ValueError(
+                    "Give the padding mask once: `padding_mask` or the dict's "
+                    "'encoder_padding_mask', not both."
+                )
+            ids = generation.integer_array(prompts["encoder_token_ids"], "encoder_token_ids")
+            mask = prompts.get("encoder_padding_mask", padding_mask)
+        elif isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in prompts
         ):
             # Rows of token ids of different lengths: right-pad them.
-            rows = [np.asarray(row, "int32").reshape(-1) for row in encoder_inputs]
+            if padding_mask is not None:
+                raise ValueError(
+                    "`padding_mask` is only used with an array of prompts; lists of token "
+                    "id lists carry their own lengths."
+                )
+            rows = generation.integer_rows(
+                [np.asarray(row).reshape(-1).tolist() for row in prompts], "prompts"
+            )
+            generation.check_token_ids(rows, vocabulary_size)
             ids, mask = _right_pad(rows, pad_token_id)
+            return ids, mask, strings
         else:
-            ids = _to_numpy(encoder_inputs).astype("int32")
-            mask = None
+            ids = generation.integer_array(prompts, "prompts")
+            mask = padding_mask
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2:
             raise ValueError(
-                "`encoder_inputs` token ids must have shape (batch, length); got shape "
+                "`prompts` token ids must have shape (batch, length); got shape "
                 f"{ids.shape}."
             )
         if mask is None:
             mask = (ids != pad_token_id).astype("int32")
         else:
-            mask = _to_numpy(mask).astype("int32").reshape(ids.shape)
-        return ids, mask, strings
+            mask = _to_numpy(mask).astype("int32")
+            if mask.shape != ids.shape:
+                raise ValueError(
+                    f"`padding_mask` must have the shape of the token ids {ids.shape}; got "
+                    f"{mask.shape}."
+                )
+        generation.check_token_ids(ids, vocabulary_size, mask.astype(bool))
+        return ids.astype("int32"), mask, strings
 
     def generate(
         self,
-        encoder_inputs,
+        prompts,
         max_new_tokens=20,
         strategy="greedy",
         temperature=1.0,
         top_k=None,
         top_p=None,
+        num_beams=None,
+        length_penalty=1.0,
+        early_stopping=False,
         stop_token_ids=(1,),
+        seed=None,
+        padding_mask=None,
+        compile=True,
         decoder_start_token_id=0,
         pad_token_id=0,
-        seed=None,
-        compile=True,
     ):
         """Generate decoder tokens for each input sequence.
 
         The encoder runs once; the cross-attention keys/values of every decoder layer are
         projected once from its output; the decoder then runs one token per step on a
         self-attention key/value cache of `max_new_tokens` positions, starting from
-        `decoder_start_token_id`. A row ends at its first stop token; later positions of that
-        row are `pad_token_id`; decoding stops when every row has ended.
+        `decoder_start_token_id`, in the one loop of `kzoo.generation` (compiled whole on JAX
+        and TensorFlow). A row ends at its first stop token; decoding stops when every row
+        has ended. The arguments shared with `GPTCausalLM.generate` are the same (T5 stops at
+        `</s>` = 1 by default) and so is the return type.
 
         Args:
-            encoder_inputs: token ids `(batch, enc_len)` (the padding mask is
-                `ids != pad_token_id`), a list of id rows of any lengths (right-padded),
+            prompts: encoder token ids `(batch, enc_len)` (the padding mask is `padding_mask`,
+                or `ids != pad_token_id`), a list of id rows of any lengths (right-padded),
                 a dict with "encoder_token_ids" and optionally "encoder_padding_mask", or
-                (with a `tokenizer` attribute) a string or a list of strings.
+                (with a `tokenizer` attribute) a string or a list of strings. Ids must lie in
+                `[0, vocabulary_size)`; float arrays are refused.
             max_new_tokens: most tokens generated per row.
-            strategy: "greedy" or "sample".
-            temperature, top_k, top_p: sampling options (see
-                `kzoo.models.sampling.select_next_token`).
+            strategy: "greedy", "sample" or "beam" (see `kzoo.generation`).
+            temperature, top_k, top_p: sampling options (`strategy="sample"`).
+            num_beams: beams of beam search (None: 4 with `strategy="beam"`, else 1;
+                `num_beams > 1` with "greedy" means beam search).
+            length_penalty: beam search score = sum of log-probabilities / length **
+                length_penalty.
+            early_stopping: beam search end rule: False, True or "never" (as transformers).
             stop_token_ids: ids ending a row (T5's `</s>` is 1); None or () for none.
-            decoder_start_token_id: the first decoder input (T5: 0, the pad token).
-            pad_token_id: filler after a row's stop token, and the padding id of raw
-                token-id inputs.
             seed: int, `keras.random.SeedGenerator` or None, for sampling.
-            compile: compile the decoding step (JAX `jit`, TensorFlow `tf.function`).
+            padding_mask: with an array of encoder ids, which entries are real tokens.
+            compile: compile the whole loop (True) or run it eagerly, step by step (False).
+            decoder_start_token_id: the first decoder input (T5: 0, the pad token).
+            pad_token_id: the padding id of raw token-id inputs (and what ended rows emit
+                inside the loop; never part of a result).
 
         Returns:
-            int32 NumPy array `(batch, steps)` of generated ids (without the start token;
-            `steps <= max_new_tokens`), or decoded strings (special tokens skipped) when
-            strings were given.
+            A list (one per input) of the generated token ids (without the start token),
+            ending with the stop token if one was produced (beam search: the best finished
+            hypothesis); or decoded strings (special tokens skipped) when strings were given:
+            a string for one string, else a list.
 
         Example:
         >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)
         >>> model.generate(ids, strategy="sample", top_p=0.9, temperature=0.7, seed=0)
+        >>> model.generate(ids, strategy="beam", num_beams=4, length_penalty=0.6)
         """
-        from kzoo.models.sampling import (
-            STRATEGIES,
-            mask_finished,
-            select_next_token,
-            update_finished,
-        )
+        # `kzoo.generation` sits above the model families (it imports none of them).
+        from kzoo import generation
 
         check_positive_int("max_new_tokens", max_new_tokens)
-        check_choice("strategy", strategy, STRATEGIES)
-        ids, mask, strings = self._prepare_inputs(encoder_inputs, pad_token_id)
-        if strategy == "sample" and not isinstance(seed, keras.random.SeedGenerator):
-            seed = keras.random.SeedGenerator(seed)
-        step = self._step_function(compile)
-        backend = keras.backend.backend()
-        no_grad = None
-        if backend == "torch":
-            import torch
-
-            no_grad = torch.no_grad()
-            no_grad.__enter__()
-        try:
-            batch = ids.shape[0]
-            mask_t = ops.convert_to_tensor(mask, "int32")
-            encoder_outputs = self.backbone.encode(ops.convert_to_tensor(ids), mask_t)
-            self_cache, cross_cache = self.backbone.init_cache(
-                batch, max_new_tokens, encoder_outputs
-            )
-            token = ops.full((batch, 1), decoder_start_token_id, "int32")
-            finished = None
-            generated = []
-            for index in range(max_new_tokens):
-                logits, self_cache = step(
-                    token, self_cache, ops.convert_to_tensor(index, "int32"), cross_cache,
-                    mask_t,
-                )
-                next_ids = select_next_token(
-                    logits, strategy=strategy, temperature=temperature, top_k=top_k,
-                    top_p=top_p, seed=seed,
-                )
-                next_ids = mask_finished(next_ids, finished, pad_token_id)
-                finished = update_finished(finished, next_ids, stop_token_ids)
-                generated.append(_to_numpy(next_ids))
-                if stop_token_ids and bool(np.all(_to_numpy(finished))):
-                    break
-                token = ops.expand_dims(next_ids, 1)
-        finally:
-            if no_grad is not None:
-                no_grad.__exit__(None, None, None)
-        out = np.stack(generated, axis=1).astype("int32")
-        if strings is None:
-            return out
-        texts = self.tokenizer.decode_batch(
-            [row.tolist() for row in out], skip_special_tokens=True
+        sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
+                                          length_penalty, early_stopping)
+        stops = generation.stop_ids(stop_token_ids)
+        ids, mask, strings = self._prepare_inputs(prompts, padding_mask, pad_token_id)
+        start = np.full((ids.shape[0], 1), decoder_start_token_id, "int32")
+        outputs = generation.decode(
+            self,
+            {"encoder_token_ids": ids, "encoder_padding_mask": mask,
+             "decoder_start_token_ids": start},
+            sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+            pad_token_id=pad_token_id, seed=seed, compile=compile,
         )
+        if strings is None:
+            return outputs
+        texts = self.tokenizer.decode_batch(outputs, skip_special_tokens=True)
         return texts[0] if strings == "single" else texts
 
 

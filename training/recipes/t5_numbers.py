@@ -115,7 +115,7 @@ def translate(model, vocab, sources, source_length, max_new_tokens, batch_size=2
         ids = np.asarray([vocab.encode(s, source_length) for s in chunk], np.int32)
         generated = model.generate(ids, max_new_tokens=max_new_tokens, strategy="greedy",
                                    stop_token_ids=(vocab.eos_id,))
-        out.extend(vocab.decode(row) for row in np.asarray(generated))
+        out.extend(vocab.decode(row) for row in generated)  # one id list per source
     return out
 
 

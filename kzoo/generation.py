@@ -1,0 +1,879 @@
+"""The one decode loop of kzoo: key/value-cached generation, samplers and beam search.
+
+Every generative model (GPT in both styles, T5) decodes through `decode(...)` here. A model
+takes part by exposing two methods, the *decoding interface*:
+
+- `generation_prefill(inputs, max_new_tokens) -> (logits, state, constants)`: runs the prompt
+  (GPT: the left-padded prompt on a fresh key/value cache; T5: the encoder, the
+  cross-attention keys/values and the decoder start token) and returns the float32 logits
+  `(batch, vocab)` of the first new token, the `state` that each step updates (a dict of
+  tensors, or of lists of tensors, with the batch first: the key/value caches, best one
+  tensor a layer so that each is written in place and never re-stacked) and the
+  `constants` that every step reads (the same: padding masks, position offsets, the
+  cross-attention keys/values).
+- `generation_step(token_ids, state, constants, index) -> (logits, state)`: feeds the new
+  tokens `(batch, 1)` chosen at step `index` (0 = the first new token) and returns the
+  logits of the next one with the updated state.
+
+The loop (`decode`) is written once with `keras.ops` and compiled whole:
+
+- JAX: one `jax.jit` around the prefill and a `jax.lax.while_loop` over the steps, the
+  model variables passed in statelessly (`keras.StatelessScope`). The cache is created inside
+  the jitted function and is a loop carry, so XLA updates it in place (nothing to donate).
+- TensorFlow: one `tf.function(jit_compile=True)` around the prefill and a `tf.while_loop`
+  (sampling runs the same graph without XLA: XLA's random kernels draw other numbers than
+  TensorFlow's, and a seed must give the same tokens compiled or not).
+- PyTorch: the same body in a Python loop under `torch.no_grad()` on a static cache; the
+  only host read is the "has every row finished?" test, done once every
+  `TORCH_DONE_CHECK_EVERY` (8) steps (extra steps after the end change nothing: finished rows
+  keep emitting padding, closed beams accept nothing).
+- `compile=False`: the same body in a Python loop, eagerly, testing the end at every step
+  (for debugging; on PyTorch under `torch.no_grad()` too).
+
+No per-token host round-trip: the tokens are read back once, at the end.
+
+Samplers (small classes; `make_sampler` builds one from `generate`'s arguments):
+
+- `GreedySampler`: argmax.
+- `RandomSampler(temperature, top_k, top_p)`: draws from `softmax(filter_logits(...))`.
+- `BeamSampler(num_beams, length_penalty, early_stopping)`: beam search with the semantics of
+  Hugging Face transformers 4.57 (`GenerationMixin._beam_search`, see the class).
+
+A row that produces one of `stop_token_ids` ends there: greedy and sampled rows keep emitting
+padding afterwards and their result is cut after the stop token; the loop ends early once
+every row (every beam search) has ended.
+
+Example:
+>>> lm.generate([[464, 2068], [464]], max_new_tokens=10, strategy="beam", num_beams=4)
+>>> logits = keras.random.normal((2, 100))
+>>> select_next_token(logits, strategy="sample", top_p=0.9, seed=0)
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from kzoo.layers.utils import check_positive_int
+
+STRATEGIES = ("greedy", "sample", "beam")
+EARLY_STOPPING = (False, True, "never")
+DEFAULT_NUM_BEAMS = 4
+TORCH_DONE_CHECK_EVERY = 8
+
+# Masked logits. A finite, very negative value rather than -inf keeps every backend's
+# categorical sampler well defined (softmax of the kept tokens is unaffected: exp underflows
+# to exactly 0 in float32).
+_MASKED = -1e30
+# The score offset beam search adds to a candidate that may not be chosen (transformers'
+# -1e9), e.g. a hypothesis that has just produced a stop token when picking running beams.
+_EXCLUDED = -1.0e9
+
+
+# === Argument checks ===
+
+
+def _is_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer,
+                                                              np.floating))
+
+
+def check_sampling_args(strategy, temperature, top_k, top_p, strategies=STRATEGIES):
+    """Raise `ValueError` naming the argument if a sampling argument is not allowed."""
+    if strategy not in strategies:
+        raise ValueError(
+            f"`strategy` must be one of {list(strategies)}; got strategy={strategy!r}."
+        )
+    if not _is_number(temperature) or not temperature > 0:
+        raise ValueError(
+            f"`temperature` must be a positive number; got temperature={temperature!r}."
+        )
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1
+    ):
+        raise ValueError(f"`top_k` must be None or a positive integer; got top_k={top_k!r}.")
+    if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"`top_p` must be None or a number in (0, 1]; got top_p={top_p!r}.")
+
+
+def stop_ids(stop_token_ids):
+    """`stop_token_ids` (None, an int or a sequence of ints) -> a tuple of ints."""
+    if stop_token_ids is None:
+        return ()
+    if isinstance(stop_token_ids, (int, np.integer)) and not isinstance(stop_token_ids, bool):
+        return (int(stop_token_ids),)
+    try:
+        values = tuple(stop_token_ids)
+    except TypeError:
+        values = None
+    if values is None or any(
+        isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in values
+    ):
+        raise ValueError(
+            "`stop_token_ids` must be None, a non-negative int or a sequence of them; got "
+            f"stop_token_ids={stop_token_ids!r}."
+        )
+    return tuple(int(s) for s in values)
+
+
+def integer_array(values, name):
+    """`values` as a NumPy integer array; a float or boolean array is refused, not cast."""
+    array = np.asarray(ops.convert_to_numpy(values) if not isinstance(values, (list, tuple))
+                       else values)
+    if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"`{name}` must hold integer token ids; got an array of dtype {array.dtype} "
+            f"and shape {array.shape} (cast it to int32 yourself if the values are ids)."
+        )
+    return array
+
+
+def integer_rows(rows, name):
+    """A list of token id sequences -> a list of lists of Python ints (non-integers refused)."""
+    out = []
+    for i, row in enumerate(rows):
+        values = []
+        for j, token in enumerate(row):
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise ValueError(
+                    f"`{name}` must hold integer token ids; got {token!r} (of type "
+                    f"{type(token).__name__}) at prompt {i}, token {j}."
+                )
+            values.append(int(token))
+        out.append(values)
+    return out
+
+
+def check_token_ids(ids, vocabulary_size, mask=None):
+    """Raise `ValueError` naming the first id outside `[0, vocabulary_size)` and its position.
+
+    Args:
+        ids: a list of integer lists or a 2-D integer array (prompts x tokens).
+        vocabulary_size: the model's vocabulary size.
+        mask: optional boolean array the shape of `ids`: only `True` entries are checked
+            (padding may hold anything).
+
+    Example:
+    >>> check_token_ids([[1, 2], [3, 99]], 50)   # ValueError: ... id 99 at prompt 1, token 1
+    """
+    for i, row in enumerate(ids):
+        row = np.asarray(row, dtype=np.int64).reshape(-1)
+        bad = (row < 0) | (row >= vocabulary_size)
+        if mask is not None:
+            bad &= np.asarray(mask[i], bool).reshape(-1)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"Prompt token ids must be in [0, vocabulary_size={vocabulary_size}); got id "
+                f"{int(row[j])} at prompt {i}, token {j}."
+            )
+
+
+# === Next-token selection (also usable on its own, eagerly) ===
+
+
+def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """Temperature-scaled logits with the tokens outside the top-k / top-p set masked.
+
+    1. `logits / temperature`;
+    2. top-k (Fan et al. 2018): only the `top_k` largest logits stay (ties with the k-th
+       value stay too);
+    3. top-p, nucleus (Holtzman et al. 2020): of what is left, the smallest set of most
+       probable tokens whose probability mass is `>= top_p` stays; the most probable token
+       always stays.
+
+    Masked entries are set to a very negative finite number (probability exactly 0).
+
+    Args:
+        logits: `(batch, vocab)` floats (computed in float32).
+        temperature: positive number.
+        top_k: None or a positive int (values above `vocab` keep everything).
+        top_p: None or a number in (0, 1].
+
+    Returns:
+        float32 `(batch, vocab)`.
+
+    Example:
+    >>> filter_logits(keras.ops.array([[1.0, 3.0, 2.0]]), top_k=2)   # [[-1e30, 3, 2]]
+    """
+    check_sampling_args("sample", temperature, top_k, top_p)
+    logits = ops.cast(logits, "float32")
+    if float(temperature) != 1.0:
+        logits = logits / float(temperature)
+    masked = ops.full_like(logits, _MASKED)
+    vocab = logits.shape[-1]
+    if top_k is not None and (vocab is None or top_k < vocab):
+        kth = ops.top_k(logits, int(top_k), sorted=True)[0][:, -1:]
+        logits = ops.where(logits >= kth, logits, masked)
+    if top_p is not None and float(top_p) < 1.0:
+        sorted_logits = ops.flip(ops.sort(logits, axis=-1), axis=-1)  # descending
+        probs = ops.softmax(sorted_logits, axis=-1)
+        mass_before = ops.cumsum(probs, axis=-1) - probs
+        # Sorted position i is kept while the mass of the tokens before it is < top_p:
+        # the smallest prefix whose mass reaches top_p; position 0 always (mass 0 < p).
+        keep_sorted = mass_before < float(top_p)
+        threshold = ops.min(
+            ops.where(keep_sorted, sorted_logits, ops.full_like(sorted_logits, 3e38)),
+            axis=-1,
+            keepdims=True,
+        )
+        logits = ops.where(logits >= threshold, logits, masked)
+    return logits
+
+
+def select_next_token(
+    logits, *, strategy="greedy", temperature=1.0, top_k=None, top_p=None, seed=None
+):
+    """Pick the next token of every row from its logits (one step, outside the loop).
+
+    `strategy="greedy"` takes the argmax (temperature, top-k and top-p do not change it).
+    `strategy="sample"` draws from `softmax(filter_logits(logits, temperature, top_k,
+    top_p))` with `keras.random.categorical`.
+
+    Args:
+        logits: `(batch, vocab)` (any float dtype; computed in float32).
+        strategy: "greedy" or "sample".
+        temperature: positive number dividing the logits before sampling.
+        top_k: None or a positive int: sample among the `top_k` most likely tokens.
+        top_p: None or a number in (0, 1]: nucleus sampling.
+        seed: a `keras.random.SeedGenerator` (advances at each call: use it for a sequence
+            of steps), an int (the same draw at every call with the same logits), None
+            (Keras' global generator) or, on JAX, a PRNG key array (inside `jax.jit`).
+
+    Returns:
+        int32 `(batch,)` token ids.
+
+    Example:
+    >>> logits = keras.ops.array([[0.1, 2.0, 0.3], [1.0, 0.0, -1.0]])
+    >>> select_next_token(logits)                       # [1, 0]
+    >>> select_next_token(logits, strategy="sample", top_k=1, seed=0)   # [1, 0] too
+    """
+    check_sampling_args(strategy, temperature, top_k, top_p, strategies=("greedy", "sample"))
+    if len(logits.shape) != 2:
+        raise ValueError(
+            f"`logits` must have shape (batch, vocab); got shape {tuple(logits.shape)}."
+        )
+    logits = ops.cast(logits, "float32")
+    if strategy == "greedy":
+        return ops.cast(ops.argmax(logits, axis=-1), "int32")
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    ids = keras.random.categorical(filtered, 1, dtype="int32", seed=seed)
+    return ops.cast(ids[:, 0], "int32")
+
+
+def _stop_hits(ids, stops):
+    """Boolean: which of the int tensor `ids` are one of the Python ints `stops`."""
+    hit = ops.zeros(ops.shape(ids), "bool")
+    for stop in stops:
+        hit = ops.logical_or(hit, ops.equal(ids, stop))
+    return hit
+
+
+def update_finished(finished, next_ids, stop_token_ids):
+    """`finished | (next_ids in stop_token_ids)`: rows that have produced a stop token.
+
+    Args:
+        finished: boolean `(batch,)` (or None: nothing finished yet).
+        next_ids: int `(batch,)`, the tokens just chosen.
+        stop_token_ids: None, an int, or a sequence of ints.
+
+    Returns:
+        boolean `(batch,)`.
+
+    Example:
+    >>> update_finished(None, keras.ops.array([2, 7]), stop_token_ids=[7])  # [False, True]
+    """
+    next_ids = ops.convert_to_tensor(next_ids)
+    if finished is None:
+        finished = ops.zeros(ops.shape(next_ids), "bool")
+    finished = ops.cast(finished, "bool")
+    stops = stop_ids(stop_token_ids)
+    if not stops:
+        return finished
+    return ops.logical_or(finished, _stop_hits(ops.cast(next_ids, "int32"), stops))
+
+
+def mask_finished(next_ids, finished, pad_id=0):
+    """Replace the tokens of rows that had already finished by `pad_id`.
+
+    Call it with the `finished` flags from *before* the step (a row's own stop token is kept).
+
+    Example:
+    >>> mask_finished(keras.ops.array([5, 6]), keras.ops.array([False, True]), pad_id=0)  # [5, 0]
+    """
+    next_ids = ops.cast(next_ids, "int32")
+    if finished is None:
+        return next_ids
+    return ops.where(ops.cast(finished, "bool"), ops.full_like(next_ids, int(pad_id)), next_ids)
+
+
+# === Samplers ===
+
+
+def _set_column(tokens, column, values):
+    """`tokens[..., column] = values` for a (possibly traced) scalar `column`."""
+    width = tokens.shape[-1]
+    here = ops.equal(ops.arange(width, dtype="int32"), ops.cast(column, "int32"))
+    return ops.where(here, ops.expand_dims(ops.cast(values, tokens.dtype), -1), tokens)
+
+
+def _column(tokens, column):
+    """`tokens[..., column]` for a (possibly traced) scalar `column`."""
+    width = tokens.shape[-1]
+    here = ops.equal(ops.arange(width, dtype="int32"), ops.cast(column, "int32"))
+    return ops.sum(ops.where(here, tokens, ops.zeros_like(tokens)), axis=-1)
+
+
+class Sampler:
+    """How the loop turns each step's logits into tokens; one subclass a strategy.
+
+    The loop calls `start` once, then `select` at every step `t` (0 = the first new token)
+    with that step's float32 logits `(rows, vocab)` (`rows = batch * num_beams`), and
+    `last_tokens` to get what to feed the model next. Everything a sampler keeps lives in
+    its `carry` (a dict of tensors), so that the loop can be compiled whole.
+
+    Subclasses set `num_beams` and implement `select`; `key` (a tuple of the settings)
+    names the compiled loop a sampler needs.
+    """
+
+    num_beams = 1
+    uses_seed = False
+
+    @property
+    def key(self):
+        return (type(self).__name__,)
+
+    def start(self, batch_size, max_new_tokens, stops, pad_token_id):
+        """The initial carry: every row unfinished, its tokens all padding."""
+        self.stops = stops
+        self.pad_token_id = pad_token_id
+        return {
+            "tokens": ops.full((batch_size, max_new_tokens), pad_token_id, "int32"),
+            "finished": ops.zeros((batch_size,), "bool"),
+            "lengths": ops.full((batch_size,), max_new_tokens, "int32"),
+        }
+
+    def next_ids(self, logits, carry):
+        """`(rows,)` int32 tokens for the logits (and the carry, e.g. a new seed)."""
+        raise NotImplementedError
+
+    def select(self, logits, carry, t):
+        """Choose step `t`'s tokens: `(carry, rows_to_keep)`; `rows_to_keep` (None here)
+        says which rows of the model state each row continues (beam search reorders)."""
+        ids, carry = self.next_ids(logits, carry)
+        finished = carry["finished"]
+        ids = mask_finished(ids, finished, self.pad_token_id)
+        finished_now = update_finished(finished, ids, self.stops)
+        ended = ops.logical_and(finished_now, ops.logical_not(finished))
+        carry = dict(carry)
+        carry["tokens"] = _set_column(carry["tokens"], t, ids)
+        carry["lengths"] = ops.where(ended, ops.cast(t + 1, "int32"), carry["lengths"])
+        carry["finished"] = finished_now
+        return carry, None
+
+    def last_tokens(self, carry, t):
+        """The tokens chosen at step `t`, `(rows,)`: the model's next input."""
+        return _column(carry["tokens"], t)
+
+    def done(self, carry):
+        """Scalar bool: nothing can change any more (every row has ended)."""
+        return ops.all(carry["finished"])
+
+    def can_end_early(self):
+        return bool(self.stops)
+
+    def result(self, carry):
+        """`(tokens (batch, max_new_tokens), lengths (batch,))`: row `b`'s output is
+        `tokens[b, :lengths[b]]`."""
+        return carry["tokens"], carry["lengths"]
+
+
+class GreedySampler(Sampler):
+    """The most likely next token (argmax of the logits).
+
+    Example:
+    >>> lm.generate(prompts, strategy="greedy")
+    """
+
+    def next_ids(self, logits, carry):
+        return ops.cast(ops.argmax(logits, axis=-1), "int32"), carry
+
+
+class RandomSampler(Sampler):
+    """A draw from `softmax(filter_logits(logits, temperature, top_k, top_p))`.
+
+    The random stream is part of the loop's carry: `start` takes a seed (int,
+    `keras.random.SeedGenerator` or None) and the draw of step `t` depends only on it and on
+    the logits, so a seed gives the same tokens compiled or not. JAX and TensorFlow thread a
+    `keras.random` seed state through the loop; PyTorch draws with a `torch.Generator` seeded
+    once per call (`keras.random` would read its seed on the host at every step).
+
+    Args:
+        temperature: positive number dividing the logits.
+        top_k: None or a positive int: sample among the `top_k` most likely tokens.
+        top_p: None or a number in (0, 1]: nucleus sampling.
+
+    Example:
+    >>> lm.generate(prompts, strategy="sample", temperature=0.7, top_p=0.9, seed=0)
+    """
+
+    uses_seed = True
+    _placeholder = None
+
+    def __init__(self, temperature=1.0, top_k=None, top_p=None):
+        check_sampling_args("sample", temperature, top_k, top_p)
+        self.temperature = float(temperature)
+        self.top_k = None if top_k is None else int(top_k)
+        self.top_p = None if top_p is None else float(top_p)
+
+    @property
+    def key(self):
+        return (type(self).__name__, self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def seed_variable(cls):
+        """One `SeedGenerator` whose state variable stands in for the carried seed inside
+        the loop (its own value is never read there). Created outside any trace."""
+        if cls._placeholder is None:
+            cls._placeholder = keras.random.SeedGenerator(0, name="generation_seed")
+        return cls._placeholder
+
+    def next_ids(self, logits, carry):
+        filtered = filter_logits(logits, self.temperature, self.top_k, self.top_p)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            probs = torch.softmax(filtered, dim=-1)
+            ids = torch.multinomial(probs, 1, generator=self._torch_generator)
+            return ops.cast(ids[:, 0], "int32"), carry
+        carry = dict(carry)
+        generator = self.seed_variable()
+        with keras.StatelessScope(state_mapping=[(generator.state, carry["seed"])]) as scope:
+            ids = keras.random.categorical(filtered, 1, dtype="int32", seed=generator)
+            carry["seed"] = scope.get_current_value(generator.state)
+        return ops.cast(ids[:, 0], "int32"), carry
+
+    def start_seed(self, carry, seed):
+        """Add the random stream to the initial carry (torch: a generator on the sampler)."""
+        carry = dict(carry)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            from keras.src.backend.torch.core import get_device
+
+            first, second = (int(v) for v in ops.convert_to_numpy(seed))
+            self._torch_generator = torch.Generator(device=get_device())
+            self._torch_generator.manual_seed(first * 1_000_003 + second)
+        else:
+            carry["seed"] = seed
+        return carry
+
+
+class BeamSampler(Sampler):
+    """Beam search, reproducing Hugging Face transformers 4.57 (`_beam_search`) token for token.
+
+    Per prompt, `num_beams` running hypotheses (rows `b * num_beams + k` of the model
+    state) and up to `num_beams` finished ones are kept. At step `t`:
+
+    1. every running hypothesis is extended by every token: score = its summed log-softmax
+       + the token's log-probability (at step 0 only beam 0 competes: the others start at
+       -1e9);
+    2. the best `max(2, 1 + len(stop_token_ids)) * num_beams` candidates are kept (so that
+       at least `num_beams` of them continue even if stop tokens rank high);
+    3. a candidate "hits" when its token is a stop token, or at the last step
+       (`max_new_tokens` reached); the `num_beams` best candidates that did not hit become
+       the running hypotheses (the model state is reordered to follow them);
+    4. a candidate that hits *and* ranks among the first `num_beams` candidates is a
+       finished hypothesis with score `sum_logprobs / length ** length_penalty` (`length` =
+       new tokens including the stop token); it replaces the worst finished one if better.
+       Nothing is added to a prompt that is closed, or whose `num_beams` finished slots are
+       full when `early_stopping=True`;
+    5. a prompt closes when all its finished slots are full and no running hypothesis can
+       still beat the worst finished score: the best running sum divided by
+       `length ** length_penalty`, with `length` the tokens generated so far
+       (`early_stopping=False`), or `max_new_tokens` when `early_stopping="never"` and
+       `length_penalty > 0`;
+    6. the loop ends when every prompt is closed, or (`early_stopping=True`) every prompt
+       has `num_beams` finished hypotheses, or at `max_new_tokens`.
+
+    The result of a prompt is its best finished hypothesis (ending with its stop token,
+    if it has one). `length_penalty > 0` favours longer outputs, `< 0` shorter ones.
+
+    Args:
+        num_beams: hypotheses kept per prompt (>= 1).
+        length_penalty: exponent of the length normalisation (transformers' default 1.0).
+        early_stopping: False (default: stop when no running beam can improve, by the
+            heuristic of step 5), True (stop as soon as `num_beams` hypotheses are finished)
+            or "never" (the canonical bound with `max_new_tokens`).
+
+    Example:
+    >>> lm.generate(prompts, strategy="beam", num_beams=4, length_penalty=0.6)
+    """
+
+    def __init__(self, num_beams=DEFAULT_NUM_BEAMS, length_penalty=1.0, early_stopping=False):
+        check_positive_int("num_beams", num_beams)
+        if not _is_number(length_penalty) or not np.isfinite(length_penalty):
+            raise ValueError(
+                f"`length_penalty` must be a finite number; got length_penalty="
+                f"{length_penalty!r}."
+            )
+        if not any(early_stopping is e or (isinstance(e, str) and early_stopping == e)
+                   for e in EARLY_STOPPING):
+            raise ValueError(
+                f"`early_stopping` must be one of {list(EARLY_STOPPING)}; got "
+                f"early_stopping={early_stopping!r}."
+            )
+        self.num_beams = int(num_beams)
+        self.length_penalty = float(length_penalty)
+        self.early_stopping = early_stopping
+
+    @property
+    def key(self):
+        return (type(self).__name__, self.num_beams, self.length_penalty,
+                str(self.early_stopping))
+
+    def start(self, batch_size, max_new_tokens, stops, pad_token_id):
+        self.stops = stops
+        self.pad_token_id = pad_token_id
+        self.batch_size = batch_size
+        self.max_new_tokens = max_new_tokens
+        k = self.num_beams
+        self.candidates = max(2, 1 + len(stops)) * k
+        tokens = ops.full((batch_size, k, max_new_tokens), pad_token_id, "int32")
+        first = ops.convert_to_tensor(np.array([0.0] + [_EXCLUDED] * (k - 1), "float32"))
+        return {
+            "running_tokens": tokens,
+            "running_scores": ops.tile(first[None, :], (batch_size, 1)),
+            "tokens": tokens,
+            "scores": ops.full((batch_size, k), _EXCLUDED, "float32"),
+            "lengths": ops.full((batch_size, k), max_new_tokens, "int32"),
+            "finished": ops.zeros((batch_size, k), "bool"),
+            "open": ops.ones((batch_size, 1), "bool"),
+            "done": ops.zeros((), "bool"),
+        }
+
+    @staticmethod
+    def _gather(x, index):
+        """`x[b, index[b, j], ...]` for `x (batch, n, ...)` and `index (batch, m)`."""
+        while len(index.shape) < len(x.shape):
+            index = ops.expand_dims(index, -1)
+        return ops.take_along_axis(x, ops.cast(index, "int32"), axis=1)
+
+    def select(self, logits, carry, t):
+        batch, k, n = self.batch_size, self.num_beams, self.max_new_tokens
+        vocab = logits.shape[-1]
+        length = ops.cast(t + 1, "float32")  # new tokens after this step
+        # 1-2. Extend every running beam by every token; keep the best candidates.
+        log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, k, vocab))
+        log_probs = log_probs + carry["running_scores"][:, :, None]
+        top_scores, top_index = ops.top_k(
+            ops.reshape(log_probs, (batch, k * vocab)), self.candidates
+        )
+        top_index = ops.cast(top_index, "int32")
+        source_beam = top_index // vocab
+        token = top_index % vocab
+        candidates = _set_column(self._gather(carry["running_tokens"], source_beam), t, token)
+        # 3. Hits: a stop token, or the last step.
+        hits = ops.logical_or(_stop_hits(token, self.stops),
+                              ops.equal(ops.cast(t, "int32"), n - 1))
+        running_scores = top_scores + ops.cast(hits, "float32") * _EXCLUDED
+        keep = ops.cast(ops.top_k(running_scores, k)[1], "int32")
+        running_tokens = self._gather(candidates, keep)
+        running_scores = self._gather(running_scores, keep)
+        kept_source = self._gather(source_beam, keep)
+        # 4. New finished hypotheses (only among the first num_beams candidates).
+        first_k = ops.arange(self.candidates, dtype="int32")[None, :] < k
+        just_finished = ops.logical_and(hits, first_k)
+        scores = top_scores / ops.power(length, self.length_penalty)
+        full = ops.all(carry["finished"], axis=-1, keepdims=True)
+        if self.early_stopping is True:
+            scores = scores + ops.cast(full, "float32") * _EXCLUDED
+        scores = scores + ops.cast(ops.logical_not(carry["open"]), "float32") * _EXCLUDED
+        scores = scores + ops.cast(ops.logical_not(just_finished), "float32") * _EXCLUDED
+        merged_scores = ops.concatenate([carry["scores"], scores], axis=1)
+        best = ops.cast(ops.top_k(merged_scores, k)[1], "int32")
+        new_lengths = ops.full((batch, self.candidates), 1, "int32") * ops.cast(t + 1, "int32")
+        finished_tokens = self._gather(ops.concatenate([carry["tokens"], candidates], 1), best)
+        finished_scores = self._gather(merged_scores, best)
+        lengths = self._gather(ops.concatenate([carry["lengths"], new_lengths], 1), best)
+        finished = self._gather(ops.concatenate([carry["finished"], just_finished], 1), best)
+        # 5. Can a running beam still beat the worst finished hypothesis?
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_length = ops.convert_to_tensor(float(n), "float32")
+        else:
+            best_length = length
+        best_possible = running_scores[:, :1] / ops.power(best_length, self.length_penalty)
+        worst = ops.where(finished, ops.min(finished_scores, axis=1, keepdims=True),
+                          ops.full_like(finished_scores, _EXCLUDED))
+        still_open = ops.logical_and(
+            carry["open"], ops.any(best_possible > worst, axis=-1, keepdims=True)
+        )
+        # 6. The end of the whole search.
+        done = ops.logical_or(ops.logical_not(ops.any(still_open)), ops.all(hits))
+        if self.early_stopping is True:
+            done = ops.logical_or(done, ops.all(finished))
+        rows = ops.reshape(
+            ops.arange(batch, dtype="int32")[:, None] * k + kept_source, (batch * k,)
+        )
+        carry = {
+            "running_tokens": running_tokens,
+            "running_scores": running_scores,
+            "tokens": finished_tokens,
+            "scores": finished_scores,
+            "lengths": lengths,
+            "finished": finished,
+            "open": still_open,
+            "done": done,
+        }
+        return carry, rows
+
+    def last_tokens(self, carry, t):
+        return ops.reshape(_column(carry["running_tokens"], t), (-1,))
+
+    def done(self, carry):
+        return carry["done"]
+
+    def can_end_early(self):
+        return True
+
+    def result(self, carry):
+        return carry["tokens"][:, 0], carry["lengths"][:, 0]
+
+
+def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num_beams=None,
+                 length_penalty=1.0, early_stopping=False):
+    """The sampler for `generate`'s arguments.
+
+    `strategy="beam"`, or `num_beams > 1` with `strategy="greedy"`, is beam search
+    (`num_beams` defaults to 4 there); `strategy="sample"` takes no `num_beams > 1`.
+    Temperature, top-k and top-p only apply to sampling.
+
+    Example:
+    >>> make_sampler("beam", num_beams=3)
+    """
+    check_sampling_args(strategy, temperature, top_k, top_p)
+    if num_beams is not None:
+        check_positive_int("num_beams", num_beams)
+    if strategy == "sample":
+        if num_beams not in (None, 1):
+            raise ValueError(
+                "`num_beams` must be 1 (or None) with strategy='sample' (beam sampling is not "
+                f"supported); got num_beams={num_beams!r}."
+            )
+        return RandomSampler(temperature, top_k, top_p)
+    if strategy == "beam" or (num_beams is not None and num_beams > 1):
+        return BeamSampler(
+            DEFAULT_NUM_BEAMS if num_beams is None else num_beams, length_penalty,
+            early_stopping,
+        )
+    return GreedySampler()
+
+
+# === The loop ===
+
+
+def _map(fn, tree):
+    return keras.tree.map_structure(fn, tree)
+
+
+def _loop_body(model, sampler, max_new_tokens):
+    """`(start, step)`: the prefill + first selection, and one decoding step."""
+    beams = sampler.num_beams
+
+    def start(inputs, carry):
+        logits, state, constants = model.generation_prefill(inputs, max_new_tokens)
+        if beams > 1:  # every prompt's row repeated for each beam: b * beams + k
+            logits = ops.repeat(logits, beams, axis=0)
+            state = _map(lambda x: ops.repeat(x, beams, axis=0), state)
+            constants = _map(lambda x: ops.repeat(x, beams, axis=0), constants)
+        carry, rows = sampler.select(ops.cast(logits, "float32"), carry, 0)
+        if rows is not None:
+            state = _map(lambda x: ops.take(x, rows, axis=0), state)
+        return carry, state, constants
+
+    def step(t, carry, state, constants):
+        tokens = ops.expand_dims(sampler.last_tokens(carry, t - 1), 1)
+        logits, state = model.generation_step(tokens, state, constants, t - 1)
+        carry, rows = sampler.select(ops.cast(logits, "float32"), carry, t)
+        if rows is not None:
+            state = _map(lambda x: ops.take(x, rows, axis=0), state)
+        return carry, state
+
+    return start, step
+
+
+def _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every):
+    """The loop in Python (PyTorch, and every backend with `compile=False`)."""
+    start, step = _loop_body(model, sampler, max_new_tokens)
+    carry, state, constants = start(inputs, carry)
+    early = sampler.can_end_early()
+    for t in range(1, max_new_tokens):
+        if early and (t - 1) % check_every == 0 and bool(
+            ops.convert_to_numpy(sampler.done(carry))
+        ):
+            break
+        carry, state = step(t, carry, state, constants)
+    return carry
+
+
+def _compiled_loop(model, sampler, max_new_tokens, inputs, carry):
+    """The loop as one `while_loop` (JAX / TensorFlow), to be traced inside jit/tf.function."""
+    start, step = _loop_body(model, sampler, max_new_tokens)
+    carry, state, constants = start(inputs, carry)
+    early = sampler.can_end_early()
+
+    def cond(t, carry, state):
+        more = t < max_new_tokens
+        if early:
+            more = ops.logical_and(more, ops.logical_not(sampler.done(carry)))
+        return more
+
+    def body(t, carry, state):
+        carry, state = step(t, carry, state, constants)
+        return t + 1, carry, state
+
+    t = ops.convert_to_tensor(1, "int32")
+    if keras.backend.backend() == "jax":
+        import jax
+
+        _, carry, _ = jax.lax.while_loop(lambda v: cond(*v), lambda v: body(*v),
+                                         (t, carry, state))
+    else:
+        import tensorflow as tf
+
+        _, carry, _ = tf.while_loop(cond, body, (t, carry, state))
+    return carry
+
+
+def _cache_for(model):
+    cache = model.__dict__.get("_generation_fns")
+    if cache is None:
+        cache = {}
+        object.__setattr__(model, "_generation_fns", cache)
+    if len(cache) > 32:  # many different settings: start afresh rather than grow forever
+        cache.clear()
+    return cache
+
+
+def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
+    """`run(inputs, seed) -> (tokens, lengths, seed)`, compiled whole, cached on the model."""
+    backend = keras.backend.backend()
+    key = (backend, sampler.key, max_new_tokens, stops, pad_token_id)
+    cache = _cache_for(model)
+    if key in cache:
+        return cache[key]
+
+    def run(inputs, seed):
+        batch = next(iter(inputs.values())).shape[0]  # static: one trace per shape
+        carry = sampler.start(batch, max_new_tokens, stops, pad_token_id)
+        if sampler.uses_seed:
+            carry = sampler.start_seed(carry, seed)
+        carry = _compiled_loop(model, sampler, max_new_tokens, inputs, carry)
+        tokens, lengths = sampler.result(carry)
+        return tokens, lengths, carry.get("seed", seed)
+
+    if backend == "jax":
+        import jax
+
+        variables = list(model.variables)
+
+        @jax.jit
+        def stateless_run(values, inputs, seed):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return run(inputs, seed)
+
+        def compiled(inputs, seed):
+            return stateless_run([v.value for v in variables], inputs, seed)
+
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        # XLA draws other random numbers than TensorFlow's own kernels: sampling stays
+        # off XLA so that a seed gives the same tokens compiled or not.
+        compiled = tf.function(run, jit_compile=not sampler.uses_seed)
+    else:
+        raise ValueError(f"No compiled decode loop for backend {backend!r}.")
+    cache[key] = compiled
+    return compiled
+
+
+def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_token_id=0,
+           seed=None, compile=True):
+    """Run the decode loop of `model` (see the module docstring for its interface).
+
+    Args:
+        model: a model with `generation_prefill` and `generation_step`.
+        inputs: dict of NumPy arrays / tensors with the batch first, passed to
+            `generation_prefill` (each model documents its own).
+        sampler: a `Sampler` (see `make_sampler`).
+        max_new_tokens: the most tokens added to each prompt.
+        stop_token_ids: None, an int or a sequence of ints ending a row.
+        pad_token_id: what finished rows emit (never part of a result).
+        seed: int, `keras.random.SeedGenerator` or None (sampling only; a generator is
+            advanced once per call).
+        compile: compile the whole loop (JAX / TensorFlow; PyTorch always runs eagerly).
+
+    Returns:
+        A list, one per prompt, of the new token ids (Python ints), ending with the stop token
+        if one was produced.
+
+    Example:
+    >>> decode(lm, inputs, sampler=GreedySampler(), max_new_tokens=8, stop_token_ids=[2])
+    """
+    check_positive_int("max_new_tokens", max_new_tokens)
+    stops = stop_ids(stop_token_ids)
+    backend = keras.backend.backend()
+    inputs = {name: ops.convert_to_tensor(value) for name, value in inputs.items()}
+    batch = int(next(iter(inputs.values())).shape[0])
+    seed_value = generator = None
+    if sampler.uses_seed:
+        generator = (seed if isinstance(seed, keras.random.SeedGenerator)
+                     else keras.random.SeedGenerator(seed))
+        seed_value = generator.state.value
+        RandomSampler.seed_variable()
+    if compile and backend in ("jax", "tensorflow"):
+        run = _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id)
+        tokens, lengths, seed_out = run(inputs, seed_value)
+    else:
+        carry = sampler.start(batch, max_new_tokens, stops, pad_token_id)
+        if sampler.uses_seed:
+            carry = sampler.start_seed(carry, seed_value)
+        check_every = TORCH_DONE_CHECK_EVERY if compile else 1
+        if backend == "torch":
+            import torch
+
+            with torch.no_grad():
+                carry = _python_loop(model, sampler, max_new_tokens, inputs, carry,
+                                     check_every)
+        else:
+            carry = _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every)
+        tokens, lengths = sampler.result(carry)
+        seed_out = carry.get("seed")
+    if generator is not None:
+        # The stream advanced inside the loop (torch: by one per call).
+        if seed_out is None:
+            seed_out = ops.convert_to_numpy(seed_value) + np.array([0, 1])
+        generator.state.assign(ops.cast(seed_out, generator.state.dtype))
+    tokens = np.asarray(ops.convert_to_numpy(tokens))
+    lengths = np.asarray(ops.convert_to_numpy(lengths))
+    return [tokens[b, : int(lengths[b])].tolist() for b in range(tokens.shape[0])]
+
+
+__all__ = [
+    "STRATEGIES",
+    "EARLY_STOPPING",
+    "Sampler",
+    "GreedySampler",
+    "RandomSampler",
+    "BeamSampler",
+    "make_sampler",
+    "decode",
+    "filter_logits",
+    "select_next_token",
+    "update_finished",
+    "mask_finished",
+    "check_sampling_args",
+    "check_token_ids",
+    "integer_array",
+    "integer_rows",
+    "stop_ids",
+]

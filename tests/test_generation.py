@@ -1,0 +1,534 @@
+"""kzoo.generation: next-token selection against NumPy formulas, the decode loop (ending,
+compiled == eager, prompt checks), and beam search token for token against Hugging Face
+transformers (GPT-2, LLaMA-style, T5) and against an exhaustive search."""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo import generation
+from kzoo.generation import (
+    BeamSampler,
+    GreedySampler,
+    RandomSampler,
+    filter_logits,
+    make_sampler,
+    mask_finished,
+    select_next_token,
+    update_finished,
+)
+from tests.helpers import to_numpy
+
+
+def _softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _logits(batch=3, vocab=11, seed=0, scale=2.0):
+    return np.random.default_rng(seed).normal(size=(batch, vocab)).astype("float32") * scale
+
+
+def _topk_set(row, k):
+    return set(np.argsort(-row)[:k].tolist())
+
+
+def _topp_set(row, p):
+    probs = _softmax(row)
+    order = np.argsort(-probs)
+    cum = np.cumsum(probs[order])
+    n = int(np.searchsorted(cum, p - 1e-7) + 1)  # smallest prefix with mass >= p
+    return set(order[:n].tolist())
+
+
+# === Next-token selection ===
+
+
+def test_greedy_is_argmax():
+    logits = _logits(5, 50)
+    ids = to_numpy(select_next_token(keras.ops.convert_to_tensor(logits)))
+    assert ids.dtype == np.int32 and ids.shape == (5,)
+    np.testing.assert_array_equal(ids, logits.argmax(-1))
+    # temperature / top-k / top-p do not change greedy decoding
+    ids = select_next_token(logits, strategy="greedy", temperature=0.3, top_k=3, top_p=0.5)
+    np.testing.assert_array_equal(to_numpy(ids), logits.argmax(-1))
+
+
+def test_top_k_one_equals_greedy():
+    logits = _logits(64, 30, seed=1)
+    gen = keras.random.SeedGenerator(3)
+    for _ in range(3):
+        ids = select_next_token(logits, strategy="sample", top_k=1, temperature=2.0, seed=gen)
+        np.testing.assert_array_equal(to_numpy(ids), logits.argmax(-1))
+
+
+def test_tiny_top_p_equals_greedy():
+    logits = _logits(64, 30, seed=2)
+    ids = select_next_token(logits, strategy="sample", top_p=1e-6, seed=5)
+    np.testing.assert_array_equal(to_numpy(ids), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_samples_inside_top_k(k):
+    base = _logits(3, 20, seed=3, scale=0.5)  # flat-ish: sampling would often leave top-k
+    reps = 400
+    logits = np.repeat(base, reps, axis=0)
+    ids = to_numpy(select_next_token(logits, strategy="sample", top_k=k, seed=11))
+    ids = ids.reshape(3, reps)
+    for row in range(3):
+        allowed = _topk_set(base[row], k)
+        assert set(ids[row].tolist()) <= allowed
+        assert len(set(ids[row].tolist())) == k  # every allowed token is drawn at some point
+
+
+@pytest.mark.parametrize("p", [0.3, 0.75, 0.95])
+def test_samples_inside_top_p(p):
+    base = _logits(3, 20, seed=4, scale=1.5)
+    reps = 400
+    logits = np.repeat(base, reps, axis=0)
+    ids = to_numpy(select_next_token(logits, strategy="sample", top_p=p, seed=12))
+    ids = ids.reshape(3, reps)
+    for row in range(3):
+        allowed = _topp_set(base[row], p)
+        assert set(ids[row].tolist()) <= allowed
+    # the filtered distribution keeps exactly the nucleus
+    filtered = to_numpy(filter_logits(base, top_p=p))
+    for row in range(3):
+        assert set(np.nonzero(filtered[row] > -1e29)[0].tolist()) == _topp_set(base[row], p)
+
+
+def test_top_k_and_top_p_combined():
+    base = _logits(2, 20, seed=5, scale=1.0)
+    filtered = to_numpy(filter_logits(base, temperature=0.5, top_k=6, top_p=0.6))
+    for row in range(2):
+        scaled = base[row] / 0.5
+        top6 = np.argsort(-scaled)[:6]
+        renorm = np.full_like(scaled, -np.inf)
+        renorm[top6] = scaled[top6]
+        expect = _topp_set(renorm, 0.6)
+        assert set(np.nonzero(filtered[row] > -1e29)[0].tolist()) == expect
+        kept = sorted(expect)
+        np.testing.assert_allclose(filtered[row, kept], scaled[kept], rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_empirical_distribution_matches_softmax(temperature):
+    base = np.array([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0]], "float32")
+    n = 20000
+    logits = np.repeat(base, n, axis=0)
+    ids = to_numpy(
+        select_next_token(logits, strategy="sample", temperature=temperature, seed=7)
+    )
+    freq = np.bincount(ids, minlength=6) / n
+    expected = _softmax(base[0] / temperature)
+    # 4 standard errors of a binomial proportion
+    tol = 4 * np.sqrt(expected * (1 - expected) / n) + 1e-3
+    assert np.all(np.abs(freq - expected) < tol), (freq, expected)
+
+
+def test_empirical_distribution_top_k_renormalised():
+    base = np.array([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0]], "float32")
+    n = 20000
+    ids = to_numpy(
+        select_next_token(np.repeat(base, n, 0), strategy="sample", top_k=3, seed=8)
+    )
+    freq = np.bincount(ids, minlength=6) / n
+    expected = np.zeros(6)
+    keep = [3, 0, 1]
+    expected[keep] = _softmax(base[0, keep])
+    tol = 4 * np.sqrt(expected * (1 - expected) / n) + 1e-3
+    assert np.all(np.abs(freq - expected) < tol), (freq, expected)
+
+
+def test_seed_generator_advances_and_int_seed_repeats():
+    logits = np.zeros((256, 50), "float32")
+    a = to_numpy(select_next_token(logits, strategy="sample", seed=123))
+    b = to_numpy(select_next_token(logits, strategy="sample", seed=123))
+    np.testing.assert_array_equal(a, b)
+    gen = keras.random.SeedGenerator(1)
+    c = to_numpy(select_next_token(logits, strategy="sample", seed=gen))
+    d = to_numpy(select_next_token(logits, strategy="sample", seed=gen))
+    assert (c != d).any()
+
+
+def test_update_and_mask_finished():
+    finished = update_finished(None, np.array([3, 7, 9], "int32"), stop_token_ids=[7, 9])
+    np.testing.assert_array_equal(to_numpy(finished), [False, True, True])
+    finished2 = update_finished(finished, np.array([7, 1, 1], "int32"), stop_token_ids=7)
+    np.testing.assert_array_equal(to_numpy(finished2), [True, True, True])
+    same = update_finished(finished, np.array([7, 1, 1], "int32"), stop_token_ids=None)
+    np.testing.assert_array_equal(to_numpy(same), [False, True, True])
+    masked = mask_finished(np.array([5, 6, 8], "int32"), finished, pad_id=-1)
+    np.testing.assert_array_equal(to_numpy(masked), [5, -1, -1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"strategy": "beam"}, "strategy"),  # one step has no beams: use generate
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
+    ],
+)
+def test_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        select_next_token(np.zeros((1, 4), "float32"), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"strategy": "nucleus"}, "strategy"),
+        ({"strategy": "sample", "num_beams": 2}, "num_beams"),
+        ({"strategy": "beam", "num_beams": 0}, "num_beams"),
+        ({"strategy": "beam", "length_penalty": float("nan")}, "length_penalty"),
+        ({"strategy": "beam", "early_stopping": "sometimes"}, "early_stopping"),
+        ({"strategy": "beam", "early_stopping": 1}, "early_stopping"),
+        ({"strategy": "sample", "temperature": -1.0}, "temperature"),
+    ],
+)
+def test_make_sampler_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make_sampler(**kwargs)
+
+
+def test_make_sampler_picks_the_strategy():
+    assert isinstance(make_sampler(), GreedySampler)
+    assert isinstance(make_sampler("sample", top_p=0.9), RandomSampler)
+    beam = make_sampler("beam")
+    assert isinstance(beam, BeamSampler) and beam.num_beams == generation.DEFAULT_NUM_BEAMS
+    beam = make_sampler("greedy", num_beams=3, length_penalty=0.5, early_stopping="never")
+    assert isinstance(beam, BeamSampler) and beam.num_beams == 3
+    assert beam.length_penalty == 0.5 and beam.early_stopping == "never"
+    assert isinstance(make_sampler("greedy", num_beams=1), GreedySampler)
+
+
+def test_stop_ids_and_prompt_checks():
+    assert generation.stop_ids(None) == () and generation.stop_ids(np.int64(4)) == (4,)
+    assert generation.stop_ids([1, 2]) == (1, 2)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        generation.stop_ids([1.5])
+    with pytest.raises(ValueError, match=r"id 99 at prompt 1, token 2"):
+        generation.check_token_ids([[1, 2], [3, 4, 99]], 50)
+    with pytest.raises(ValueError, match=r"id -1 at prompt 0, token 1"):
+        generation.check_token_ids(np.array([[1, -1, 2]]), 50)
+    # padding (mask False) may hold anything
+    generation.check_token_ids(np.array([[1, -1, 2]]), 50, mask=np.array([[1, 0, 1]]) > 0)
+    with pytest.raises(ValueError, match="float32"):
+        generation.integer_array(np.array([[1.0, 2.0]], "float32"), "prompts")
+    with pytest.raises(ValueError, match=r"2.5 .* at prompt 0, token 1"):
+        generation.integer_rows([[1, 2.5]], "prompts")
+
+
+# === The loop, on a model with known probabilities ===
+
+
+class MarkovLM:
+    """A model whose next-token logits depend only on the last token (`table[last]`): the
+    decoding interface of kzoo.generation with probabilities a test can enumerate. Counts
+    the steps it runs (meaningful when the loop runs eagerly)."""
+
+    def __init__(self, table):
+        self.table = np.asarray(table, "float32")
+        self.variables = []
+        self.steps = 0
+
+    def generation_prefill(self, inputs, max_new_tokens):
+        last = keras.ops.convert_to_tensor(inputs["token_ids"])[:, -1]
+        logits = keras.ops.take(keras.ops.convert_to_tensor(self.table), last, axis=0)
+        return logits, {"last": last}, {"unused": keras.ops.zeros_like(last)}
+
+    def generation_step(self, token_ids, state, constants, index):
+        self.steps += 1
+        last = token_ids[:, 0]
+        logits = keras.ops.take(keras.ops.convert_to_tensor(self.table), last, axis=0)
+        return logits, {"last": last}
+
+
+def _markov(vocab=6, seed=0, scale=2.0):
+    return MarkovLM(np.random.default_rng(seed).normal(size=(vocab, vocab)) * scale)
+
+
+def test_greedy_loop_follows_the_chain_and_ends_when_every_row_has_ended():
+    model = _markov()
+    firsts = np.array([[0], [1], [2]], "int32")
+    free = generation.decode(model, {"token_ids": firsts}, sampler=GreedySampler(),
+                             max_new_tokens=12, compile=False)
+    for row, first in zip(free, firsts[:, 0]):
+        expected, last = [], first
+        for _ in range(12):
+            last = int(model.table[last].argmax())
+            expected.append(last)
+        assert row == expected
+    # A stop token every row reaches: rows are cut after it, and the loop runs no step
+    # after the last row has ended.
+    stop = next(t for t in range(6) if all(t in row for row in free))
+    ends = [row.index(stop) for row in free]
+    model.steps = 0
+    out = generation.decode(model, {"token_ids": firsts}, sampler=GreedySampler(),
+                            max_new_tokens=12, stop_token_ids=[stop], compile=False)
+    assert out == [row[: end + 1] for row, end in zip(free, ends)]
+    assert model.steps == max(ends)
+    compiled = generation.decode(model, {"token_ids": firsts}, sampler=GreedySampler(),
+                                 max_new_tokens=12, stop_token_ids=[stop])
+    assert compiled == out
+
+
+def test_loop_ends_when_every_row_has_ended():
+    """A row that ends at its first token: no step runs at all."""
+    table = np.full((4, 4), -5.0, "float32")
+    table[:, 3] = 5.0  # token 3 is always the most likely: it is the stop token
+    model = MarkovLM(table)
+    out = generation.decode(model, {"token_ids": np.zeros((2, 1), "int32")},
+                            sampler=GreedySampler(), max_new_tokens=10, stop_token_ids=3,
+                            compile=False)
+    assert out == [[3], [3]] and model.steps == 0
+
+
+def test_sampling_loop_is_seeded_and_compiled_equals_eager():
+    model = _markov(vocab=8, scale=0.5)
+    firsts = np.arange(8, dtype="int32")[:, None]
+    sampler = RandomSampler(temperature=1.5)
+    a = generation.decode(model, {"token_ids": firsts}, sampler=sampler, max_new_tokens=10,
+                          seed=5, compile=False)
+    assert a == generation.decode(model, {"token_ids": firsts}, sampler=sampler,
+                                  max_new_tokens=10, seed=5, compile=False)
+    assert a == generation.decode(model, {"token_ids": firsts}, sampler=sampler,
+                                  max_new_tokens=10, seed=5)
+    assert a != generation.decode(model, {"token_ids": firsts}, sampler=sampler,
+                                  max_new_tokens=10, seed=6)
+    # A SeedGenerator advances: two calls draw differently.
+    gen = keras.random.SeedGenerator(3)
+    b = generation.decode(model, {"token_ids": firsts}, sampler=sampler, max_new_tokens=10,
+                          seed=gen)
+    c = generation.decode(model, {"token_ids": firsts}, sampler=sampler, max_new_tokens=10,
+                          seed=gen)
+    assert b != c
+
+
+def _exhaustive_best(table, first, length, stop, length_penalty):
+    """The best sequence over every continuation of up to `length` tokens (ended by `stop`
+    or by the length): max of sum(log p) / len ** length_penalty, by enumeration."""
+    log_p = np.log(_softmax(table.astype(np.float64)))
+    best, best_score = None, -np.inf
+    for n in range(1, length + 1):
+        for seq in itertools.product(range(table.shape[0]), repeat=n):
+            if stop in seq[:-1] or (n < length and seq[-1] != stop):
+                continue
+            prev, score = first, 0.0
+            for token in seq:
+                score += log_p[prev, token]
+                prev = token
+            score /= n ** length_penalty
+            if score > best_score:
+                best, best_score = list(seq), score
+    return best
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, -0.7, 2.0])
+def test_beam_search_with_every_prefix_is_exhaustive(length_penalty):
+    """With more beams than prefixes and early_stopping="never" (the exact bound), beam
+    search returns the best of all sequences: checked by enumeration."""
+    model = _markov(vocab=4, seed=1, scale=1.5)
+    firsts = np.array([[0], [2]], "int32")
+    sampler = BeamSampler(num_beams=40, length_penalty=length_penalty,
+                          early_stopping="never")
+    out = generation.decode(model, {"token_ids": firsts}, sampler=sampler, max_new_tokens=3,
+                            stop_token_ids=[3], compile=False)
+    for row, first in zip(out, firsts[:, 0]):
+        assert row == _exhaustive_best(model.table, first, 3, 3, length_penalty)
+    assert out == generation.decode(model, {"token_ids": firsts}, sampler=sampler,
+                                    max_new_tokens=3, stop_token_ids=[3])
+
+
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+def test_beam_search_compiled_equals_eager(early_stopping):
+    model = _markov(vocab=9, seed=3)
+    firsts = np.array([[0], [4], [7]], "int32")
+    sampler = BeamSampler(num_beams=3, length_penalty=0.8, early_stopping=early_stopping)
+    options = dict(sampler=sampler, max_new_tokens=7, stop_token_ids=[5])
+    eager = generation.decode(model, {"token_ids": firsts}, compile=False, **options)
+    assert eager == generation.decode(model, {"token_ids": firsts}, **options)
+    assert all(len(row) <= 7 and (len(row) == 7 or row[-1] == 5) for row in eager)
+
+
+# === Beam search against Hugging Face transformers ===
+
+
+def _hf_new_tokens(row, stop):
+    """The new tokens of a transformers beam-search row: up to and including the first
+    stop token (after it, transformers fills with padding or the stop token)."""
+    row = [int(t) for t in row]
+    if stop is not None and stop in row:
+        end = row.index(stop) + 1
+        assert all(t in (0, stop) for t in row[end:]), row
+        return row[:end]
+    assert -1 not in row, row
+    return row
+
+
+GPT2_BEAM_CASES = {
+    # name: (num_beams, length_penalty, early_stopping, stop token from the free output)
+    "beams3_eos": (3, 1.0, False, True),
+    "beams4_no_eos_lp2": (4, 2.0, False, False),
+    "beams2_eos_lp_neg_early": (2, -0.5, True, True),
+    "beams5_eos_lp06_never": (5, 0.6, "never", True),
+}
+
+
+def _pick_stop(generate, free_rows, length):
+    """A stop token that ends at least one beam-search output early, after a few tokens (so
+    that the case exercises stopping): the first such token of the free outputs."""
+    for token in dict.fromkeys(t for row in free_rows for t in row):
+        rows = generate(token)
+        if any(row[-1] == token and 2 < len(row) < length for row in rows):
+            return token, rows
+    raise AssertionError(f"no token of {free_rows} ends a beam early")
+
+
+@pytest.mark.parametrize("case", list(GPT2_BEAM_CASES))
+def test_gpt2_beam_search_matches_transformers(case, tmp_path):
+    import torch
+
+    import kzoo.presets
+    from tests.test_gpt import _hf_gpt2
+
+    num_beams, length_penalty, early_stopping, with_stop = GPT2_BEAM_CASES[case]
+    hf = _hf_gpt2(tmp_path, initializer_range=0.3)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
+    options = dict(num_beams=num_beams, length_penalty=length_penalty,
+                   early_stopping=early_stopping, do_sample=False, max_new_tokens=12,
+                   pad_token_id=0)
+
+    def hf_alone(prompt, stop):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), eos_token_id=stop, **options)
+        return _hf_new_tokens(out[0, len(prompt):].tolist(), stop)
+
+    def hf_all(stop):
+        return [hf_alone(prompt, stop) for prompt in prompts]
+
+    stop, expected = None, hf_all(None)
+    if with_stop:
+        stop, expected = _pick_stop(hf_all, expected, 12)
+    ours = model.generate(prompts, max_new_tokens=12, strategy="beam", num_beams=num_beams,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          stop_token_ids=stop)
+    print(f"GPT-2 beam {case} (stop {stop}): {ours}")
+    assert ours == expected
+    assert len({tuple(row) for row in ours}) == 3
+
+
+def test_llama_beam_search_matches_transformers(tmp_path):
+    import torch
+
+    from tests.test_gpt import _hf_modern, _load_modern
+
+    hf = _hf_modern(tmp_path, initializer_range=0.3)
+    model = _load_modern(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3]]
+    options = dict(num_beams=3, length_penalty=0.5, do_sample=False, max_new_tokens=10,
+                   pad_token_id=0)
+
+    def hf_alone(prompt, stop):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), eos_token_id=stop, **options)
+        return _hf_new_tokens(out[0, len(prompt):].tolist(), stop)
+
+    def hf_all(stop):
+        return [hf_alone(prompt, stop) for prompt in prompts]
+
+    stop, expected = _pick_stop(hf_all, hf_all(None), 10)
+    ours = model.generate(prompts, max_new_tokens=10, num_beams=3, length_penalty=0.5,
+                          stop_token_ids=[stop])
+    assert ours == expected
+
+
+T5_BEAM_CASES = {
+    # name: (version, weights seed, num_beams, length_penalty, early_stopping, stop)
+    "v1_0_beams3_never_lp08": ("v1_0", 2, 3, 0.8, "never", None),
+    "v1_1_beams3_eos1": ("v1_1", 4, 3, 1.0, False, "eos"),
+    "v1_1_beams4_stop_lp07": ("v1_1", 2, 4, 0.7, False, "emitted"),
+    "v1_1_beams2_no_eos_early": ("v1_1", 3, 2, 1.3, True, None),
+}
+
+
+@pytest.mark.parametrize("case", list(T5_BEAM_CASES))
+def test_t5_beam_search_matches_transformers(case, tmp_path):
+    import torch
+
+    import kzoo.presets
+    from tests.test_t5 import _batch, _hf_model
+
+    version, seed, num_beams, length_penalty, early_stopping, stop_kind = T5_BEAM_CASES[case]
+    hf = _hf_model(tmp_path, version, seed=seed)
+    model = kzoo.presets.load(tmp_path)
+    inputs = _batch(enc_len=15, enc_real=(15, 8))
+    enc, mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
+    options = dict(num_beams=num_beams, length_penalty=length_penalty,
+                   early_stopping=early_stopping, do_sample=False, max_new_tokens=12,
+                   pad_token_id=0, decoder_start_token_id=0)
+
+    def hf_generate(stop):
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor(enc, dtype=torch.long),
+                              attention_mask=torch.tensor(mask), eos_token_id=stop,
+                              **options).numpy()
+        assert np.all(out[:, 0] == 0)
+        return [_hf_new_tokens(row[1:], stop) for row in out]
+
+    stop = {"eos": 1, None: None}.get(stop_kind)
+    expected = hf_generate(stop)
+    if stop_kind == "emitted":
+        stop, expected = _pick_stop(hf_generate, expected, 12)
+    ours = model.generate({"encoder_token_ids": enc, "encoder_padding_mask": mask},
+                          max_new_tokens=12, strategy="beam", num_beams=num_beams,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          stop_token_ids=stop)
+    print(f"T5 beam {case} (stop {stop}): {ours}")
+    assert ours == expected
+    if stop is not None:
+        assert any(row[-1] == stop and len(row) < 12 for row in ours)  # a row did stop
+
+
+# === Prompt checks on the models ===
+
+
+def test_gpt_prompt_ids_are_checked():
+    from tests.test_gpt import VOCAB, shared_lm
+
+    lm = shared_lm("gpt2")
+    with pytest.raises(ValueError, match=rf"id {VOCAB} at prompt 1, token 2"):
+        lm.generate([[1, 2], [3, 4, VOCAB]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"id -3 at prompt 0, token 0"):
+        lm.generate(np.array([[-3, 4]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="float"):
+        lm.generate(np.array([[1.7, 4.0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="integer"):
+        lm.generate([[1, 2.0]], max_new_tokens=2)
+    # padding may hold any id
+    ids = np.array([[-1, 5, 6], [3, 4, 7]])
+    assert lm.generate(ids, padding_mask=ids >= 0, max_new_tokens=2) == lm.generate(
+        [[5, 6], [3, 4, 7]], max_new_tokens=2)
+
+
+def test_t5_prompt_ids_are_checked():
+    from tests.test_t5 import VOCAB, shared_lm
+
+    lm = shared_lm("v1_0")
+    with pytest.raises(ValueError, match=rf"id {VOCAB + 3} at prompt 1, token 0"):
+        lm.generate([[5, 6], [VOCAB + 3]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="float"):
+        lm.generate(np.array([[5.0, 6.0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="float"):
+        lm.generate({"encoder_token_ids": np.array([[5.5, 6.0]])}, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"id -2 at prompt 0, token 1"):
+        lm.generate(np.array([[5, -2, 6]]), max_new_tokens=2)
