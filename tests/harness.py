@@ -90,6 +90,10 @@ class ref:
         return 1.0 / (1.0 + np.exp(-x))
 
     @staticmethod
+    def quick_gelu(x):
+        return x * ref.sigmoid(1.702 * x)
+
+    @staticmethod
     def silu(x):
         return x / (1 + np.exp(-x))
 
@@ -100,8 +104,9 @@ class ref:
     @staticmethod
     def activation(name):
         return {"gelu": ref.gelu, "gelu_tanh": ref.gelu_tanh, "gelu_new": ref.gelu_tanh,
+                "gelu_pytorch_tanh": ref.gelu_tanh, "quick_gelu": ref.quick_gelu,
                 "silu": ref.silu, "swish": ref.silu, "relu": ref.relu, "tanh": np.tanh,
-                "sigmoid": ref.sigmoid}[name]
+                "sigmoid": ref.sigmoid, "linear": lambda x: x}[name]
 
     # --- dense / softmax ---
 
