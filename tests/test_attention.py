@@ -1,7 +1,5 @@
 """dot_product_attention (every kernel), masks and MultiHeadAttention against NumPy."""
 
-import math
-
 import keras
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ from kzoo.layers import (
     sliding_window_mask,
 )
 from kzoo.layers.attention import MultiHeadAttention
-from tests.helpers import assert_close, backend, roundtrip_layer, to_numpy
+from tests.harness import assert_close, backend, check_layer, ref, roundtrip_layer, to_numpy
 
 KERNEL_NAMES = ["reference", "fused", "chunked"]
 
@@ -27,35 +25,9 @@ KERNEL_NAMES = ["reference", "fused", "chunked"]
 # === The NumPy definition every kernel is checked against ===
 
 
-def np_attention(q, k, v, mask=None, bias=None, causal=False, scale=None):
-    """softmax(q k^T * scale + bias) v in float64; masked keys excluded; empty rows -> 0."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, t, h, d = q.shape
-    s_len, hk = k.shape[1], k.shape[2]
-    k = np.repeat(k, h // hk, axis=2)  # query head i uses kv head i // (h // hk)
-    v = np.repeat(v, h // hk, axis=2)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = np.einsum("bthd,bshd->bhts", q, k) * scale
-    if bias is not None:
-        scores = scores + bias
-    allowed = np.ones(scores.shape, bool)
-    if mask is not None:
-        allowed &= np.broadcast_to(np.asarray(mask, bool), scores.shape)
-    if causal:
-        i = np.arange(t)[:, None] + (s_len - t)
-        j = np.arange(s_len)[None, :]
-        allowed &= j <= i
-    out = np.zeros((b, t, h, v.shape[-1]))
-    for bi in range(b):
-        for hi in range(h):
-            for ti in range(t):
-                row = allowed[bi, hi, ti]
-                if not row.any():
-                    continue
-                e = np.exp(scores[bi, hi, ti, row] - scores[bi, hi, ti, row].max())
-                p = e / e.sum()
-                out[bi, ti, hi] = p @ v[bi, row, hi]
-    return out
+# softmax(q k^T * scale + bias) v in float64; masked keys excluded; empty rows -> 0;
+# GQA: query head i uses kv head i // (h // hk). Written once, in tests/harness.py.
+np_attention = ref.attention
 
 
 def _data(b=2, t=6, s=None, h=4, hk=None, d=8, seed=0):
@@ -517,11 +489,7 @@ def _np_mha(layer, x, value=None, mask=None, bias=None, causal=False):
     hk = layer._kv_heads
 
     def dense(dl, inp):
-        w = to_numpy(dl.kernel)
-        out = inp @ w
-        if dl.use_bias:
-            out = out + to_numpy(dl.bias)
-        return out
+        return ref.apply_dense(dl, inp)
 
     b, t, _ = x.shape
     s = value.shape[1]
@@ -558,20 +526,23 @@ def test_mha_rotary_matches_numpy_rotate_half():
     h, d = 2, 4
 
     def rope(t):  # rotate-half convention, positions 0..5
-        inv = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
-        ang = np.arange(t.shape[1])[:, None] * inv[None]
-        cos = np.concatenate([np.cos(ang)] * 2, -1)[None, :, None, :]
-        sin = np.concatenate([np.sin(ang)] * 2, -1)[None, :, None, :]
-        rot = np.concatenate([-t[..., d // 2:], t[..., : d // 2]], -1)
-        return t * cos + rot * sin
+        return ref.rope(t, base=10000)
 
-    q = (x @ to_numpy(layer.query_dense.kernel) + to_numpy(layer.query_dense.bias))
-    k = (x @ to_numpy(layer.key_dense.kernel) + to_numpy(layer.key_dense.bias))
-    v = (x @ to_numpy(layer.value_dense.kernel) + to_numpy(layer.value_dense.bias))
-    q, k, v = (a.reshape(1, 6, h, d) for a in (q, k, v))
+    q, k, v = (ref.apply_dense(dl, x).reshape(1, 6, h, d)
+               for dl in (layer.query_dense, layer.key_dense, layer.value_dense))
     o = np_attention(rope(q), rope(k), v, causal=True).reshape(1, 6, h * d)
-    expected = o @ to_numpy(layer.output_dense.kernel) + to_numpy(layer.output_dense.bias)
+    expected = ref.apply_dense(layer.output_dense, o)
     np.testing.assert_allclose(out, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_heads=4, num_kv_heads=2),
+                                    dict(num_heads=2, head_dim=5, use_bias=False, scale=1.0)])
+def test_mha_layer_harness(kwargs):
+    """Build, call (causal self-attention), NumPy reference, config / serialization round
+    trip and mixed precision, through the shared check_layer."""
+    check_layer(MultiHeadAttention, kwargs, input_shape=(2, 5, 16),
+                expected_output_shape=(2, 5, 16), call_kwargs=dict(use_causal_mask=True),
+                reference=lambda layer, x: _np_mha(layer, x, causal=True), atol=2e-5)
 
 
 def test_mha_cache_decoding_equals_full_pass():

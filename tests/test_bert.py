@@ -15,7 +15,12 @@ import kzoo.presets
 from kzoo import registry
 from kzoo.models import bert as bert_module
 from kzoo.models.bert import BertBackbone, BertClassifier, BertMaskedLM
-from tests.helpers import assert_close, backend, rng, to_numpy
+from tests.harness import (
+    assert_close, assert_matches_transformers, assert_same_hf_tensors,
+    check_config_round_trip, check_fit_lowers_loss, check_keras_file_round_trip,
+    check_preset_round_trip, hf_checkpoint, hf_state, max_real_diff, ref, rng, to_numpy,
+    torch_forward,
+)
 
 TINY = dict(
     vocabulary_size=61,
@@ -58,60 +63,33 @@ def randomize(model, seed=1, scale=0.2):
 # --- NumPy reference (Devlin et al. 2019; independent of kzoo's code) -------------------
 
 
-def np_layer_norm(x, gamma, beta, eps):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * gamma + beta
-
-
-def np_gelu(x):
-    erf = np.vectorize(math.erf)
-    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
-
-
 def np_bert(backbone, inputs):
     """Float64 BERT forward from the backbone's weights; returns (sequence, pooled)."""
-    w = lambda v: to_numpy(v).astype(np.float64)  # noqa: E731
+    w = ref.w
     eps = backbone.layer_norm_epsilon
     ids, seg, mask = inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"]
     seq = ids.shape[1]
     x = (w(backbone.token_embedding.embeddings)[ids]
          + w(backbone.position_embedding.embeddings)[:seq][None]
          + w(backbone.segment_embedding.embeddings)[seg])
-    x = np_layer_norm(x, w(backbone.embeddings_layer_norm.gamma),
-                      w(backbone.embeddings_layer_norm.beta), eps)
+    x = ref.norm(backbone.embeddings_layer_norm, x, eps)
     heads = backbone.num_heads
     d = backbone.hidden_dim // heads
     for block in backbone.transformer_layers:
         att = block.self_attention
 
-        def proj(layer, h):
-            return h @ w(layer.kernel) + w(layer.bias)
-
+        proj = ref.apply_dense
         q = proj(att.query_dense, x).reshape(x.shape[0], seq, heads, d)
         k = proj(att.key_dense, x).reshape(x.shape[0], seq, heads, d)
         v = proj(att.value_dense, x).reshape(x.shape[0], seq, heads, d)
-        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-        scores = np.where(mask[:, None, None, :] == 1, scores, -1e30)
-        scores = scores - scores.max(-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(-1, keepdims=True)
-        ctx = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(x.shape[0], seq, heads * d)
-        x = np_layer_norm(x + proj(att.output_dense, ctx), w(block.self_attention_norm.gamma),
-                          w(block.self_attention_norm.beta), eps)
+        ctx = ref.attention(q, k, v, mask=mask[:, None, None, :] == 1, scale=1 / math.sqrt(d))
+        ctx = ctx.reshape(x.shape[0], seq, heads * d)
+        x = ref.norm(block.self_attention_norm, x + proj(att.output_dense, ctx), eps)
         ffn = block.feedforward_layer
-        h = np_gelu(proj(ffn.intermediate_dense, x))
-        x = np_layer_norm(x + proj(ffn.output_dense, h), w(block.feedforward_norm.gamma),
-                          w(block.feedforward_norm.beta), eps)
+        h = ref.gelu(proj(ffn.intermediate_dense, x))
+        x = ref.norm(block.feedforward_norm, x + proj(ffn.output_dense, h), eps)
     pooled = np.tanh(x[:, 0] @ w(backbone.pooler_dense.kernel) + w(backbone.pooler_dense.bias))
     return x, pooled
-
-
-def strip_names(config):
-    """A config without its (auto-numbered) layer names, recursively."""
-    if isinstance(config, dict):
-        return {k: strip_names(v) for k, v in config.items() if k != "name"}
-    return config
 
 
 def real(mask):
@@ -163,10 +141,9 @@ def test_backbone_and_mlm_match_numpy_reference():
     assert_close(got_seq[m], seq_ref[m], atol=2e-5)
     assert_close(out["pooled_output"], pooled_ref, atol=2e-5)
     # Masked-LM head: LN(gelu(Dense(h))) @ E^T + b.
-    w = lambda v: to_numpy(v).astype(np.float64)  # noqa: E731
-    h = np_gelu(seq_ref @ w(mlm.transform.dense.kernel) + w(mlm.transform.dense.bias))
-    h = np_layer_norm(h, w(mlm.transform.layer_norm.gamma), w(mlm.transform.layer_norm.beta),
-                      backbone.layer_norm_epsilon)
+    w = ref.w
+    h = ref.gelu(ref.apply_dense(mlm.transform.dense, seq_ref))
+    h = ref.norm(mlm.transform.layer_norm, h, backbone.layer_norm_epsilon)
     logits_ref = h @ w(backbone.token_embedding.embeddings).T + w(mlm.output_bias.bias)
     assert_close(to_numpy(mlm(inputs))[m], logits_ref[m], atol=5e-5, rtol=1e-4)
 
@@ -245,15 +222,6 @@ def test_initialisation_is_bert_normal():
     np.testing.assert_array_equal(to_numpy(backbone.embeddings_layer_norm.gamma), 1.0)
 
 
-def _assert_same_outputs(a, b, inputs):
-    out_a, out_b = a(inputs), b(inputs)
-    if isinstance(out_a, dict):
-        for key in out_a:
-            np.testing.assert_array_equal(to_numpy(out_a[key]), to_numpy(out_b[key]))
-    else:
-        np.testing.assert_array_equal(to_numpy(out_a), to_numpy(out_b))
-
-
 @pytest.mark.parametrize("task", ["backbone", "masked_lm", "classifier"])
 def test_keras_file_round_trip(task, tmp_path):
     backbone = tiny_backbone(attention_dropout=0.05, activation="gelu_new",
@@ -261,12 +229,8 @@ def test_keras_file_round_trip(task, tmp_path):
     model = {"backbone": lambda: backbone, "masked_lm": lambda: BertMaskedLM(backbone),
              "classifier": lambda: BertClassifier(backbone, num_classes=4, dropout=0.2)}[task]()
     randomize(model, seed=5)
-    path = os.path.join(tmp_path, "model.keras")
-    model.save(path)
-    restored = keras.saving.load_model(path)
-    assert type(restored) is type(model)
-    assert strip_names(restored.get_config()) == strip_names(model.get_config())
-    _assert_same_outputs(model, restored, make_inputs())
+    check_keras_file_round_trip(model, make_inputs(), tmp_path)
+    check_config_round_trip(model, make_inputs())
 
 
 def test_get_config_is_exactly_the_arguments():
@@ -290,11 +254,7 @@ def test_presets_save_load_directory(task, tmp_path):
     model = {"backbone": lambda: backbone, "masked_lm": lambda: BertMaskedLM(backbone),
              "classifier": lambda: BertClassifier(backbone, num_classes=3)}[task]()
     randomize(model, seed=6)
-    kzoo.presets.save(model, tmp_path)
-    restored = kzoo.presets.load(tmp_path)
-    assert type(restored) is type(model)
-    assert strip_names(restored.get_config()) == strip_names(model.get_config())
-    _assert_same_outputs(model, restored, make_inputs())
+    check_preset_round_trip(model, make_inputs(), tmp_path)
 
 
 def test_preset_load_overrides_and_task_switch(tmp_path):
@@ -316,27 +276,17 @@ def test_preset_load_overrides_and_task_switch(tmp_path):
         kzoo.presets.load("bert_tiny_uncased", task="classifier", num_clases=3)
 
 
-def _fit_lowers_loss(model, inputs, labels, epochs=6):
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(inputs, labels, batch_size=8, epochs=epochs, verbose=0)
-    losses = history.history["loss"]
-    print(f"{model.task_name} losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    assert np.all(np.isfinite(losses))
-    assert losses[-1] < losses[0] - 0.05
-
-
 def test_fit_masked_lm_lowers_loss():
     inputs = make_inputs(batch=8, lengths=(9, 8, 7, 6, 9, 5, 4, 9))
     labels = rng(8).integers(0, 61, size=(8, 9)).astype("int32")
-    _fit_lowers_loss(BertMaskedLM(tiny_backbone(dropout=0.0)), inputs, labels)
+    check_fit_lowers_loss(BertMaskedLM(tiny_backbone(dropout=0.0)), inputs, labels)
 
 
 def test_fit_classifier_lowers_loss():
     inputs = make_inputs(batch=8, lengths=(9, 8, 7, 6, 9, 5, 4, 9))
     labels = np.array([0, 1, 2, 0, 1, 2, 0, 1], "int32")
-    _fit_lowers_loss(BertClassifier(tiny_backbone(dropout=0.0), num_classes=3, dropout=0.0),
-                     inputs, labels)
+    check_fit_lowers_loss(
+        BertClassifier(tiny_backbone(dropout=0.0), num_classes=3, dropout=0.0), inputs, labels)
 
 
 def test_mixed_precision():
@@ -477,13 +427,14 @@ def hf_inputs(lengths=(11, 7, 4), seq=11, vocab=67, segments=3):
     return inputs
 
 
-def hf_forward(model, inputs):
-    import torch
+def hf_kwargs(inputs):
+    """kzoo's BERT inputs under transformers' names."""
+    return dict(input_ids=inputs["token_ids"], token_type_ids=inputs["segment_ids"],
+                attention_mask=inputs["padding_mask"])
 
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(inputs["token_ids"], dtype=torch.long),
-                     token_type_ids=torch.tensor(inputs["segment_ids"], dtype=torch.long),
-                     attention_mask=torch.tensor(inputs["padding_mask"], dtype=torch.long))
+
+def hf_forward(model, inputs):
+    return torch_forward(model, **hf_kwargs(inputs))
 
 
 def hf_outputs(model, inputs):
@@ -496,22 +447,20 @@ def hf_outputs(model, inputs):
     return [out.last_hidden_state.numpy(), out.pooler_output.numpy()]
 
 
-def kzoo_outputs(model, inputs):
-    out = model(inputs)
-    if isinstance(out, dict):
-        return [to_numpy(out["sequence_output"]), to_numpy(out["pooled_output"])]
-    return [to_numpy(out)]
+# (kzoo output, transformers output) pairs compared for each task
+PARITY = {
+    "backbone": [(lambda o: o["sequence_output"], lambda o: o.last_hidden_state),
+                 (lambda o: o["pooled_output"], lambda o: o.pooler_output)],
+    "masked_lm": [(None, lambda o: o.logits)],
+    "classifier": [(None, lambda o: o.logits)],
+}
 
 
-def max_real_diff(a, b, mask):
-    m = real(mask)
-    return float(np.abs(a[m] - b[m]).max()) if a.ndim == 3 else float(np.abs(a - b).max())
-
-
-def read_state(path):
-    from safetensors.numpy import load_file
-
-    return dict(load_file(os.path.join(path, "model.safetensors")))
+def assert_bert_matches(model, reference, inputs, task, atol=1e-5, label=""):
+    for kzoo_select, hf_select in PARITY[task]:
+        assert_matches_transformers(model, reference, inputs, hf_kwargs(inputs), atol=atol,
+                                    select=hf_select, kzoo_select=kzoo_select,
+                                    mask=inputs["padding_mask"], label=label)
 
 
 @pytest.mark.parametrize(
@@ -528,8 +477,7 @@ def test_hf_parity_and_round_trip(cls_name, task, config, tmp_path):
     import transformers
 
     reference = hf_model(cls_name, **config)
-    src = os.path.join(tmp_path, "hf")
-    reference.save_pretrained(src, safe_serialization=True)
+    src = hf_checkpoint(os.path.join(tmp_path, "hf"), reference)
     inputs = hf_inputs()
     expected = hf_outputs(reference, inputs)
 
@@ -543,12 +491,7 @@ def test_hf_parity_and_round_trip(cls_name, task, config, tmp_path):
         assert backbone.activation == config["hidden_act"]
     if task == "classifier":
         assert model.num_classes == 3 and model.dropout == 0.2
-    got = kzoo_outputs(model, inputs)
-    for g, e in zip(got, expected):
-        assert g.shape == e.shape
-        diff = max_real_diff(g, e, inputs["padding_mask"])
-        print(f"[{backend()}] {cls_name} {config} max |diff| vs transformers: {diff:.3g}")
-        assert diff <= 1e-5
+    assert_bert_matches(model, reference, inputs, task, label=f"{cls_name} {config}")
 
     # kzoo -> HF: transformers reads the export and computes the same outputs.
     out = os.path.join(tmp_path, "export")
@@ -557,10 +500,7 @@ def test_hf_parity_and_round_trip(cls_name, task, config, tmp_path):
     for g, e in zip(hf_outputs(exported, inputs), expected):
         assert max_real_diff(g, e, inputs["padding_mask"]) <= 1e-5
     # HF -> kzoo -> HF: identical tensors under identical names.
-    original, written = read_state(src), read_state(out)
-    assert sorted(written) == sorted(original)
-    for name in original:
-        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    assert_same_hf_tensors(src, out)
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["architectures"] == [cls_name]
 
@@ -568,13 +508,13 @@ def test_hf_parity_and_round_trip(cls_name, task, config, tmp_path):
 def test_hf_pretraining_checkpoint_loads_as_masked_lm(tmp_path):
     """Google's original layout: pooler + next-sentence head, decoder stored untied-looking."""
     reference = hf_model("BertForPreTraining")
-    reference.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, reference)
     inputs = hf_inputs()
     model = kzoo.presets.load(tmp_path)
     assert isinstance(model, BertMaskedLM)
-    diff = max_real_diff(kzoo_outputs(model, inputs)[0], hf_outputs(reference, inputs)[0],
-                         inputs["padding_mask"])
-    assert diff <= 1e-5
+    assert_matches_transformers(model, reference, inputs, hf_kwargs(inputs),
+                                select=lambda o: o.prediction_logits,
+                                mask=inputs["padding_mask"])
     # Its pooler was loaded too: the backbone's pooled output matches BertModel's.
     pooled = to_numpy(model.backbone(inputs)["pooled_output"])
     expected = hf_forward(reference.bert, inputs).pooler_output.numpy()
@@ -583,7 +523,7 @@ def test_hf_pretraining_checkpoint_loads_as_masked_lm(tmp_path):
 
 def test_hf_masked_lm_as_backbone_and_classifier(tmp_path):
     reference = hf_model("BertForMaskedLM")
-    reference.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, reference)
     inputs = hf_inputs()
     expected = hf_forward(reference.bert, inputs).last_hidden_state.numpy()
     with pytest.warns(UserWarning, match="pooler"):
@@ -606,10 +546,10 @@ def _write_hf(tmp_path, config, state):
 @pytest.fixture(scope="module")
 def hf_mlm_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_mlm")
-    hf_model("BertForMaskedLM").save_pretrained(path, safe_serialization=True)
+    hf_checkpoint(path, hf_model("BertForMaskedLM"))
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    return config, read_state(path)
+    return config, hf_state(path)
 
 
 @pytest.mark.parametrize(
@@ -673,12 +613,10 @@ def test_hf_load_weights_into_preset(tmp_path):
     reference = hf_model("BertForMaskedLM", vocab_size=30522, hidden_size=128,
                          num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
                          max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12)
-    reference.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, reference)
     model = kzoo.presets.load("bert_tiny_uncased", weights=tmp_path)
     inputs = make_inputs(vocab=30522)
-    diff = max_real_diff(kzoo_outputs(model, inputs)[0], hf_outputs(reference, inputs)[0],
-                         inputs["padding_mask"])
-    assert diff <= 1e-4
+    assert_bert_matches(model, reference, inputs, "masked_lm", atol=1e-4)
 
 
 # --- Tokenizer --------------------------------------------------------------------------
@@ -690,8 +628,7 @@ WORDPIECE_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "
 def test_wordpiece_tokenizer_is_attached(tmp_path):
     import transformers
 
-    hf_model("BertForMaskedLM", vocab_size=len(WORDPIECE_VOCAB)).save_pretrained(
-        tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, hf_model("BertForMaskedLM", vocab_size=len(WORDPIECE_VOCAB)))
     with open(os.path.join(tmp_path, "vocab.txt"), "w") as f:
         f.write("\n".join(WORDPIECE_VOCAB) + "\n")
     model = kzoo.presets.load(tmp_path)

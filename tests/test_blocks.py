@@ -2,7 +2,6 @@
 bias, dropout and initialiser lands; ALiBi through `attention_bias`; the exact weight paths of
 every family's backbone and files saved with the families' former block classes."""
 
-import math
 import re
 
 import h5py
@@ -16,36 +15,16 @@ from kzoo.models.gpt import GPTBackbone
 from kzoo.models.graphormer import GraphormerBackbone
 from kzoo.models.t5 import T5Backbone
 from kzoo.models.vit import ViTBackbone
-from tests.helpers import assert_close, roundtrip_layer, to_numpy
-from tests.test_attention import np_attention
+from tests.harness import assert_close, ref, roundtrip_layer, to_numpy
 
 
-def _dense(layer, x):
-    out = x @ to_numpy(layer.kernel)
-    if layer.use_bias:
-        out = out + to_numpy(layer.bias)
-    return out
-
-
-def _np_layernorm(x, norm, eps):
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * to_numpy(norm.gamma) + to_numpy(norm.beta)
-
-
-def _np_rmsnorm(x, norm, eps):
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * to_numpy(norm.scale)
-
-
-def _gelu(x):
-    from math import erf
-
-    return 0.5 * x * (1 + np.vectorize(erf)(x / math.sqrt(2)))
+_dense = ref.apply_dense  # (layer, x)
 
 
 def _np_block(block, x, pad=None, enc=None, enc_pad=None, bias=None):
     eps = block.layer_norm_epsilon
-    norm_fn = _np_rmsnorm if block.norm == "rmsnorm" else _np_layernorm
+    def norm_fn(h, norm, eps):
+        return ref.norm(norm, h, eps)
 
     def mha(layer, h, value, mask, causal, bias_):
         b, t, _ = h.shape
@@ -54,17 +33,16 @@ def _np_block(block, x, pad=None, enc=None, enc_pad=None, bias=None):
         q = _dense(layer.query_dense, h).reshape(b, t, nh, hd)
         k = _dense(layer.key_dense, value).reshape(b, s, hk, hd)
         v = _dense(layer.value_dense, value).reshape(b, s, hk, hd)
-        o = np_attention(q, k, v, mask=mask, causal=causal, bias=bias_, scale=layer.scale)
+        o = ref.attention(q, k, v, mask=mask, causal=causal, bias=bias_, scale=layer.scale)
         return _dense(layer.output_dense, o.reshape(b, t, nh * hd))
 
     def ffn(h):
         f = block.feedforward_layer
         if block.feedforward == "gated":
-            g = _dense(f.gate_dense, h)
-            act = g / (1 + np.exp(-g))  # silu
+            act = ref.silu(_dense(f.gate_dense, h))
             return _dense(f.output_dense, act * _dense(f.up_dense, h))
         inner = _dense(f.intermediate_dense, h)
-        inner = _gelu(inner) if block.activation == "gelu" else np.maximum(inner, 0)
+        inner = ref.gelu(inner) if block.activation == "gelu" else ref.relu(inner)
         return _dense(f.output_dense, inner)
 
     def sub(h, norm, fn):

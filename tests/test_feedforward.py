@@ -1,7 +1,5 @@
 """FeedForward, GatedFeedForward and get_activation against NumPy formulas."""
 
-import math
-
 import keras
 import numpy as np
 import pytest
@@ -9,28 +7,10 @@ import pytest
 from kzoo.layers.feedforward import FeedForward
 from kzoo.layers.feedforward import GatedFeedForward
 from kzoo.layers.feedforward import get_activation
-from tests.helpers import assert_close
-from tests.helpers import rng
-from tests.helpers import roundtrip_layer
-from tests.helpers import to_numpy
+from tests.harness import assert_close, check_layer, ref, rng, roundtrip_layer, to_numpy
 
-_erf = np.vectorize(math.erf)
-
-
-def np_sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-NP_ACTIVATIONS = {
-    "relu": lambda x: np.maximum(x, 0.0),
-    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
-    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
-    "quick_gelu": lambda x: x * np_sigmoid(1.702 * x),
-    "silu": lambda x: x * np_sigmoid(x),
-    "tanh": np.tanh,
-    "sigmoid": np_sigmoid,
-    "linear": lambda x: x,
-}
+NP_ACTIVATIONS = {name: ref.activation(name) for name in (
+    "relu", "gelu", "gelu_tanh", "quick_gelu", "silu", "tanh", "sigmoid", "linear")}
 ALIASES = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
 
 
@@ -96,6 +76,31 @@ def test_feedforward_output_dim_and_no_bias():
     w = dense_weights(layer)
     expected = np.maximum(x @ w["intermediate_dense/kernel"], 0) @ w["output_dense/kernel"]
     assert_close(y, expected, atol=1e-5)
+
+
+def _np_feedforward(layer, x):
+    act = ref.activation(layer.activation)
+    return ref.apply_dense(layer.output_dense, act(ref.apply_dense(layer.intermediate_dense, x)))
+
+
+def _np_gated(layer, x):
+    gate = ref.activation(layer.activation)(ref.apply_dense(layer.gate_dense, x))
+    return ref.apply_dense(layer.output_dense, gate * ref.apply_dense(layer.up_dense, x))
+
+
+@pytest.mark.parametrize("cls, kwargs, reference, out_dim", [
+    (FeedForward, dict(intermediate_dim=12, activation="gelu"), _np_feedforward, 6),
+    (FeedForward, dict(intermediate_dim=8, output_dim=5, use_bias=False, activation="relu"),
+     _np_feedforward, 5),
+    (GatedFeedForward, dict(intermediate_dim=10, activation="silu"), _np_gated, 6),
+    (GatedFeedForward, dict(intermediate_dim=10, activation="gelu", use_bias=True,
+                            output_dim=3), _np_gated, 3),
+])
+def test_layer_harness(cls, kwargs, reference, out_dim):
+    """Build, call, NumPy reference, config / serialization round trip and mixed precision,
+    through the shared check_layer."""
+    check_layer(cls, kwargs, input_shape=(2, 5, 6), expected_output_shape=(2, 5, out_dim),
+                reference=reference)
 
 
 GLU_VARIANTS = {  # activation of the gate branch for each named variant of Shazeer (2020)

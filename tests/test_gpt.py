@@ -10,7 +10,11 @@ import pytest
 import kzoo
 import kzoo.presets
 from kzoo.models.gpt import GPTBackbone, GPTCausalLM
-from tests.helpers import to_numpy
+from tests.harness import (
+    assert_matches_transformers, assert_same_hf_tensors, check_config_round_trip,
+    check_fit_lowers_loss, check_keras_file_round_trip, check_preset_round_trip, forward,
+    hf_checkpoint, ref, to_numpy, torch_forward,
+)
 
 VOCAB = 61
 
@@ -58,98 +62,48 @@ def _inputs(ids, mask=None):
     return {"token_ids": ids, "padding_mask": mask}
 
 
-def _forward(model, x):
-    """The model's output for `x`. On JAX a compiled predict step (op-by-op eager dispatch
-    compiles every op for every new shape and dominates the test time); elsewhere a call."""
-    if keras.backend.backend() == "jax":
-        return model.predict_on_batch(x)
-    return model(x)
+_forward = forward  # the name the decoding tests below use
 
 
 def _ids(batch, seq, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, (batch, seq)).astype("int32")
 
 
-# === NumPy reference ===
-
-
-def _np(v):
-    return np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
-
-
-def _layer_norm(x, layer):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + layer.epsilon) * _np(layer.gamma) + _np(layer.beta)
-
-
-def _rms_norm(x, layer):
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + layer.epsilon) * _np(layer.scale)
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
-def _silu(x):
-    return x / (1 + np.exp(-x))
-
-
-def _dense(x, layer):
-    y = x @ _np(layer.kernel)
-    if layer.use_bias:
-        y = y + _np(layer.bias)
-    return y
-
-
-def _rope(x, base):
-    # x (b, t, h, d): rotate-half pairing (i, i + d/2), positions 0..t-1.
-    d = x.shape[-1]
-    inv = base ** (-np.arange(0, d, 2) / d)
-    ang = np.arange(x.shape[1])[:, None] * inv[None, :]
-    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+# === NumPy reference (the pieces come from tests.harness.ref) ===
 
 
 def numpy_gpt(backbone, ids, mask):
     """An independent NumPy implementation of the GPT forward pass (float64)."""
     cfg = backbone.get_config()
-    act = {"gelu_tanh": _gelu_tanh, "silu": _silu}[cfg["activation"]]
-    norm = _rms_norm if cfg["norm"] == "rmsnorm" else _layer_norm
+    act = ref.activation(cfg["activation"])
+    norm, _dense, _np = ref.norm, ref.apply_dense, ref.w
     b, t = ids.shape
     h, d = cfg["num_heads"], cfg["hidden_dim"] // cfg["num_heads"]
     kvh = cfg["num_kv_heads"] or h
     x = _np(backbone.token_embedding.embeddings)[ids]
     if cfg["position"] == "learned":
         x = x + _np(backbone.position_embedding.embeddings)[:t][None]
-    allowed = np.tril(np.ones((t, t), bool))[None, None] & mask.astype(bool)[:, None, None, :]
+    pad = mask.astype(bool)[:, None, None, :]
     for block in backbone.transformer_layers:
         attn = block.self_attention
-        y = norm(x, block.self_attention_norm)
-        q = _dense(y, attn.query_dense).reshape(b, t, h, d)
-        k = _dense(y, attn.key_dense).reshape(b, t, kvh, d)
-        v = _dense(y, attn.value_dense).reshape(b, t, kvh, d)
-        if cfg["position"] == "rotary":
-            q, k = _rope(q, cfg["rope_max_wavelength"]), _rope(k, cfg["rope_max_wavelength"])
-        k = np.repeat(k, h // kvh, axis=2)  # query head i uses kv head i // (h / kvh)
-        v = np.repeat(v, h // kvh, axis=2)
-        s = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
-        s = np.where(allowed, s, -1e30)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p = p / p.sum(-1, keepdims=True)
-        o = np.einsum("bhts,bshd->bthd", p, v).reshape(b, t, h * d)
-        x = x + _dense(o, attn.output_dense)
-        y = norm(x, block.feedforward_norm)
+        y = norm(block.self_attention_norm, x)
+        q = _dense(attn.query_dense, y).reshape(b, t, h, d)
+        k = _dense(attn.key_dense, y).reshape(b, t, kvh, d)
+        v = _dense(attn.value_dense, y).reshape(b, t, kvh, d)
+        if cfg["position"] == "rotary":  # rotate-half pairing, positions 0..t-1
+            q = ref.rope(q, base=cfg["rope_max_wavelength"])
+            k = ref.rope(k, base=cfg["rope_max_wavelength"])
+        # GQA: query head i uses kv head i // (h / kvh)
+        o = ref.attention(q, k, v, mask=pad, causal=True, scale=1 / math.sqrt(d))
+        x = x + _dense(attn.output_dense, o.reshape(b, t, h * d))
+        y = norm(block.feedforward_norm, x)
         ff = block.feedforward_layer
         if cfg["feedforward"] == "plain":
-            f = _dense(act(_dense(y, ff.intermediate_dense)), ff.output_dense)
+            f = _dense(ff.output_dense, act(_dense(ff.intermediate_dense, y)))
         elif cfg["feedforward"] == "gated":
-            f = _dense(act(_dense(y, ff.gate_dense)) * _dense(y, ff.up_dense), ff.output_dense)
+            f = _dense(ff.output_dense, act(_dense(ff.gate_dense, y)) * _dense(ff.up_dense, y))
         else:
-            logits = y @ _np(ff.router.kernel)
-            probs = np.exp(logits - logits.max(-1, keepdims=True))
-            probs /= probs.sum(-1, keepdims=True)
+            probs = ref.softmax(y @ _np(ff.router.kernel))
             top = np.argsort(-probs, -1)[..., : cfg["top_k"]]
             f = np.zeros_like(y)
             gk, uk, ok = _np(ff.gate_kernel), _np(ff.up_kernel), _np(ff.output_kernel)
@@ -161,7 +115,7 @@ def numpy_gpt(backbone, ids, mask):
                         hid = act(y[bi, ti] @ gk[e]) * (y[bi, ti] @ uk[e])
                         f[bi, ti] += we * (hid @ ok[e])
         x = x + f
-    x = norm(x, backbone.final_norm)
+    x = norm(backbone.final_norm, x)
     emb = backbone.token_embedding
     head = _np(emb.embeddings).T if cfg["tie_embeddings"] else _np(emb.reverse_embeddings)
     return x, x @ head
@@ -431,20 +385,12 @@ def test_generate_errors():
 def test_keras_file_round_trip(kind, tmp_path):
     lm = shared_lm(kind)
     x = _inputs(_ids(2, 6))
-    path = os.path.join(tmp_path, "lm.keras")
-    lm.save(path)
-    restored = keras.saving.load_model(path)
+    restored = check_keras_file_round_trip(lm, x, os.path.join(tmp_path, "lm"), forward,
+                                           atol=1e-6)
     assert isinstance(restored, GPTCausalLM)
     assert restored.backbone.get_config() == lm.backbone.get_config()
-    np.testing.assert_allclose(
-        to_numpy(_forward(restored, x)), to_numpy(_forward(lm, x)), atol=1e-6
-    )
-    backbone_path = os.path.join(tmp_path, "backbone.keras")
-    lm.backbone.save(backbone_path)
-    bb = keras.saving.load_model(backbone_path)
-    np.testing.assert_allclose(
-        to_numpy(_forward(bb, x)), to_numpy(_forward(lm.backbone, x)), atol=1e-6
-    )
+    check_keras_file_round_trip(lm.backbone, x, os.path.join(tmp_path, "backbone"), forward,
+                                atol=1e-6)
 
 
 def test_config_round_trip():
@@ -453,19 +399,15 @@ def test_config_round_trip():
     clone = GPTBackbone.from_config(config)
     assert clone.get_config() == config
     lm = GPTCausalLM(backbone)
-    again = GPTCausalLM.from_config(lm.get_config())
+    again = check_config_round_trip(lm, _inputs(_ids(2, 6)), forward)
     assert again.backbone.get_config() == config
 
 
 def test_presets_directory_round_trip(tmp_path):
     lm = kzoo.presets.load("gpt_moe_mini", num_layers=1, max_sequence_length=32)
     x = _inputs(_ids(2, 6))
-    kzoo.presets.save(lm, tmp_path)
-    restored = kzoo.presets.load(tmp_path)
+    restored = check_preset_round_trip(lm, x, tmp_path, forward, atol=1e-6)
     assert isinstance(restored, GPTCausalLM)
-    np.testing.assert_allclose(
-        to_numpy(_forward(restored, x)), to_numpy(_forward(lm, x)), atol=1e-6
-    )
     backbone = kzoo.presets.load(tmp_path, task="backbone")
     np.testing.assert_allclose(
         to_numpy(_forward(backbone, x)), to_numpy(_forward(lm.backbone, x)), atol=1e-6
@@ -484,16 +426,8 @@ def test_fit_lowers_loss(kind):
     mask[4:, 7:] = 0
     x, y, w = GPTCausalLM.lm_batch(data, mask)
     assert x["token_ids"].shape == (8, 8) and y.shape == (8, 8)
-    lm.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile="auto",
-    )
-    before = lm.evaluate(x, y, sample_weight=w, verbose=0, return_dict=True)["loss"]
-    lm.fit(x, y, sample_weight=w, epochs=8, batch_size=8, verbose=0)
-    after = lm.evaluate(x, y, sample_weight=w, verbose=0, return_dict=True)["loss"]
-    print(f"{kind}: loss {before:.3f} -> {after:.3f}")
-    assert after < before - 0.5
+    check_fit_lowers_loss(lm, x, y, sample_weight=w, epochs=8, evaluate=True, min_drop=0.5,
+                          jit_compile="auto")
 
 
 @pytest.mark.parametrize("jit_compile", [False, "auto"])
@@ -625,17 +559,19 @@ def _hf_gpt2(path, lm_head=True, **overrides):
         for name, param in model.named_parameters():
             if ".ln_" in name or name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    hf_checkpoint(path, model)
     return model
 
 
 def _hf_forward(hf, ids, mask):
-    import torch
-
-    with torch.no_grad():
-        out = hf(input_ids=torch.tensor(ids, dtype=torch.long),
-                 attention_mask=torch.tensor(mask, dtype=torch.long))
+    out = torch_forward(hf, input_ids=ids, attention_mask=mask)
     return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+
+
+def _assert_gpt_matches(model, hf, ids, mask, label, atol=1e-5):
+    assert_matches_transformers(model, hf, _inputs(ids, mask),
+                                dict(input_ids=ids, attention_mask=mask), atol=atol,
+                                mask=mask, label=label)
 
 
 def _right_padded(lengths=(10, 7, 4), width=10, vocab=97, seed=0):
@@ -661,13 +597,7 @@ def test_hf_gpt2_parity(variant, tmp_path):
     model = kzoo.presets.load(tmp_path)
     assert isinstance(model, GPTCausalLM)
     ids, mask = _right_padded()
-    ours = to_numpy(_forward(model, _inputs(ids, mask)))
-    ref = _hf_forward(hf, ids, mask)
-    real = mask.astype(bool)
-    diff = np.abs(ours[real] - ref[real]).max()
-    print(f"GPT-2 {variant} vs transformers: max |diff| logits {diff:.2e} "
-          f"(logit scale {np.abs(ref[real]).max():.2f})")
-    assert diff <= 1e-5
+    _assert_gpt_matches(model, hf, ids, mask, f"GPT-2 {variant}")
 
 
 def test_hf_gpt2_untied_head_refuses_a_tied_model(tmp_path):
@@ -683,12 +613,7 @@ def test_hf_gpt2_backbone_parity(tmp_path):
     model = kzoo.presets.load(tmp_path)
     assert isinstance(model, GPTBackbone)
     ids, mask = _right_padded()
-    ours = to_numpy(_forward(model, _inputs(ids, mask)))
-    ref = _hf_forward(hf, ids, mask)
-    real = mask.astype(bool)
-    diff = np.abs(ours[real] - ref[real]).max()
-    print(f"GPT2Model vs transformers: max |diff| hidden {diff:.2e}")
-    assert diff <= 1e-5
+    _assert_gpt_matches(model, hf, ids, mask, "GPT2Model")
 
 
 def test_hf_gpt2_greedy_generation(tmp_path):
@@ -726,23 +651,18 @@ def test_hf_gpt2_greedy_generation(tmp_path):
 
 
 def test_hf_gpt2_export_round_trip(tmp_path):
-    import safetensors.numpy
     import transformers
 
     src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
     hf = _hf_gpt2(src)
     model = kzoo.presets.load(src)
     kzoo.presets.save(model, out, format="hf")
-    a = safetensors.numpy.load_file(os.path.join(src, "model.safetensors"))
-    b = safetensors.numpy.load_file(os.path.join(out, "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert_same_hf_tensors(src, out)
     again = transformers.GPT2LMHeadModel.from_pretrained(out, attn_implementation="eager").eval()
     ids, mask = _right_padded()
     real = mask.astype(bool)
-    ref = _hf_forward(hf, ids, mask)
-    np.testing.assert_array_equal(_hf_forward(again, ids, mask)[real], ref[real])
+    expected = _hf_forward(hf, ids, mask)
+    np.testing.assert_array_equal(_hf_forward(again, ids, mask)[real], expected[real])
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -753,16 +673,11 @@ def test_kzoo_model_exports_to_transformers(tie, tmp_path):
     kzoo.presets.save(lm, tmp_path, format="hf")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     ids, mask = _right_padded(vocab=VOCAB, lengths=(10, 6), width=10)
-    real = mask.astype(bool)
-    ours = to_numpy(_forward(lm, _inputs(ids, mask)))
-    diff = np.abs(_hf_forward(hf, ids, mask)[real] - ours[real]).max()
-    print(f"kzoo -> transformers (tie={tie}): max |diff| {diff:.2e}")
-    assert diff <= 1e-5
+    _assert_gpt_matches(lm, hf, ids, mask, f"kzoo -> transformers (tie={tie})")
     backbone_dir = os.path.join(tmp_path, "backbone")
     kzoo.presets.save(lm.backbone, backbone_dir, format="hf")
     hf_base = transformers.GPT2Model.from_pretrained(backbone_dir).eval()
-    hidden = to_numpy(_forward(lm.backbone, _inputs(ids, mask)))
-    assert np.abs(_hf_forward(hf_base, ids, mask)[real] - hidden[real]).max() <= 1e-5
+    _assert_gpt_matches(lm.backbone, hf_base, ids, mask, "kzoo -> transformers backbone")
 
 
 def test_hf_checkpoint_with_tokenizer(tmp_path):
@@ -860,7 +775,7 @@ def _hf_modern(path, model_type="llama", **overrides):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    hf_checkpoint(path, model)
     return model
 
 
@@ -886,8 +801,6 @@ def _load_modern(path):
     ("mixtral", {}),
 ])
 def test_hf_llama_mixtral_parity_and_round_trip(model_type, overrides, tmp_path):
-    import safetensors.numpy
-
     src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
     hf = _hf_modern(src, model_type, **overrides)
     model = _load_modern(src)
@@ -895,18 +808,10 @@ def test_hf_llama_mixtral_parity_and_round_trip(model_type, overrides, tmp_path)
     assert backbone.position == "rotary" and backbone.norm == "rmsnorm"
     assert backbone.feedforward == ("moe" if model_type == "mixtral" else "gated")
     ids, mask = _right_padded()
-    real = mask.astype(bool)
-    ours = to_numpy(_forward(model, _inputs(ids, mask)))
-    diff = np.abs(ours[real] - _hf_forward(hf, ids, mask)[real]).max()
-    print(f"{model_type} {sorted(overrides)} vs transformers: max |diff| logits {diff:.2e}")
-    assert diff <= 1e-5
+    _assert_gpt_matches(model, hf, ids, mask, f"{model_type} {sorted(overrides)}")
     # kzoo -> HF: the same tensors, and transformers reads them back
     kzoo.presets.save(model, out, format="hf")
-    a = safetensors.numpy.load_file(os.path.join(src, "model.safetensors"))
-    b = safetensors.numpy.load_file(os.path.join(out, "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert_same_hf_tensors(src, out)
 
 
 @pytest.mark.parametrize("kind", ["modern", "moe"])
@@ -918,11 +823,7 @@ def test_modern_kzoo_model_exports_to_transformers(kind, tmp_path):
     cls = transformers.MixtralForCausalLM if kind == "moe" else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids, mask = _right_padded(vocab=VOCAB, lengths=(10, 6), width=10)
-    real = mask.astype(bool)
-    ours = to_numpy(_forward(lm, _inputs(ids, mask)))
-    diff = np.abs(_hf_forward(hf, ids, mask)[real] - ours[real]).max()
-    print(f"kzoo {kind} -> transformers {cls.__name__}: max |diff| {diff:.2e}")
-    assert diff <= 1e-5
+    _assert_gpt_matches(lm, hf, ids, mask, f"kzoo {kind} -> transformers {cls.__name__}")
 
 
 def test_hf_llama_greedy_generation_left_padding(tmp_path):

@@ -26,7 +26,10 @@ from kzoo.models.graphormer import (
     GraphormerBackbone,
     GraphormerPredictor,
 )
-from tests.helpers import to_numpy
+from tests.harness import (
+    assert_matches_transformers, assert_same_hf_tensors, check_keras_file_round_trip,
+    check_preset_round_trip, forward, hf_checkpoint, to_numpy,
+)
 
 TINY = dict(num_layers=2, hidden_dim=16, intermediate_dim=24, num_heads=4, dropout=0.0,
             attention_dropout=0.0, activation_dropout=0.0)
@@ -56,11 +59,8 @@ def _predictor(num_classes=1, **overrides):
 
 
 def _run(model, x):
-    """The model's outputs for `x` as NumPy. On JAX through `predict_on_batch` (one XLA
-    program per shape instead of compiling every op eagerly, which is slow there)."""
-    if keras.backend.backend() == "jax":
-        return np.asarray(model.predict_on_batch(x))
-    return to_numpy(model(x))
+    """The model's outputs for `x` as NumPy (compiled predict step on JAX)."""
+    return to_numpy(forward(model, x))
 
 
 def _randomize(model, seed=1):
@@ -280,12 +280,9 @@ def test_keras_file_roundtrip(tmp_path):
                        edge_type="single_hop", embed_scale=0.5)
     _randomize(model)
     x = _inputs(SMILES)
-    path = str(tmp_path / "graphormer.keras")
-    model.save(path)
-    restored = keras.saving.load_model(path)
+    restored = check_keras_file_round_trip(model, x, str(tmp_path), forward, atol=1e-6)
     assert isinstance(restored, GraphormerPredictor)
     assert restored.backbone.get_config() == model.backbone.get_config()
-    np.testing.assert_allclose(_run(restored, x), _run(model, x), atol=1e-6)
 
 
 def test_preset_directory_roundtrip(tmp_path):
@@ -293,9 +290,7 @@ def test_preset_directory_roundtrip(tmp_path):
                               intermediate_dim=24, num_heads=4, num_classes=3)
     _randomize(model)
     x = _inputs(SMILES)
-    kzoo.presets.save(model, str(tmp_path))
-    restored = kzoo.presets.load(str(tmp_path))
-    np.testing.assert_allclose(_run(restored, x), _run(model, x), atol=1e-6)
+    check_preset_round_trip(model, x, str(tmp_path), forward, atol=1e-6)
     backbone = kzoo.presets.load(str(tmp_path), task="backbone")
     np.testing.assert_allclose(_run(backbone, x), _run(model.backbone, x), atol=1e-6)
 
@@ -357,6 +352,11 @@ def test_base_preset_parameter_count():
 # === Hugging Face parity ===
 
 
+def _numpy(batch):
+    """transformers' collated batch (torch tensors) as kzoo's NumPy inputs."""
+    return {k: v.numpy() for k, v in batch.items()}
+
+
 def _hf_batch(smiles, spatial_pos_max=20):
     """Inputs made by transformers' own preprocessing and collator."""
     items = [preprocess_item(copy.deepcopy(graphs.from_smiles(s, y=[0.0]))) for s in smiles]
@@ -397,49 +397,37 @@ HF_CONFIGS = [
 @pytest.mark.parametrize("config", HF_CONFIGS)
 def test_predictor_matches_transformers(tmp_path, config):
     hf = _hf_model(**config)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, hf)
     model = kzoo.presets.load(str(tmp_path))
     assert isinstance(model, GraphormerPredictor)
     assert model.num_classes == hf.config.num_classes
-    worst = 0.0
     for spatial_pos_max in (20, 3):
         batch = _hf_batch(SMILES, spatial_pos_max)
-        with torch.no_grad():
-            expected = hf(**batch).logits.numpy()
-        actual = to_numpy(model({k: v.numpy() for k, v in batch.items()}))
-        worst = max(worst, float(np.abs(actual - expected).max()))
-    print(f"{keras.backend.backend()} max |diff| vs transformers logits: {worst:.3g}")
-    assert worst <= 1e-5
+        assert_matches_transformers(model, hf, _numpy(batch), batch,
+                                    label=f"logits, spatial_pos_max={spatial_pos_max}")
 
 
 def test_preset_with_transformers_weights(tmp_path):
     """`load(preset, weights=hf_dir)`: the preset's architecture (graphormer_slim's flags,
     shrunk) filled with a transformers checkpoint of the same architecture."""
     hf = _hf_model(encoder_normalize_before=True, apply_graphormer_init=True, dropout=0.0)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, hf)
     model = kzoo.presets.load("graphormer_slim", weights=str(tmp_path), num_layers=2,
                               hidden_dim=16, intermediate_dim=24, num_heads=4, num_classes=2)
     batch = _hf_batch(SMILES)
-    with torch.no_grad():
-        expected = hf(**batch).logits.numpy()
-    actual = to_numpy(model({k: v.numpy() for k, v in batch.items()}))
-    np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=0)
+    assert_matches_transformers(model, hf, _numpy(batch), batch, label="preset + HF weights")
 
 
 def test_backbone_matches_transformers_model(tmp_path):
     hf = _hf_model(transformers.GraphormerModel, pre_layernorm=True)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, hf)
     model = kzoo.presets.load(str(tmp_path))
     assert isinstance(model, GraphormerBackbone)
     batch = _hf_batch(SMILES)
-    with torch.no_grad():
-        expected = hf(**batch).last_hidden_state.numpy()
-    actual = to_numpy(model({k: v.numpy() for k, v in batch.items()}))
     real = np.concatenate([np.ones((len(SMILES), 1), bool),
                            batch["input_nodes"][:, :, 0].numpy() != 0], axis=1)
-    diff = np.abs(actual - expected)[real].max()
-    print(f"{keras.backend.backend()} max |diff| vs transformers hidden states: {diff:.3g}")
-    assert diff <= 1e-5
+    assert_matches_transformers(model, hf, _numpy(batch), batch, mask=real,
+                                label="hidden states")
 
 
 def test_export_to_transformers(tmp_path):
@@ -449,36 +437,25 @@ def test_export_to_transformers(tmp_path):
     kzoo.presets.save(model, str(tmp_path), format="hf")
     hf = transformers.GraphormerForGraphClassification.from_pretrained(str(tmp_path)).eval()
     batch = _hf_batch(SMILES, spatial_pos_max=4)
-    with torch.no_grad():
-        expected = hf(**batch).logits.numpy()
-    actual = to_numpy(model({k: v.numpy() for k, v in batch.items()}))
-    print(f"{keras.backend.backend()} export max |diff|: {np.abs(actual - expected).max():.3g}")
-    np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=0)
+    assert_matches_transformers(model, hf, _numpy(batch), batch, label="export")
 
     backbone_dir = tmp_path / "backbone"
     kzoo.presets.save(model.backbone, str(backbone_dir), format="hf")
     hf_backbone = transformers.GraphormerModel.from_pretrained(str(backbone_dir)).eval()
-    with torch.no_grad():
-        hidden = hf_backbone(**batch).last_hidden_state.numpy()
-    np.testing.assert_allclose(to_numpy(model.backbone({k: v.numpy() for k, v in
-                                                        batch.items()}))[:, 0], hidden[:, 0],
-                               atol=1e-5, rtol=0)
+    assert_matches_transformers(model.backbone, hf_backbone, _numpy(batch), batch,
+                                kzoo_select=lambda o: o[:, 0],
+                                select=lambda o: o.last_hidden_state[:, 0],
+                                label="exported backbone, graph token")
 
 
 @pytest.mark.parametrize("config", [dict(), dict(pre_layernorm=True, encoder_normalize_before=True),
                                     dict(edge_type="single_hop")])
 def test_transformers_roundtrip_is_identical(tmp_path, config):
-    from safetensors.numpy import load_file
-
     hf = _hf_model(**config)
-    hf.save_pretrained(tmp_path / "in", safe_serialization=True)
+    hf_checkpoint(str(tmp_path / "in"), hf)
     model = kzoo.presets.load(str(tmp_path / "in"))
     kzoo.presets.save(model, str(tmp_path / "out"), format="hf")
-    before = load_file(str(tmp_path / "in" / "model.safetensors"))
-    after = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert sorted(before) == sorted(after)
-    for name in before:
-        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    assert_same_hf_tensors(str(tmp_path / "in"), str(tmp_path / "out"))
     with open(tmp_path / "out" / "config.json") as f:
         exported = json.load(f)
     reloaded = transformers.GraphormerConfig.from_pretrained(str(tmp_path / "out"))
@@ -522,7 +499,7 @@ def test_checkpoint_mismatches_are_reported(tmp_path):
     from safetensors.numpy import load_file
 
     hf = _hf_model()
-    hf.save_pretrained(tmp_path / "ok", safe_serialization=True)
+    hf_checkpoint(str(tmp_path / "ok"), hf)
     with open(tmp_path / "ok" / "config.json") as f:
         config = json.load(f)
     state = load_file(str(tmp_path / "ok" / "model.safetensors"))

@@ -7,18 +7,21 @@ import pytest
 from kzoo.layers.embedding import PatchEmbedding
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.norm import RMSNorm
-from tests.helpers import assert_close
-from tests.helpers import rng
-from tests.helpers import roundtrip_layer
-from tests.helpers import to_numpy
+from tests.harness import assert_close, check_layer, ref, rng, roundtrip_layer, to_numpy
 
 
 # === RMSNorm ===
 
 
-def np_rms_norm(x, scale, eps):
-    x = x.astype(np.float64)
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+np_rms_norm = ref.rms_norm  # (x, scale, eps)
+
+
+@pytest.mark.parametrize("kwargs", [dict(epsilon=1e-5), dict(epsilon=1e-3, use_scale=False)])
+def test_rms_norm_layer_harness(kwargs):
+    """Build, call, NumPy reference, config / serialization round trip and mixed precision,
+    through the shared check_layer."""
+    check_layer(RMSNorm, kwargs, input_shape=(2, 5, 16), expected_output_shape=(2, 5, 16),
+                reference=lambda layer, x: ref.norm(layer, x))
 
 
 def test_rms_norm_matches_numpy():
@@ -138,6 +141,13 @@ def test_token_embedding_bad_arguments(kwargs, fragment):
 
 
 # === PatchEmbedding ===
+
+
+def test_patch_embedding_layer_harness():
+    check_layer(PatchEmbedding, dict(patch_size=(2, 3), hidden_dim=7), input_shape=(2, 8, 12, 3),
+                expected_output_shape=(2, 16, 7),
+                reference=lambda layer, x: np_patch_embed(
+                    x, ref.w(layer.projection.kernel), ref.w(layer.projection.bias), 2, 3))
 
 
 def np_patch_embed(images, kernel, bias, ph, pw):

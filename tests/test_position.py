@@ -14,11 +14,7 @@ from kzoo.layers.position import RotaryEmbedding
 from kzoo.layers.position import SinusoidalPositionEncoding
 from kzoo.layers.position import alibi_slopes
 from kzoo.layers.position import relative_position_bucket
-from tests.helpers import assert_close
-from tests.helpers import backend
-from tests.helpers import rng
-from tests.helpers import roundtrip_layer
-from tests.helpers import to_numpy
+from tests.harness import assert_close, backend, ref, rng, roundtrip_layer, to_numpy
 
 # --- NumPy references -------------------------------------------------------------------
 
@@ -33,22 +29,8 @@ def np_sinusoidal(positions, dim, base=10000.0):
     return table
 
 
-def np_rope(x, positions, base=10000.0, scale=1.0, interleaved=False):
-    """x: (batch, seq, heads, d), float64 reference."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / base ** (np.arange(0, d, 2) / d)
-    angles = (np.asarray(positions, dtype=np.float64) / scale)[:, None] * inv_freq[None, :]
-    if interleaved:
-        cos = np.repeat(np.cos(angles), 2, axis=-1)[None, :, None, :]
-        sin = np.repeat(np.sin(angles), 2, axis=-1)[None, :, None, :]
-        rotated = np.empty_like(x)
-        rotated[..., 0::2] = -x[..., 1::2]
-        rotated[..., 1::2] = x[..., 0::2]
-    else:
-        cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[None, :, None, :]
-        sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[None, :, None, :]
-        rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
-    return x * cos + rotated * sin
+# x: (batch, seq, heads, d), float64; rotate-half or interleaved pairs. In tests/harness.py.
+np_rope = ref.rope  # (x, positions, base=10000.0, scale=1.0, interleaved=False)
 
 
 def np_t5_bucket(relative_position, bidirectional, num_buckets, max_distance):

@@ -10,7 +10,11 @@ import pytest
 
 import kzoo.presets
 from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
-from tests.helpers import to_numpy
+from tests.harness import (
+    assert_matches_transformers, assert_same_hf_tensors, check_config_round_trip,
+    check_fit_lowers_loss, check_keras_file_round_trip, check_preset_round_trip,
+    hf_checkpoint, to_numpy, torch_forward,
+)
 
 VOCAB = 61
 
@@ -314,19 +318,15 @@ def test_generate_with_tokenizer():
 def test_keras_file_round_trip(version, tmp_path):
     lm = shared_lm(version)
     inputs = _batch()
-    expected = to_numpy(lm(inputs))
-    path = os.path.join(tmp_path, "t5.keras")
-    lm.save(path)
-    restored = keras.saving.load_model(path)
+    restored = check_keras_file_round_trip(lm, inputs, tmp_path, atol=1e-6)
     assert isinstance(restored, T5Seq2SeqLM)
-    np.testing.assert_allclose(to_numpy(restored(inputs)), expected, atol=1e-6, rtol=1e-6)
     assert restored.backbone.get_config() == lm.backbone.get_config()
 
 
 def test_config_round_trip():
     backbone = tiny_backbone("v1_1", num_decoder_layers=None, layer_norm_epsilon=1e-5)
     config = backbone.get_config()
-    clone = T5Backbone.from_config(config)
+    clone = check_config_round_trip(backbone, _batch())
     assert clone.get_config() == config
     assert len(clone.decoder_layers) == 2
 
@@ -335,11 +335,8 @@ def test_config_round_trip():
 def test_presets_directory_round_trip(version, tmp_path):
     lm = shared_lm(version)
     inputs = _batch()
-    expected = to_numpy(lm(inputs))
-    kzoo.presets.save(lm, tmp_path)
-    restored = kzoo.presets.load(tmp_path)
+    restored = check_preset_round_trip(lm, inputs, tmp_path, atol=1e-6)
     assert isinstance(restored, T5Seq2SeqLM)
-    np.testing.assert_allclose(to_numpy(restored(inputs)), expected, atol=1e-6, rtol=1e-6)
     backbone = kzoo.presets.load(tmp_path, task="backbone")
     np.testing.assert_allclose(
         to_numpy(backbone(inputs)["decoder_sequence_output"]),
@@ -356,14 +353,9 @@ def test_fit_lowers_loss(version):
     inputs = _batch(batch=4, enc_real=(9, 5, 7, 3), dec_real=(7, 4, 6, 2))
     labels = np.roll(inputs["decoder_token_ids"], -1, axis=1)
     weights = inputs["decoder_padding_mask"].astype("float32")
-    lm.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile="auto",  # XLA on JAX and TensorFlow; torch.compile takes minutes
-    )
-    history = lm.fit(inputs, labels, sample_weight=weights, batch_size=4, epochs=20, verbose=0)
-    losses = history.history["loss"]
-    assert losses[-1] < 0.7 * losses[0], losses
+    # jit_compile="auto": XLA on JAX and TensorFlow; torch.compile takes minutes
+    check_fit_lowers_loss(lm, inputs, labels, sample_weight=weights, batch_size=4, epochs=20,
+                          min_drop=None, max_ratio=0.7, jit_compile="auto")
 
 
 # === Validation ===
@@ -486,20 +478,26 @@ def _hf_model(tmp_path, version, architecture="T5ForConditionalGeneration", seed
         # logits O(5), the scale of the tied model, so the 1e-5 bound is meaningful.
         with torch.no_grad():
             hf.lm_head.weight.mul_(0.25)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf_checkpoint(tmp_path, hf)
     return hf
 
 
-def _hf_logits(hf, inputs):
-    import torch
+def _hf_kwargs(inputs):
+    """kzoo's T5 inputs under transformers' names."""
+    return dict(input_ids=inputs["encoder_token_ids"],
+                attention_mask=inputs["encoder_padding_mask"],
+                decoder_input_ids=inputs["decoder_token_ids"],
+                decoder_attention_mask=inputs["decoder_padding_mask"])
 
-    with torch.no_grad():
-        return hf(
-            input_ids=torch.tensor(inputs["encoder_token_ids"], dtype=torch.long),
-            attention_mask=torch.tensor(inputs["encoder_padding_mask"]),
-            decoder_input_ids=torch.tensor(inputs["decoder_token_ids"], dtype=torch.long),
-            decoder_attention_mask=torch.tensor(inputs["decoder_padding_mask"]),
-        ).logits.numpy()
+
+def _hf_logits(hf, inputs):
+    return torch_forward(hf, **_hf_kwargs(inputs)).logits.numpy()
+
+
+def _assert_t5_matches(model, hf, inputs, label, **kwargs):
+    return assert_matches_transformers(model, hf, inputs, _hf_kwargs(inputs),
+                                       mask=inputs["decoder_padding_mask"], label=label,
+                                       **kwargs)
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
@@ -508,39 +506,21 @@ def test_hf_logits_match_transformers(version, tmp_path):
     model = kzoo.presets.load(tmp_path)
     assert isinstance(model, T5Seq2SeqLM)
     inputs = _batch(enc_len=20, dec_len=18, enc_real=(20, 11), dec_real=(12, 18))
-    ours = to_numpy(model(inputs))
-    ref = _hf_logits(hf, inputs)
-    real = inputs["decoder_padding_mask"].astype(bool)
-    diff = np.abs(ours - ref)[real].max()
-    print(f"\n[{keras.backend.backend()}] T5 {version} logits max|diff| vs transformers: "
-          f"{diff:.3g} (max|logit| {np.abs(ref).max():.3g})")
-    assert diff <= 1e-5
+    _assert_t5_matches(model, hf, inputs, f"T5 {version} logits")
 
 
 def test_hf_backbone_matches_t5model(tmp_path):
-    import torch
-
     hf = _hf_model(tmp_path, "v1_1", architecture="T5Model", seed=1)
     backbone = kzoo.presets.load(tmp_path)
     assert isinstance(backbone, T5Backbone)
     inputs = _batch(enc_len=12, dec_len=10, enc_real=(12, 6), dec_real=(5, 10))
-    out = backbone(inputs)
-    with torch.no_grad():
-        ref = hf(
-            input_ids=torch.tensor(inputs["encoder_token_ids"], dtype=torch.long),
-            attention_mask=torch.tensor(inputs["encoder_padding_mask"]),
-            decoder_input_ids=torch.tensor(inputs["decoder_token_ids"], dtype=torch.long),
-            decoder_attention_mask=torch.tensor(inputs["decoder_padding_mask"]),
-        )
-    enc_real = inputs["encoder_padding_mask"].astype(bool)
-    dec_real = inputs["decoder_padding_mask"].astype(bool)
-    enc_diff = np.abs(to_numpy(out["encoder_sequence_output"])
-                      - ref.encoder_last_hidden_state.numpy())[enc_real].max()
-    dec_diff = np.abs(to_numpy(out["decoder_sequence_output"])
-                      - ref.last_hidden_state.numpy())[dec_real].max()
-    print(f"\n[{keras.backend.backend()}] T5Model max|diff|: encoder {enc_diff:.3g}, "
-          f"decoder {dec_diff:.3g}")
-    assert enc_diff <= 1e-5 and dec_diff <= 1e-5
+    assert_matches_transformers(
+        backbone, hf, inputs, _hf_kwargs(inputs), mask=inputs["encoder_padding_mask"],
+        kzoo_select=lambda o: o["encoder_sequence_output"],
+        select=lambda o: o.encoder_last_hidden_state, label="T5Model encoder")
+    _assert_t5_matches(backbone, hf, inputs, "T5Model decoder",
+                       kzoo_select=lambda o: o["decoder_sequence_output"],
+                       select=lambda o: o.last_hidden_state)
 
 
 def _cut_at_stop(row, stop, pad_id=0):
@@ -596,26 +576,15 @@ def test_hf_export_loads_in_transformers(version, tmp_path):
     hf = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
     assert hf.config.num_decoder_layers == 3 and hf.config.d_kv == 6
     inputs = _batch(enc_len=14, dec_len=12, enc_real=(14, 9), dec_real=(8, 12))
-    ref = _hf_logits(hf, inputs)
-    ours = to_numpy(lm(inputs))
-    real = inputs["decoder_padding_mask"].astype(bool)
-    diff = np.abs(ours - ref)[real].max()
-    print(f"\n[{keras.backend.backend()}] T5 {version} export max|diff|: {diff:.3g}")
-    assert diff <= 1e-5
+    _assert_t5_matches(lm, hf, inputs, f"T5 {version} export")
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_hf_kzoo_hf_tensors_identical(version, tmp_path):
-    from safetensors.numpy import load_file
-
     _hf_model(os.path.join(tmp_path, "a"), version)
     model = kzoo.presets.load(os.path.join(tmp_path, "a"))
     kzoo.presets.save(model, os.path.join(tmp_path, "b"), format="hf")
-    a = load_file(os.path.join(tmp_path, "a", "model.safetensors"))
-    b = load_file(os.path.join(tmp_path, "b", "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    assert_same_hf_tensors(os.path.join(tmp_path, "a"), os.path.join(tmp_path, "b"))
     transformers = pytest.importorskip("transformers")
     config_a = transformers.T5Config.from_pretrained(os.path.join(tmp_path, "a"))
     config_b = transformers.T5Config.from_pretrained(os.path.join(tmp_path, "b"))

@@ -6,7 +6,6 @@ transformers' `ViTModel` / `ViTForImageClassification`; never kzoo itself.
 
 import json
 import math
-import os
 
 import keras
 import numpy as np
@@ -18,9 +17,11 @@ from kzoo.models.vit import ViTBackbone
 from kzoo.models.vit import ViTClassifier
 from kzoo.models.vit import ViTEmbedding
 from kzoo.models.vit import bicubic_resize_matrix
-from tests.helpers import assert_close
-from tests.helpers import roundtrip_layer
-from tests.helpers import to_numpy
+from tests.harness import (
+    assert_close, assert_matches_transformers, check_fit_lowers_loss,
+    check_keras_file_round_trip, check_preset_round_trip, hf_checkpoint, hf_state, ref,
+    roundtrip_layer, to_numpy,
+)
 
 TINY = dict(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32,
             intermediate_dim=64)
@@ -115,12 +116,6 @@ def test_qkv_bias_false_drops_only_qkv_biases():
 # === Backbone and classifier ===
 
 
-def np_layer_norm(x, gamma, beta, eps):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * gamma + beta
-
-
 def test_forward_shapes_and_dtypes():
     backbone = ViTBackbone(**TINY)
     out = backbone(images())
@@ -162,27 +157,18 @@ def test_final_norm_and_block_structure_match_numpy():
     h = np_embedding(backbone.embedding, x)
     layer = backbone.encoder_layers[0]
     att = layer.self_attention
-    g = lambda v: to_numpy(v)  # noqa: E731
+    proj = ref.apply_dense
 
-    y = np_layer_norm(h, g(layer.self_attention_norm.gamma), g(layer.self_attention_norm.beta),
-                      1e-3)
-    proj = lambda d, v: v @ g(d.kernel) + g(d.bias)  # noqa: E731
+    y = ref.norm(layer.self_attention_norm, h, 1e-3)
     q, k, v = (proj(d, y).reshape(2, 17, 4, 8) for d in (att.query_dense, att.key_dense,
                                                            att.value_dense))
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    o = np.einsum("bhqk,bkhd->bqhd", p, v).reshape(2, 17, 32)
+    o = ref.attention(q, k, v, scale=1 / np.sqrt(8)).reshape(2, 17, 32)
     h = h + proj(att.output_dense, o)
-    y = np_layer_norm(h, g(layer.feedforward_norm.gamma), g(layer.feedforward_norm.beta), 1e-3)
+    y = ref.norm(layer.feedforward_norm, h, 1e-3)
     ff = layer.feedforward_layer
-    from scipy.special import erf
-
-    a = proj(ff.intermediate_dense, y)
-    a = 0.5 * a * (1 + erf(a / np.sqrt(2)))
-    h = h + proj(ff.output_dense, a)
-    ref = np_layer_norm(h, g(backbone.final_norm.gamma), g(backbone.final_norm.beta), 1e-3)
-    assert_close(backbone(x), ref, atol=1e-4)
+    h = h + proj(ff.output_dense, ref.gelu(proj(ff.intermediate_dense, y)))
+    expected = ref.norm(backbone.final_norm, h, 1e-3)
+    assert_close(backbone(x), expected, atol=1e-4)
 
 
 def test_initialisation_follows_the_reference_code():
@@ -233,15 +219,9 @@ def test_keras_file_and_preset_dir_roundtrip(tmp_path):
     model = ViTClassifier(ViTBackbone(**TINY, qkv_bias=False), num_classes=3, pooling="mean")
     model.head.kernel.assign(np.random.default_rng(0).normal(size=(32, 3)).astype("float32"))
     x = images()
-    expected = to_numpy(model(x))
-    path = str(tmp_path / "vit.keras")
-    model.save(path)
-    restored = keras.saving.load_model(path)
-    np.testing.assert_array_equal(to_numpy(restored(x)), expected)
-    kzoo.presets.save(model, str(tmp_path / "dir"))
-    loaded = kzoo.presets.load(str(tmp_path / "dir"))
+    check_keras_file_round_trip(model, x, str(tmp_path / "keras"))
+    loaded = check_preset_round_trip(model, x, str(tmp_path / "dir"))
     assert isinstance(loaded, ViTClassifier) and loaded.pooling == "mean"
-    np.testing.assert_array_equal(to_numpy(loaded(x)), expected)
     backbone = kzoo.presets.load(str(tmp_path / "dir"), task="backbone")
     np.testing.assert_array_equal(to_numpy(backbone(x)), to_numpy(model.backbone(x)))
 
@@ -267,27 +247,19 @@ def test_loading_into_another_image_size_resamples_the_table(tmp_path):
 def test_fit_lowers_loss(pooling):
     model = ViTClassifier(ViTBackbone(**{**TINY, "num_layers": 1}), num_classes=3,
                           pooling=pooling)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile="auto",  # XLA on JAX and TensorFlow; torch.compile would take minutes
-    )
     x = images(8)
     y = np.arange(8) % 3
-    before = model.evaluate(x, y, verbose=0)
-    model.fit(x, y, epochs=8, batch_size=8, verbose=0)
-    after = model.evaluate(x, y, verbose=0)
-    assert after < before - 0.05, (before, after)
+    # jit_compile="auto": XLA on JAX and TensorFlow; torch.compile would take minutes
+    check_fit_lowers_loss(model, x, y, optimizer=keras.optimizers.Adam(1e-3), epochs=8,
+                          evaluate=True, min_drop=0.05, jit_compile="auto")
 
 
 def test_backbone_fit_lowers_loss():
     backbone = ViTBackbone(**{**TINY, "num_layers": 1})
-    backbone.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     x = images(4)
     target = np.zeros((4, 17, 32), "float32") + 0.5
-    before = backbone.evaluate(x, target, verbose=0)
-    backbone.fit(x, target, epochs=5, batch_size=4, verbose=0)
-    assert backbone.evaluate(x, target, verbose=0) < before
+    check_fit_lowers_loss(backbone, x, target, loss="mse", optimizer=keras.optimizers.Adam(1e-3),
+                          epochs=5, batch_size=4, evaluate=True, min_drop=0.0)
 
 
 @pytest.mark.parametrize(
@@ -374,7 +346,7 @@ HF_TINY = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=32,
                num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
 
-def hf_checkpoint(path, task="classifier", seed=0, **overrides):
+def hf_vit(path, task="classifier", seed=0, **overrides):
     """A randomly initialised (and perturbed) transformers ViT saved to `path`."""
     import torch
     import transformers
@@ -389,23 +361,18 @@ def hf_checkpoint(path, task="classifier", seed=0, **overrides):
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.2))
     model.eval()
-    model.save_pretrained(str(path), safe_serialization=True)
+    hf_checkpoint(str(path), model)
     return model
 
 
-def hf_output(model, pixels_nhwc, interpolate=False):
-    import torch
-
-    with torch.no_grad():
-        out = model(torch.tensor(pixels_nhwc.transpose(0, 3, 1, 2)),
-                    interpolate_pos_encoding=interpolate)
-    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+def hf_kwargs(pixels_nhwc, interpolate=False):
+    """kzoo's (batch, height, width, channels) images as transformers' pixel_values."""
+    return dict(pixel_values=np.ascontiguousarray(pixels_nhwc.transpose(0, 3, 1, 2)),
+                interpolate_pos_encoding=interpolate)
 
 
-def check_parity(label, actual, expected, atol=1e-5):
-    diff = float(np.abs(to_numpy(actual) - expected).max())
-    print(f"[{keras.backend.backend()}] {label}: max |diff| vs transformers = {diff:.3g}")
-    assert diff <= atol, (label, diff)
+def assert_vit_matches(label, model, hf, x, interpolate=False):
+    assert_matches_transformers(model, hf, x, hf_kwargs(x, interpolate), label=label)
 
 
 @pytest.mark.parametrize(
@@ -420,7 +387,7 @@ def check_parity(label, actual, expected, atol=1e-5):
     ids=["default", "eps1e-3", "no_qkv_bias", "1ch", "5ch_rect"],
 )
 def test_hf_classifier_parity(tmp_path, overrides):
-    hf = hf_checkpoint(tmp_path, **overrides)
+    hf = hf_vit(tmp_path, **overrides)
     model = kzoo.presets.load(str(tmp_path))
     assert isinstance(model, ViTClassifier)
     cfg = hf.config
@@ -428,46 +395,40 @@ def test_hf_classifier_parity(tmp_path, overrides):
     assert model.num_classes == cfg.num_labels
     size = overrides.get("image_size", [32, 32])
     x = images(3, size[0], size[1], cfg.num_channels, seed=1)
-    check_parity(f"classifier {overrides}", model(x), hf_output(hf, x))
+    assert_vit_matches(f"classifier {overrides}", model, hf, x)
 
 
 def test_hf_backbone_parity_ignores_pooler(tmp_path):
-    hf = hf_checkpoint(tmp_path, task="backbone", layer_norm_eps=1e-5)
+    hf = hf_vit(tmp_path, task="backbone", layer_norm_eps=1e-5)
     assert "pooler.dense.weight" in dict(hf.named_parameters())
     backbone = kzoo.presets.load(str(tmp_path))
     assert isinstance(backbone, ViTBackbone)
     x = images(2, seed=2)
-    check_parity("ViTModel last_hidden_state", backbone(x), hf_output(hf, x))
+    assert_vit_matches("ViTModel last_hidden_state", backbone, hf, x)
 
 
 @pytest.mark.parametrize("size", [(48, 48), (40, 24)])
 def test_hf_larger_images_interpolate_like_transformers(tmp_path, size):
-    hf = hf_checkpoint(tmp_path)
+    hf = hf_vit(tmp_path)
     x = images(2, *size, seed=3)
-    expected = hf_output(hf, x, interpolate=True)
     model = kzoo.presets.load(str(tmp_path))  # table for 32x32, interpolated at run time
-    check_parity(f"interpolated positions at {size}", model(x), expected)
+    assert_vit_matches(f"interpolated positions at {size}", model, hf, x, interpolate=True)
     if size[0] == size[1]:  # built for the new size: the table is resampled on load
         resized = kzoo.presets.load(str(tmp_path), image_size=size[0])
         assert tuple(resized.backbone.embedding.position_embedding.shape) == (
             1 + (size[0] // 8) ** 2, 32)
-        check_parity(f"image_size={size[0]} resampled on load", resized(x), expected)
-
-
-def _state(path):
-    from safetensors.numpy import load_file
-
-    return load_file(os.path.join(str(path), "model.safetensors"))
+        assert_vit_matches(f"image_size={size[0]} resampled on load", resized, hf, x,
+                           interpolate=True)
 
 
 @pytest.mark.parametrize("task", ["classifier", "backbone"])
 def test_hf_export_roundtrip(tmp_path, task):
     import transformers
 
-    hf = hf_checkpoint(tmp_path / "hf", task=task, qkv_bias=False)
+    hf = hf_vit(tmp_path / "hf", task=task, qkv_bias=False)
     model = kzoo.presets.load(str(tmp_path / "hf"))
     kzoo.presets.save(model, str(tmp_path / "out"), format="hf")
-    original, exported = _state(tmp_path / "hf"), _state(tmp_path / "out")
+    original, exported = hf_state(tmp_path / "hf"), hf_state(tmp_path / "out")
     if task == "backbone":  # kzoo has no pooler: everything else is exported
         original = {k: v for k, v in original.items() if not k.startswith("pooler.")}
     assert sorted(original) == sorted(exported)
@@ -477,7 +438,7 @@ def test_hf_export_roundtrip(tmp_path, task):
         transformers.ViTModel
     reloaded = cls.from_pretrained(str(tmp_path / "out")).eval()
     x = images(2, seed=4)
-    check_parity(f"exported {task} reloaded by transformers", model(x), hf_output(reloaded, x))
+    assert_vit_matches(f"exported {task} reloaded by transformers", model, reloaded, x)
 
 
 def test_kzoo_model_exports_to_transformers(tmp_path):
@@ -495,7 +456,7 @@ def test_kzoo_model_exports_to_transformers(tmp_path):
     hf = transformers.ViTForImageClassification.from_pretrained(str(tmp_path)).eval()
     assert hf.config.layer_norm_eps == 1e-5 and hf.config.qkv_bias is False
     x = images(2, channels=2, seed=5)
-    check_parity("kzoo-built classifier exported", model(x), hf_output(hf, x))
+    assert_vit_matches("kzoo-built classifier exported", model, hf, x)
 
 
 def test_hf_errors(tmp_path):
@@ -503,7 +464,7 @@ def test_hf_errors(tmp_path):
 
     from kzoo.convert import vit as conv
 
-    hf_checkpoint(tmp_path / "ok")
+    hf_vit(tmp_path / "ok")
     config = json.load(open(tmp_path / "ok" / "config.json"))
     with pytest.raises(ValueError, match="hidden_act"):
         conv.config_from_hf({**config, "hidden_act": "gelu_fast"})
@@ -518,7 +479,7 @@ def test_hf_errors(tmp_path):
         d = tmp_path / name
         d.mkdir()
         json.dump({**config, **(config_change or {})}, open(d / "config.json", "w"))
-        state = _state(tmp_path / "ok")
+        state = hf_state(tmp_path / "ok")
         if state_change:
             state_change(state)
         save_file(state, str(d / "model.safetensors"))
