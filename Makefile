@@ -13,7 +13,9 @@ DEMO_STAMP := $(VENV)/.demo-installed
 # step (one compiled XLA step; see the README's demo section).
 DEMO_BACKEND ?= jax
 BACKENDS := jax torch tensorflow
-PYTEST_ARGS ?=
+# Two pytest-xdist workers: JAX and TensorFlow spend much of a test compiling on one core.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS)
 BENCH_ARGS ?=
 
 .PHONY: demo test test-all test-jax test-torch test-tensorflow bench bench-attention install clean
