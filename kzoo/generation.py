@@ -841,7 +841,9 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         if backend == "torch":
             import torch
 
-            with torch.no_grad():
+            from kzoo.layers.fast_decode import fast_steps
+
+            with torch.no_grad(), fast_steps():
                 carry = _python_loop(model, sampler, max_new_tokens, inputs, carry,
                                      check_every)
         else:

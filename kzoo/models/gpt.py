@@ -33,6 +33,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.layers import fast_decode
+from kzoo.layers.fast_decode import decode_block
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
@@ -418,7 +420,7 @@ class GPTBackbone(Backbone):
         >>> h, cache = backbone.call_with_cache(np.array([[8]]), cache, 3)
         """
         token_ids = ops.convert_to_tensor(token_ids, "int32")
-        x = self.token_embedding(token_ids)
+        x = fast_decode.embed(self.token_embedding, token_ids)
         if self.position_embedding is not None:
             if position_offset is None:
                 x = x + self.position_embedding(x, start_index=cache_index)
@@ -429,11 +431,13 @@ class GPTBackbone(Backbone):
                 positions = ops.clip(positions, 0, self.max_sequence_length - 1)
                 table = ops.cast(self.position_embedding.embeddings, x.dtype)
                 x = x + ops.take(table, positions, axis=0)
-        x = self.embeddings_dropout(x, training=training)
+        if not fast_decode.enabled(training):  # (dropout is the identity there)
+            x = self.embeddings_dropout(x, training=training)
         per_layer = isinstance(cache, (list, tuple))
         new_caches = []
         for i, block in enumerate(self.transformer_layers):
-            x, layer_cache = block(
+            x, layer_cache = decode_block(
+                block,
                 x,
                 padding_mask=padding_mask,
                 cache=cache[i] if per_layer else cache[:, i],
@@ -441,7 +445,7 @@ class GPTBackbone(Backbone):
                 training=training,
             )
             new_caches.append(layer_cache)
-        x = self.final_norm(x)
+        x = fast_decode.norm(self.final_norm, x)
         return x, new_caches if per_layer else ops.stack(new_caches, axis=1)
 
 
@@ -561,7 +565,7 @@ class GPTCausalLM(TaskModel):
             token_ids, cache, cache_index, padding_mask=constants["padding_mask"],
             position_offset=constants["position_offset"],
         )
-        logits = self.backbone.token_embedding(hidden[:, -1:, :], reverse=True)[:, 0, :]
+        logits = fast_decode.unembed(self.backbone.token_embedding, hidden[:, -1, :])
         return ops.cast(logits, "float32"), cache
 
     def _prepare_prompts(self, prompts, padding_mask):

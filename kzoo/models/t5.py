@@ -33,6 +33,8 @@ import numpy as np
 from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
+from kzoo.layers import fast_decode
+from kzoo.layers.fast_decode import decode_block
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.norm import RMSNorm
 from kzoo.layers.kernels import KERNELS
@@ -445,14 +447,17 @@ class T5Backbone(Backbone):
         """
         token_ids = ops.convert_to_tensor(decoder_token_ids, "int32")
         per_layer = isinstance(self_cache, (list, tuple))
-        x = self.token_embedding(token_ids)
-        x = self.decoder_embedding_dropout(x, training=training)
+        fast = fast_decode.enabled(training)  # (dropout is the identity there)
+        x = fast_decode.embed(self.token_embedding, token_ids)
+        if not fast:
+            x = self.decoder_embedding_dropout(x, training=training)
         keys = self_cache[0][:, 0] if per_layer else self_cache[:, 0, 0]
         bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
         encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         caches = []
         for i, block in enumerate(self.decoder_layers):
-            x, layer_cache, _ = block(
+            x, layer_cache, _ = decode_block(
+                block,
                 x,
                 padding_mask=decoder_padding_mask,
                 attention_bias=bias,
@@ -463,8 +468,9 @@ class T5Backbone(Backbone):
                 training=training,
             )
             caches.append(layer_cache)
-        x = self.decoder_output_norm(x)
-        x = self.decoder_output_dropout(x, training=training)
+        x = fast_decode.norm(self.decoder_output_norm, x)
+        if not fast:
+            x = self.decoder_output_dropout(x, training=training)
         return x, caches if per_layer else ops.stack(caches, axis=1)
 
     # === Config ===
@@ -585,7 +591,13 @@ class T5Seq2SeqLM(TaskModel):
             token_ids, constants["encoder_padding_mask"], state["cache"],
             constants["cross_cache"], ops.cast(index, "int32") + 1,
         )
-        return ops.cast(self._logits(hidden)[:, -1, :], "float32"), {"cache": cache}
+        hidden = hidden[:, -1:, :]
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            logits = fast_decode.unembed(self.backbone.token_embedding,
+                                         hidden * (self.backbone.hidden_dim ** -0.5))
+        return ops.cast(logits[:, -1, :], "float32"), {"cache": cache}
 
     def _prepare_inputs(self, prompts, padding_mask, pad_token_id):
         """(token ids, padding mask, how to return) from strings, a dict or an array; the

@@ -1,0 +1,277 @@
+"""The PyTorch decode fast path: one `TransformerBlock` step in plain `torch` calls.
+
+Why: on the torch backend a decode step is dominated by Python, not arithmetic. Measured on
+the 2-core CPU for `gpt_mini` at width 256, 4 layers, batch 4 (`benchmarks/peers.py` shape):
+a step through the Keras layers took 18-24 ms, of which the matrix products were about 3 ms;
+calling each layer's `call` directly (no `Layer.__call__`) still took 12 ms (the `keras.ops`
+dispatch), and `torch.compile` took 40-70 s to compile and gave 16-20 ms (Keras' attribute
+hooks break its graphs). The same step written in `torch` calls takes about 3 ms.
+
+What it is: `block_step(block, x, ...)` computes exactly what `block(x, ..., cache=...,
+cache_index=...)` computes in inference (dropout off), reading the block's own variables
+(so training, LoRA-free weight updates and loading are seen at once) and using the same
+attention kernel as the Keras path on torch (`kernels_torch.fused`, i.e. SDPA). Sub-layers it
+has no torch version of (a mixture of experts, a LoRA or quantised `Dense`, a custom norm)
+are called as Keras layers, so every block configuration works and only the overhead of the
+rare parts remains.
+
+When it runs: only inside `fast_steps()` (the torch decode loop of `kzoo.generation` enters
+it), on the torch backend, with autograd off (`torch.no_grad()`), and `training` false. There
+the decode loop owns its key/value caches, so the new keys/values are written *in place*
+(a static cache: no copy of the cache per step). Everywhere else, and with the environment
+variable `KZOO_FAST_DECODE=0`, the Keras layers run as usual.
+
+The models call `decode_block(block, x, training=..., **kwargs)`, which picks the path.
+"""
+
+import contextlib
+import os
+import threading
+
+import keras
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def fast_steps():
+    """Enable the fast path for the calls made inside (the decode loop owns the caches)."""
+    previous = getattr(_STATE, "active", False)
+    _STATE.active = True
+    try:
+        yield
+    finally:
+        _STATE.active = previous
+
+
+def enabled(training=False):
+    """Whether `decode_block` takes the torch path now."""
+    if not getattr(_STATE, "active", False) or training:
+        return False
+    if os.environ.get("KZOO_FAST_DECODE", "1") == "0":
+        return False
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return not torch.is_grad_enabled()
+
+
+def decode_block(block, x, training=False, **kwargs):
+    """`block(x, training=training, **kwargs)`, through `block_step` when `enabled()`."""
+    if kwargs.get("cache") is not None and enabled(training):
+        return block_step(block, x, **kwargs)
+    return block(x, training=training, **kwargs)
+
+
+# === Pieces (torch tensors in, torch tensors out) ===
+
+
+def _value(variable):
+    # The torch tensor behind a variable (`.value` less its stateless-scope lookup, which
+    # costs a tenth of a step here; the decode loop never runs in a stateless scope).
+    if isinstance(variable, keras.Variable):
+        value = getattr(variable, "_value", None)
+        return variable.value if value is None else value
+    return variable
+
+
+def _dense(layer, x):
+    """`keras.layers.Dense` in inference (Keras' own call for LoRA, quantised, activation)."""
+    if (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
+            or layer.activation is not keras.activations.linear):
+        return layer(x)
+    kernel = _value(layer._kernel)
+    y = x.to(kernel.dtype) @ kernel
+    if layer.bias is not None:
+        y = y + _value(layer.bias)
+    return y
+
+
+def _norm(layer, x):
+    import torch.nn.functional as F
+
+    from kzoo.layers.norm import RMSNorm
+
+    if isinstance(layer, keras.layers.LayerNormalization) and not layer.rms_scaling and (
+        layer.axis in (-1, [-1], (-1,), len(x.shape) - 1, [len(x.shape) - 1])
+    ):
+        weight = None if layer.gamma is None else _value(layer.gamma).float()
+        bias = None if layer.beta is None else _value(layer.beta).float()
+        y = F.layer_norm(x.float(), (x.shape[-1],), weight, bias, layer.epsilon)
+        return y.to(_torch_dtype(layer.compute_dtype))
+    if isinstance(layer, RMSNorm):
+        h = x.float()
+        y = h * (h.square().mean(-1, keepdim=True) + layer.epsilon).rsqrt()
+        if layer.scale is not None:
+            y = y * _value(layer.scale).float()
+        return y.to(_torch_dtype(layer.compute_dtype))
+    return layer(x)
+
+
+def _torch_dtype(name):
+    import torch
+
+    return getattr(torch, name)
+
+
+_ACTIVATIONS = {}
+
+
+def _activation(name):
+    """The torch function of a kzoo activation name (keras ops for the rare ones)."""
+    if not _ACTIVATIONS:
+        import torch
+        import torch.nn.functional as F
+
+        _ACTIVATIONS.update({
+            "relu": F.relu,
+            "gelu": F.gelu,
+            "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+            "gelu_new": lambda h: F.gelu(h, approximate="tanh"),
+            "gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"),
+            "silu": F.silu,
+            "swish": F.silu,
+            "sigmoid": torch.sigmoid,
+            "tanh": torch.tanh,
+            "linear": lambda h: h,
+        })
+    if name in _ACTIVATIONS:
+        return _ACTIVATIONS[name]
+    from kzoo.layers.feedforward import get_activation
+
+    return get_activation(name)
+
+
+def _feedforward(layer, x):
+    from kzoo.layers.feedforward import FeedForward, GatedFeedForward
+
+    if type(layer) is FeedForward:
+        act = _activation(layer.activation)
+        return _dense(layer.output_dense, act(_dense(layer.intermediate_dense, x)))
+    if type(layer) is GatedFeedForward:
+        act = _activation(layer.activation)
+        h = act(_dense(layer.gate_dense, x)) * _dense(layer.up_dense, x)
+        return _dense(layer.output_dense, h)
+    return layer(x)  # a mixture of experts or another feed-forward: its Keras call
+
+
+def _key_mask(mask):
+    """A `(batch, k_len)` 0/1 padding mask -> boolean `(batch, 1, 1, k_len)`; None stays."""
+    if mask is None:
+        return None
+    import torch
+
+    mask = mask if mask.dtype == torch.bool else mask != 0
+    if mask.dim() == 2:
+        return mask[:, None, None, :]
+    from kzoo.layers.masks import normalize_mask
+
+    return normalize_mask(mask)
+
+
+def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True):
+    """Self-attention of `x (batch, q_len, dim)` writing its keys/values into `cache` in place
+    at `cache_index` (with `cache_index=None`: `cache` holds the cross-attention keys and
+    values). Returns `(output, cache)`."""
+    import torch
+
+    from kzoo.layers import kernels_torch
+
+    batch, q_len = x.shape[0], x.shape[1]
+    heads, kv_heads, head_dim = layer.num_heads, layer._kv_heads, layer._head_dim
+    q = _dense(layer.query_dense, x).view(batch, q_len, heads, head_dim)
+    if cache_index is None:  # cross-attention: precomputed keys and values
+        k, v = cache[:, 0], cache[:, 1]
+    else:
+        k = _dense(layer.key_dense, x).view(batch, q_len, kv_heads, head_dim)
+        v = _dense(layer.value_dense, x).view(batch, q_len, kv_heads, head_dim)
+        index = torch.as_tensor(cache_index, dtype=torch.long, device=x.device)
+        if layer.rotary is not None:
+            k = layer.rotary(k, start_index=cache_index)
+            q = layer.rotary(q, start_index=cache_index)
+        slots = index + torch.arange(q_len, device=x.device)
+        cache[:, 0].index_copy_(1, slots, k.to(cache.dtype))
+        cache[:, 1].index_copy_(1, slots, v.to(cache.dtype))
+        k, v = cache[:, 0], cache[:, 1]
+        if causal:  # over the cache: query i (slot index + i) sees the slots <= its own
+            allowed = torch.arange(k.shape[1], device=x.device)[None, :] <= slots[:, None]
+            allowed = allowed[None, None]
+            mask = allowed if mask is None else torch.logical_and(mask, allowed)
+    out = kernels_torch.fused(q, k.to(q.dtype), v.to(q.dtype), mask, bias, False,
+                              layer.scale if layer.scale is not None else head_dim ** -0.5)
+    out = _dense(layer.output_dense, out.reshape(batch, q_len, heads * head_dim))
+    return out, cache
+
+
+def block_step(block, x, padding_mask=None, attention_mask=None, attention_bias=None,
+               encoder_outputs=None, encoder_padding_mask=None, cross_attention_bias=None,
+               cache=None, cache_index=None, cross_cache=None):
+    """One cached step of `block` (a `TransformerBlock`) in torch calls; see the module
+    docstring. Same arguments and results as the block's `call` with a cache (inference).
+    """
+    if encoder_outputs is not None or attention_mask is not None:
+        # Not a decode-loop call (those pass caches only): the Keras path.
+        return block(x, padding_mask=padding_mask, attention_mask=attention_mask,
+                     attention_bias=attention_bias, encoder_outputs=encoder_outputs,
+                     encoder_padding_mask=encoder_padding_mask,
+                     cross_attention_bias=cross_attention_bias, cache=cache,
+                     cache_index=cache_index, cross_cache=cross_cache)
+    residual = x
+    h = _norm(block.self_attention_norm, x) if block.norm_first else x
+    h, cache = _attention(block.self_attention, h, mask=_key_mask(padding_mask),
+                          bias=attention_bias, cache=cache, cache_index=cache_index,
+                          causal=block.causal)
+    x = residual + h
+    if not block.norm_first:
+        x = _norm(block.self_attention_norm, x)
+    if block.cross_attention:
+        if cross_cache is None:
+            raise ValueError("A cached decode step of a cross-attention block needs "
+                             "`cross_cache`.")
+        residual = x
+        h = _norm(block.cross_attention_norm, x) if block.norm_first else x
+        h, _ = _attention(block.cross_attention_layer, h,
+                          mask=_key_mask(encoder_padding_mask), bias=cross_attention_bias,
+                          cache=cross_cache, cache_index=None)
+        x = residual + h
+        if not block.norm_first:
+            x = _norm(block.cross_attention_norm, x)
+    residual = x
+    h = _norm(block.feedforward_norm, x) if block.norm_first else x
+    x = residual + _feedforward(block.feedforward_layer, h)
+    if not block.norm_first:
+        x = _norm(block.feedforward_norm, x)
+    if cross_cache is None:
+        return x, cache
+    return x, cache, cross_cache
+
+
+def norm(layer, x):
+    """A norm layer (`LayerNormalization`, `RMSNorm`) in torch calls when `enabled()`."""
+    return _norm(layer, x) if enabled() else layer(x)
+
+
+def embed(layer, ids):
+    """`layer(ids)` of a `TokenEmbedding` (ids clipped into the vocabulary, as it does)."""
+    if not enabled():
+        return layer(ids)
+    table = _value(layer.embeddings)
+    ids = ids.long().clamp(0, layer.vocabulary_size - 1)
+    return table[ids].to(_torch_dtype(layer.compute_dtype))
+
+
+def unembed(layer, hidden):
+    """`layer(hidden, reverse=True)` of a `TokenEmbedding`: the logits."""
+    if not enabled():
+        return layer(hidden, reverse=True)
+    dtype = _torch_dtype(layer.reverse_dtype or layer.compute_dtype)
+    hidden = hidden.to(dtype)
+    if layer.tie_weights:
+        logits = hidden @ _value(layer.embeddings).to(dtype).T
+    else:
+        logits = hidden @ _value(layer.reverse_embeddings).to(dtype)
+    if layer.logit_soft_cap is not None:
+        cap = layer.logit_soft_cap
+        logits = cap * (logits / cap).tanh()
+    return logits
