@@ -31,8 +31,11 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
 
 Every measurement warms up first (compilation excluded) and takes the median of its timed
 calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX and
-TensorFlow, eager torch), `train_on_batch`, `predict_on_batch` and each library's
-`generate`; transformers runs a plain eager loop with `torch.optim.AdamW`.
+TensorFlow, eager torch) with each library's default loss (kzoo's token models:
+`kzoo.losses.TokenCrossentropy`, torch's fused `cross_entropy` on torch and Keras' op
+elsewhere; keras-hub: Keras' `SparseCategoricalCrossentropy(from_logits=True)`),
+`train_on_batch`, `predict_on_batch` and each library's `generate`; transformers runs a
+plain eager loop with `torch.optim.AdamW` and its models' own loss.
 
 Training utilisation: each training row's model FLOPs per token (matmuls only: 2 x
 multiply-adds forward, 3x that for forward + backward; attention counted over all keys, the
@@ -319,18 +322,16 @@ def _keras_train_forward(model, x, y, w, size):
 
 
 def _kzoo_worker(models, size, data):
-    import keras
 
     import kzoo.presets
 
     shape = dict(num_layers=size["layers"], num_heads=size["heads"], hidden_dim=size["width"],
                  intermediate_dim=size["ff"], vocabulary_size=size["vocab"])
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     t, results = size["seq"], {}
     if "gpt" in models:
         model = kzoo.presets.load("gpt_mini", dropout=0.0, max_sequence_length=max(
             t, size["prompt_len"] + size["new_tokens"]), **shape)
-        model.compile(optimizer=_keras_optimizer(), loss=loss)
+        model.compile(optimizer=_keras_optimizer())  # kzoo's default loss
         x = {"token_ids": data["tokens"][:, :t], "padding_mask": data["tokens"][:, :t] >= 0}
         train, fwd = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
         prompts = data["prompts"].tolist()
@@ -347,7 +348,7 @@ def _kzoo_worker(models, size, data):
     if "bert" in models:
         model = kzoo.presets.load("bert_tiny_uncased", dropout=0.0, attention_dropout=0.0,
                                   max_sequence_length=t, **shape)
-        model.compile(optimizer=_keras_optimizer(), loss=loss)
+        model.compile(optimizer=_keras_optimizer())  # kzoo's default loss
         x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
              "padding_mask": data["mlm_inputs"] >= 0}
         w = data["masked"].astype("float32")

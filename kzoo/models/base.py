@@ -207,10 +207,30 @@ class Backbone(FunctionalModel):
 
 
 class TaskModel(FunctionalModel):
-    """A task model on a backbone: config = base entries, the backbone, `_task_config()`."""
+    """A task model on a backbone: config = base entries, the backbone, `_task_config()`.
+
+    `compile(optimizer, loss="auto", ...)`: "auto" is the task's `default_loss()` (the token
+    models: `kzoo.losses.TokenCrossentropy`; None elsewhere, i.e. pass one).
+    """
 
     family = None
     task_name = None
+
+    def default_loss(self):
+        """The loss `compile` uses when given none (None: the task has no default)."""
+        return None
+
+    def compile(self, optimizer="rmsprop", loss="auto", **kwargs):
+        if isinstance(loss, str) and loss == "auto":
+            loss = self.default_loss()
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras skips a custom `compile` when loading a saved model; this one only fills in
+        # the default loss, so a saved compile config is replayed through it.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def _task_config(self):
         return {}

@@ -336,6 +336,12 @@ class BertMaskedLM(_BertTask):
 
     task_name = "masked_lm"
 
+    def default_loss(self):
+        """`compile`'s loss when given none: `kzoo.losses.TokenCrossentropy()`."""
+        from kzoo.losses import TokenCrossentropy
+
+        return TokenCrossentropy()
+
     def __init__(self, backbone, dtype=None, **kwargs):
         _check_backbone(backbone)
         policy = _dtype_policy(dtype) or backbone.dtype_policy

@@ -490,6 +490,12 @@ class GPTCausalLM(TaskModel):
     family = FAMILY
     task_name = "causal_lm"
 
+    def default_loss(self):
+        """`compile`'s loss when given none: `kzoo.losses.TokenCrossentropy()`."""
+        from kzoo.losses import TokenCrossentropy
+
+        return TokenCrossentropy()
+
     def __init__(self, backbone, dtype=None, **kwargs):
         check_instance("backbone", backbone, GPTBackbone)
         policy = _dtype_policy(dtype) or backbone.dtype_policy

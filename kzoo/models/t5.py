@@ -528,6 +528,12 @@ class T5Seq2SeqLM(TaskModel):
     family = FAMILY
     task_name = "seq2seq_lm"
 
+    def default_loss(self):
+        """`compile`'s loss when given none: `kzoo.losses.TokenCrossentropy()`."""
+        from kzoo.losses import TokenCrossentropy
+
+        return TokenCrossentropy()
+
     def __init__(self, backbone, dtype=None, **kwargs):
         check_instance("backbone", backbone, T5Backbone)
         policy = _dtype_policy(dtype) or backbone.dtype_policy

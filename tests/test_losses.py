@@ -1,0 +1,67 @@
+"""`kzoo.losses.TokenCrossentropy` against the formula written in NumPy and against Keras'
+`SparseCategoricalCrossentropy(from_logits=True)`; the token task models' default loss."""
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo.losses import TokenCrossentropy
+from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+from tests.harness import to_numpy
+
+
+def _np_token_ce(y, logits):
+    logits = logits.astype("float64")
+    top = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return lse - np.take_along_axis(logits, y[..., None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 4, 11), (3, 1, 2, 6)])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "none",
+                                       "mean_with_sample_weight"])
+def test_matches_the_formula_and_keras(shape, reduction):
+    r = np.random.default_rng(len(shape))
+    logits = (4 * r.normal(size=shape)).astype("float32")
+    y = r.integers(0, shape[-1], shape[:-1]).astype("int32")
+    w = r.uniform(size=shape[:-1]).astype("float32")
+    per_token = _np_token_ce(y, logits)
+    got = to_numpy(TokenCrossentropy(reduction=reduction)(y, logits, sample_weight=w))
+    expected = {
+        "sum_over_batch_size": (per_token * w).sum() / per_token.size,
+        "sum": (per_token * w).sum(),
+        "none": per_token * w,
+        "mean_with_sample_weight": (per_token * w).sum() / w.sum(),
+    }[reduction]
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6)
+    keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                            reduction=reduction)
+    np.testing.assert_allclose(got, to_numpy(keras_loss(y, logits, sample_weight=w)),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_targets_with_a_trailing_axis_and_half_logits():
+    r = np.random.default_rng(9)
+    logits = r.normal(size=(2, 3, 5)).astype("float16")
+    y = r.integers(0, 5, (2, 3, 1)).astype("int64")
+    got = to_numpy(TokenCrossentropy(reduction="none")(y, logits))
+    np.testing.assert_allclose(got, _np_token_ce(y[..., 0], logits.astype("float32")),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_token_models_default_to_it_and_it_serialises(tmp_path):
+    keras.utils.set_random_seed(0)
+    lm = GPTCausalLM(GPTBackbone(vocabulary_size=31, num_layers=1, num_heads=2, hidden_dim=8,
+                                 intermediate_dim=16, max_sequence_length=12))
+    lm.compile(optimizer="adam")
+    assert isinstance(lm.loss, TokenCrossentropy)
+    x, y, w = GPTCausalLM.lm_batch(np.random.default_rng(0).integers(0, 31, (4, 9)))
+    first = lm.evaluate(x, y, sample_weight=w, verbose=0)
+    lm.fit(x, y, sample_weight=w, epochs=8, verbose=0)
+    assert lm.evaluate(x, y, sample_weight=w, verbose=0) < first
+    lm.save(tmp_path / "lm.keras")
+    again = keras.saving.load_model(tmp_path / "lm.keras")
+    assert isinstance(again.loss, TokenCrossentropy)
+    fresh = GPTCausalLM.from_config(lm.get_config())
+    fresh.compile(optimizer="adam", loss=None)  # an explicit None stays None
+    assert fresh.loss is None
