@@ -322,7 +322,6 @@ def _keras_train_forward(model, x, y, w, size):
 
 
 def _kzoo_worker(models, size, data):
-
     import kzoo.presets
 
     shape = dict(num_layers=size["layers"], num_heads=size["heads"], hidden_dim=size["width"],
