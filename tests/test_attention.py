@@ -178,6 +178,39 @@ def test_chunked_multi_block_forward_and_gradients(monkeypatch, case):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
+def test_eager_chunked_kernel_compiles_once_per_shape():
+    """Called eagerly (outside any jit), the chunked kernel gives the reference's output on
+    every call, and on JAX compiles on its first call only: the next call with the same shapes
+    reuses that program (its `lax.scan`s used to be traced afresh, and so compiled again,
+    ~0.5 s, on every call)."""
+    q, k, v = _data(b=2, t=10, h=2, d=4)
+    mask = _pad(2, 10, [10, 6])[:, None, None, :]
+
+    def call():
+        return to_numpy(dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                              kernel="chunked"))
+
+    first = call()
+    compiles = []
+    if backend() == "jax":
+        import jax
+
+        def listen(event, duration, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiles.append(kwargs.get("fun_name"))
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            again = call()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+    else:
+        again = call()
+    assert compiles == [], compiles
+    np.testing.assert_array_equal(again, first)
+    assert_close(first, ref.attention(q, k, v, mask=mask, causal=True), atol=1e-5)
+
+
 def test_chunked_never_holds_a_score_matrix():
     """The chunked forward and backward hold (block x block) tiles, never (q_len x k_len):
     checked on what the backend keeps or compiles (XLA's optimised HLO on JAX and

@@ -119,6 +119,18 @@ def _tpu_flash(query, key, value, mask, bias, is_causal, scale, plan):
 
 
 def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
+    """The chunked kernel as two nested `lax.scan`s, under one `jax.jit` (see `_chunked`).
+
+    Called eagerly, a `lax.scan` traces its body into a new function each time and so
+    compiles it again on every call (~0.5 s on a CPU even for tiny inputs); the jit compiles
+    once per shapes and settings. Inside a traced function (a Keras train or predict step)
+    the jit is simply inlined.
+    """
+    return _chunked_jit(query, key, value, mask, bias, bool(is_causal), float(scale),
+                        int(bq), int(bk))
+
+
+def _chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
     """The chunked kernel as two nested `lax.scan`s.
 
     An unrolled Python loop lets XLA schedule every block at once, which keeps the whole
@@ -212,3 +224,6 @@ def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
     _, blocks = jax.lax.scan(q_step, None, jnp.arange(nq))  # (nq, b, bq, h, d)
     out = jnp.moveaxis(blocks, 0, 1).reshape(b, nq * bq, h, d)
     return out[:, :q_len]
+
+
+_chunked_jit = jax.jit(_chunked, static_argnums=(5, 6, 7, 8))
