@@ -7,8 +7,9 @@ import tempfile
 # === Compilation settings for the test session (before keras / jax / tensorflow load) ===
 #
 # Most of a JAX test's time is XLA compiling tiny programs, not running them: each eager op
-# and each random initialiser per new shape, each new model's predict / train step. Two
-# settings cut that without changing what runs:
+# and each random initialiser per new shape, each new model's predict / train step. One
+# setting cuts that without changing what runs (XLA's own flags stay the defaults, so the
+# tests compile exactly what users' code compiles):
 #
 # - A persistent JAX compilation cache shared by the whole session: the pytest-xdist
 #   workers and the subprocesses some tests start (crash safety, training resume, import
@@ -19,16 +20,6 @@ import tempfile
 #   temporary directory made by the first process of a session and removed at its end, so
 #   every run starts cold (as CI does); set JAX_COMPILATION_CACHE_DIR to keep one across
 #   runs.
-# - XLA's CPU compiler set for compile speed (`XLA_FLAGS`, read by jaxlib and by TensorFlow's
-#   XLA alike): LLVM at optimisation level 2 instead of 3 (`--xla_backend_optimization_level`)
-#   and the classic elemental emitters instead of the newer MLIR fusion emitters
-#   (`--xla_cpu_use_fusion_emitters=false`). The HLO optimisations are the same; a random draw
-#   compiles ~3x faster and a small op ~1.4x, and the code runs a little slower, which tiny
-#   test models never notice. (Level 0 was tried and rejected: it gives NaN gradients in
-#   test_attention's chunked bias-broadcast cases, which levels 2 and 3 do not.) A flag the
-#   caller already put in XLA_FLAGS wins: `XLA_FLAGS="--xla_backend_optimization_level=3
-#   --xla_cpu_use_fusion_emitters=true" make test` runs XLA's defaults.
-
 _CACHE_OWNER = "KZOO_TEST_JAX_CACHE_OWNER"
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kzoo-jax-cache-")
@@ -39,10 +30,6 @@ if importlib.util.find_spec("filelock") is not None:
     # A size limit turns on jax's file lock: a worker never reads an entry another one is
     # still writing (the limit itself is far above what a session writes, ~100 MB).
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
-_XLA_TEST_FLAGS = {"xla_backend_optimization_level": "2", "xla_cpu_use_fusion_emitters": "false"}
-for _flag, _value in _XLA_TEST_FLAGS.items():
-    if f"--{_flag}=" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
