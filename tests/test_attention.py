@@ -583,7 +583,7 @@ def test_mha_cache_decoding_equals_full_pass():
     x = r.normal(size=(2, 6, 16)).astype("float32")
     layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_max_wavelength=10000)
     full = to_numpy(layer(x, use_causal_mask=True))
-    cache = ops.zeros((2, 2, 6, 2, 4))
+    cache = ops.zeros((2, 2, 2, 6, 4))  # (batch, k/v, kv_heads, length, head_dim)
     # Prefill 4 tokens, then decode two one at a time.
     out, cache = layer(x[:, :4], use_causal_mask=True, cache=cache, cache_index=0)
     steps = [to_numpy(out)]

@@ -97,9 +97,9 @@ def test_block_cache_decoding_equals_full_pass():
     block = TransformerBlock(num_heads=4, intermediate_dim=32, causal=True, cross_attention=True,
                              rope_max_wavelength=10000, num_kv_heads=2)
     full = to_numpy(block(x, encoder_outputs=enc))
-    cache = keras.ops.zeros((2, 2, 6, 2, 4))
+    cache = keras.ops.zeros((2, 2, 2, 6, 4))  # (batch, k/v, kv_heads, length, head_dim)
     k, v = block.cross_attention_layer.project_key_value(keras.ops.convert_to_tensor(enc))
-    cross = keras.ops.stack([k, v], axis=1)
+    cross = keras.ops.transpose(keras.ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
     outs = []
     for i in range(6):
         out, cache, _ = block(x[:, i:i + 1], cache=cache, cache_index=i, cross_cache=cross)
@@ -271,10 +271,11 @@ def test_alibi_block_matches_numpy_and_cached_decoding():
     full = to_numpy(block(x, attention_bias=alibi(x)))
     assert_close(full, _np_block(block, x, bias=_np_alibi(4, 6, 6)), atol=3e-5, rtol=1e-4)
     # Decoding one token at a time: the bias of query i over the whole cache.
-    cache = keras.ops.zeros((2, 2, 6, 2, 4))
+    cache = keras.ops.zeros((2, 2, 2, 6, 4))  # (batch, k/v, kv_heads, length, head_dim)
     outs = []
     for i in range(6):
-        bias = alibi(x[:, i:i + 1], cache[:, 0], start_index=i)
+        keys = keras.ops.transpose(cache[:, 0], (0, 2, 1, 3))  # (batch, length, heads, dim)
+        bias = alibi(x[:, i:i + 1], keys, start_index=i)
         out, cache = block(x[:, i:i + 1], attention_bias=bias, cache=cache, cache_index=i)
         outs.append(to_numpy(out))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=3e-5)

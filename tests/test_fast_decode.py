@@ -43,11 +43,11 @@ def _decode(block, x, enc, bias, pad):
     """Step-by-step cached decoding of `x` through `decode_block` inside the loop context."""
     b, t, _ = x.shape
     heads = block.self_attention._kv_heads
-    cache = keras.ops.zeros((b, 2, t, heads, block.self_attention._head_dim))
+    cache = keras.ops.zeros((b, 2, heads, t, block.self_attention._head_dim))
     cross = None
     if block.cross_attention:
         k, v = block.cross_attention_layer.project_key_value(keras.ops.convert_to_tensor(enc))
-        cross = keras.ops.stack([k, v], axis=1)
+        cross = keras.ops.transpose(keras.ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
     outs = []
     with _no_grad(), fast_decode.fast_steps():
         for i in range(t):

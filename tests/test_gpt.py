@@ -214,7 +214,7 @@ def test_call_with_cache_equals_full_recompute():
     ids = _ids(2, 8, seed=4)
     full = to_numpy(_forward(backbone, _inputs(ids)))
     cache = backbone.init_cache(2, 12)
-    assert tuple(cache.shape) == (2, 2, 2, 12, 2, 8)
+    assert tuple(cache.shape) == (2, 2, 2, 2, 12, 8)  # (batch, layers, k/v, heads, len, dim)
     h0, cache = backbone.call_with_cache(ids[:, :5], cache, 0)
     steps = [to_numpy(h0)]
     for i in range(5, 8):
@@ -241,8 +241,9 @@ def test_generation_prefill_and_steps_equal_full_recompute(kind):
     logits, state, constants = lm.generation_prefill(
         {"token_ids": prompt, "padding_mask": mask, "position_offset": offset}, 3
     )
-    caches = state["cache"]  # one (batch, 2, slots, kv_heads, head_dim) cache per layer
-    assert len(caches) == 2 and all(tuple(c.shape)[:3] == (2, 2, 8) for c in caches)
+    caches = state["cache"]  # one (batch, 2, kv_heads, slots, head_dim) cache per layer
+    assert len(caches) == 2 and all(tuple(c.shape)[:2] + tuple(c.shape)[3:4] == (2, 2, 8)
+                                    for c in caches)
     got0, got1 = [to_numpy(logits)[0]], [to_numpy(logits)[1]]
     for i in range(5, 8):
         tokens = np.array([[ids[0, i]], [row1[i - 2] if i - 2 < 6 else 0]], "int32")

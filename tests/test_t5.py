@@ -203,8 +203,8 @@ def test_cached_decoding_equals_full_recompute(version):
     full = _full_logits(lm, enc, enc_mask, dec)
     encoded = backbone.encode(enc, enc_mask)
     self_cache, cross_cache = backbone.init_cache(2, 10, encoded)  # longer than needed
-    assert tuple(self_cache.shape) == (2, 3, 2, 10, 4, 6)
-    assert tuple(cross_cache.shape) == (2, 3, 2, 9, 4, 6)
+    assert tuple(self_cache.shape) == (2, 3, 2, 4, 10, 6)  # (batch, layers, k/v, heads, len, dim)
+    assert tuple(cross_cache.shape) == (2, 3, 2, 4, 9, 6)
     # First three tokens in one call, then one token per step.
     hidden, self_cache = backbone.decode_step(dec[:, :3], enc_mask, self_cache, cross_cache, 0)
     steps = [to_numpy(lm._logits(hidden))]

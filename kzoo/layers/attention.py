@@ -65,7 +65,9 @@ class MultiHeadAttention(keras.layers.Layer):
         attention_bias: additive bias broadcastable to `(batch, heads, q_len, k_len)`
             (ALiBi, T5 relative bias, Graphormer spatial/edge bias).
         use_causal_mask: causal self-attention.
-        cache: key/value cache `(batch, 2, max_len, num_kv_heads, head_dim)`. With
+        cache: key/value cache `(batch, 2, num_kv_heads, max_len, head_dim)` (heads before
+            positions: the layout the score and output products read without a transpose;
+            `key_value_cache(k, v)` builds one from projected keys/values). With
             `cache_index` (self-attention decoding) the new keys/values are written at
             `cache_index` and the queries attend to the whole cache, query i sitting at
             position `cache_index + i`. Without `cache_index` the cache holds precomputed
@@ -209,6 +211,22 @@ class MultiHeadAttention(keras.layers.Layer):
         v = self._split(self.value_dense(value), self._kv_heads)
         return k, v
 
+    @staticmethod
+    def key_value_cache(key, value):
+        """A cache `(batch, 2, kv_heads, k_len, head_dim)` holding `key` and `value`
+        `(batch, k_len, kv_heads, head_dim)` (e.g. `project_key_value`'s, for cross-attention).
+
+        Example:
+        >>> cross_cache = MultiHeadAttention.key_value_cache(*mha.project_key_value(enc))
+        """
+        return ops.transpose(ops.stack([key, value], axis=1), (0, 1, 3, 2, 4))
+
+    @staticmethod
+    def cached_key_value(cache):
+        """`(keys, values)` `(batch, len, kv_heads, head_dim)` of a cache (see `call`)."""
+        return (ops.transpose(cache[:, 0], (0, 2, 1, 3)),
+                ops.transpose(cache[:, 1], (0, 2, 1, 3)))
+
     def call(
         self,
         query,
@@ -236,7 +254,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
         if cache is not None and cache_index is None:
             # Precomputed keys/values (cross-attention decoding).
-            k, v = cache[:, 0], cache[:, 1]
+            k, v = self.cached_key_value(cache)
             new_cache = cache
         else:
             k, v = self.project_key_value(value if cross else query)
@@ -246,10 +264,10 @@ class MultiHeadAttention(keras.layers.Layer):
             if cache is not None:
                 index = ops.convert_to_tensor(cache_index, "int32")
                 zero = ops.zeros((), "int32")
-                starts = [zero, zero, index, zero, zero]
-                update = ops.stack([k, v], axis=1)
+                starts = [zero, zero, zero, index, zero]
+                update = self.key_value_cache(k, v)
                 new_cache = ops.slice_update(cache, starts, ops.cast(update, cache.dtype))
-                k, v = new_cache[:, 0], new_cache[:, 1]
+                k, v = self.cached_key_value(new_cache)
         if self.rotary is not None and not cross:
             q = self.rotary(q, start_index=start)
 

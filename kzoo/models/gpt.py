@@ -370,7 +370,7 @@ class GPTBackbone(Backbone):
         return self.hidden_dim // self.num_heads
 
     def init_cache(self, batch_size, max_length, per_layer=False):
-        """An all-zero key/value cache `(batch, num_layers, 2, max_length, kv_heads, head_dim)`.
+        """An all-zero key/value cache `(batch, num_layers, 2, kv_heads, max_length, head_dim)`.
 
         With `per_layer=True`, a list of `num_layers` caches `(batch, 2, max_length,
         kv_heads, head_dim)` instead: what the decode loop of `kzoo.generation` carries, so
@@ -379,7 +379,7 @@ class GPTBackbone(Backbone):
         Example:
         >>> cache = backbone.init_cache(2, 32)
         """
-        shape = (batch_size, 2, max_length, self.num_kv_heads or self.num_heads,
+        shape = (batch_size, 2, self.num_kv_heads or self.num_heads, max_length,
                  self.head_dim)
         if per_layer:
             return [ops.zeros(shape, dtype=self.compute_dtype) for _ in range(self.num_layers)]
@@ -398,7 +398,7 @@ class GPTBackbone(Backbone):
 
         Args:
             token_ids: int `(batch, q_len)`.
-            cache: `(batch, num_layers, 2, max_length, kv_heads, head_dim)`, or a list of
+            cache: `(batch, num_layers, 2, kv_heads, max_length, head_dim)`, or a list of
                 per-layer caches (see `init_cache`); returned updated in the same form.
             cache_index: int or scalar int tensor, the cache slot of the first token.
             padding_mask: `(batch, max_length)` over the cache slots, 1 = may be attended

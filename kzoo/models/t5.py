@@ -32,6 +32,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.layers.attention import MultiHeadAttention
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers import fast_decode
 from kzoo.layers.fast_decode import decode_block
@@ -391,21 +392,21 @@ class T5Backbone(Backbone):
                 each layer's keys/values are written in place and never re-stacked.
 
         Returns:
-            `(self_cache, cross_cache)`: zeros `(batch, num_decoder_layers, 2, max_length,
-            num_heads, key_value_dim)` and `(batch, num_decoder_layers, 2, enc_len,
-            num_heads, key_value_dim)`, the keys/values of every decoder layer's
+            `(self_cache, cross_cache)`: zeros `(batch, num_decoder_layers, 2, num_heads,
+            max_length, key_value_dim)` and `(batch, num_decoder_layers, 2, num_heads,
+            enc_len, key_value_dim)`, the keys/values of every decoder layer's
             cross-attention, projected once from `encoder_outputs`.
 
         Example:
         >>> self_cache, cross_cache = backbone.init_cache(1, 20, enc)
         """
         dtype = self.compute_dtype
-        shape = (batch_size, 2, max_length, self.num_heads, self.key_value_dim)
+        shape = (batch_size, 2, self.num_heads, max_length, self.key_value_dim)
         self_caches = [ops.zeros(shape, dtype) for _ in self.decoder_layers]
         cross_caches = []
         for block in self.decoder_layers:
             k, v = block.cross_attention_layer.project_key_value(encoder_outputs)
-            cross_caches.append(ops.cast(ops.stack([k, v], axis=1), dtype))
+            cross_caches.append(ops.cast(MultiHeadAttention.key_value_cache(k, v), dtype))
         if per_layer:
             return self_caches, cross_caches
         return ops.stack(self_caches, axis=1), ops.stack(cross_caches, axis=1)
@@ -451,7 +452,10 @@ class T5Backbone(Backbone):
         x = fast_decode.embed(self.token_embedding, token_ids)
         if not fast:
             x = self.decoder_embedding_dropout(x, training=training)
-        keys = self_cache[0][:, 0] if per_layer else self_cache[:, 0, 0]
+        # Keys of the first layer `(batch, max_length, heads, head_dim)`: only their length
+        # is read (the bias spans the whole cache).
+        keys = MultiHeadAttention.cached_key_value(self_cache[0] if per_layer
+                                                   else self_cache[:, 0])[0]
         bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
         encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         caches = []
