@@ -48,7 +48,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "gpt"
 
@@ -360,6 +360,12 @@ class GPTBackbone(Backbone):
         )
 
         self._store_config(config, dtype)
+
+    def id_inputs(self):
+        """`token_ids` in `[0, vocabulary_size)` where `padding_mask` marks a token, checked
+        at every entry point (`kzoo.inputs`)."""
+        return (IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
+                        mask="padding_mask"),)
 
     # === Cached decoding ===
 

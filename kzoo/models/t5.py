@@ -46,7 +46,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "t5"
 
@@ -332,6 +332,15 @@ class T5Backbone(Backbone):
         )
 
         self._store_config(config, dtype)
+
+    def id_inputs(self):
+        """`encoder_token_ids` / `decoder_token_ids` in `[0, vocabulary_size)` where their
+        padding masks mark a token, checked at every entry point (`kzoo.inputs`)."""
+        size = self.config.vocabulary_size
+        return (
+            IdInput("encoder_token_ids", size, "vocabulary_size", mask="encoder_padding_mask"),
+            IdInput("decoder_token_ids", size, "vocabulary_size", mask="decoder_padding_mask"),
+        )
 
     # === Stacks (shared by the functional graph and the decoding methods) ===
 
