@@ -417,13 +417,18 @@ def test_check_inputs_reports_the_first_bad_id_and_respects_masks():
 def test_generate_accepts_numpy_integer_counts():
     lm, x, _, _ = _family("gpt")
     prompts = [[3, 4, 5], [6]]
-    plain = lm.generate(prompts, max_new_tokens=4, strategy="beam", num_beams=2)
+    # beam search step by step (compile=False: the same loop body, no compilation)...
+    plain = lm.generate(prompts, max_new_tokens=4, strategy="beam", num_beams=2, compile=False)
     numpy = lm.generate(prompts, max_new_tokens=np.int64(4), strategy="beam",
-                        num_beams=np.int32(2))
-    assert numpy == plain and all(len(row) <= 4 for row in plain)
+                        num_beams=np.int32(2), compile=False)
+    assert numpy == plain and all(1 <= len(row) <= 4 for row in plain)
+    # ...and the compiled loop, with a NumPy count
+    eager = lm.generate(prompts, max_new_tokens=3, compile=False)
+    assert lm.generate(prompts, max_new_tokens=np.int64(3)) == eager
     t5, _, _, _ = _family("t5")
-    plain = t5.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=3)
-    numpy = t5.generate(np.array([[5, 6, 7, 1]], "int64"), max_new_tokens=np.int32(3))
+    plain = t5.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=3, compile=False)
+    numpy = t5.generate(np.array([[5, 6, 7, 1]], "int64"), max_new_tokens=np.int32(3),
+                        num_beams=np.int64(1), compile=False)
     assert numpy == plain
     with pytest.raises(ValueError, match=r"id 40 at prompt 0, token 1"):
         lm.generate(np.array([[3, VOCAB]]), max_new_tokens=np.int64(2))

@@ -734,7 +734,7 @@ class T5Seq2SeqLM(TaskModel):
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
-        check_positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping)
         stops = generation.stop_ids(stop_token_ids)
