@@ -56,6 +56,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.inputs import check_token_ids, integer_array, integer_rows  # noqa: F401
 from kzoo.layers.utils import check_positive_int
 
 STRATEGIES = ("greedy", "sample", "beam")
@@ -116,59 +117,6 @@ def stop_ids(stop_token_ids):
             f"stop_token_ids={stop_token_ids!r}."
         )
     return tuple(int(s) for s in values)
-
-
-def integer_array(values, name):
-    """`values` as a NumPy integer array; a float or boolean array is refused, not cast."""
-    array = np.asarray(ops.convert_to_numpy(values) if not isinstance(values, (list, tuple))
-                       else values)
-    if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
-            f"`{name}` must hold integer token ids; got an array of dtype {array.dtype} "
-            f"and shape {array.shape} (cast it to int32 yourself if the values are ids)."
-        )
-    return array
-
-
-def integer_rows(rows, name):
-    """A list of token id sequences -> a list of lists of Python ints (non-integers refused)."""
-    out = []
-    for i, row in enumerate(rows):
-        values = []
-        for j, token in enumerate(row):
-            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-                raise ValueError(
-                    f"`{name}` must hold integer token ids; got {token!r} (of type "
-                    f"{type(token).__name__}) at prompt {i}, token {j}."
-                )
-            values.append(int(token))
-        out.append(values)
-    return out
-
-
-def check_token_ids(ids, vocabulary_size, mask=None):
-    """Raise `ValueError` naming the first id outside `[0, vocabulary_size)` and its position.
-
-    Args:
-        ids: a list of integer lists or a 2-D integer array (prompts x tokens).
-        vocabulary_size: the model's vocabulary size.
-        mask: optional boolean array the shape of `ids`: only `True` entries are checked
-            (padding may hold anything).
-
-    Example:
-    >>> check_token_ids([[1, 2], [3, 99]], 50)   # ValueError: ... id 99 at prompt 1, token 1
-    """
-    for i, row in enumerate(ids):
-        row = np.asarray(row, dtype=np.int64).reshape(-1)
-        bad = (row < 0) | (row >= vocabulary_size)
-        if mask is not None:
-            bad &= np.asarray(mask[i], bool).reshape(-1)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(
-                f"Prompt token ids must be in [0, vocabulary_size={vocabulary_size}); got id "
-                f"{int(row[j])} at prompt {i}, token {j}."
-            )
 
 
 # === Next-token selection (also usable on its own, eagerly) ===

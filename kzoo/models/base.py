@@ -12,14 +12,23 @@
   `get_config()` is the base entries plus exactly the config's fields.
 - `TaskModel`: the configuration plumbing of a task model built on a backbone
   (`get_config` serialises the backbone; `from_config` rebuilds it).
+
+Every `FunctionalModel` checks the ids its user passes (see `kzoo.inputs`): a family's
+backbone lists its id inputs in `id_inputs()` (a task model uses its backbone's), and
+`__call__`, `fit`, `evaluate`, `predict`, `train_on_batch`, `test_on_batch` and
+`predict_on_batch` check them on the host, once, before Keras runs anything compiled.
 """
 
+import contextlib
 import dataclasses
 import difflib
+import inspect
 from collections.abc import Mapping
 
 import keras
 
+from kzoo import inputs as input_checks
+from kzoo.inputs import IdInput  # noqa: F401  (the families declare their ids with it)
 from kzoo.layers.feedforward import get_activation
 from kzoo.layers.utils import FieldError, check_positive_float, serialize_initializer
 
@@ -148,6 +157,13 @@ class FunctionalModel(keras.Model):
 
     Subclasses list their constructor arguments in `get_config`; `from_config` turns a
     serialised dtype policy back into a policy and calls the constructor.
+
+    Id checks (`kzoo.inputs`): a subclass with id inputs returns them from `id_inputs()`;
+    `__call__` with concrete inputs checks them, and `fit` / `evaluate` / `predict` /
+    `train_on_batch` / `test_on_batch` / `predict_on_batch` check their data once up front
+    (a dataset or generator batch by batch, as it is produced) and then run Keras' own
+    method with the checks of `__call__` suspended, so nothing is checked inside a train
+    step.
     """
 
     def __init__(self, *args, **kwargs):
@@ -166,6 +182,56 @@ class FunctionalModel(keras.Model):
             return object.__setattr__(self, name, value)
         return super().__setattr__(name, value)
 
+    # === Id checks (kzoo.inputs) ===
+
+    def id_inputs(self):
+        """The id inputs of this model, a tuple of `kzoo.inputs.IdInput` (none here)."""
+        return ()
+
+    def __call__(self, *args, **kwargs):
+        specs = self.id_inputs() if "_initialized" in self.__dict__ else ()
+        if specs and not input_checks.checks_suspended():
+            inputs = args[0] if args else kwargs.get("inputs")
+            input_checks.check_inputs(inputs, specs, f"input of {self.name}")
+        with input_checks.suspend_checks():
+            return super().__call__(*args, **kwargs)
+
+    def _run_checked(self, method, args, kwargs, data_arguments):
+        """Keras' `method` with the `data_arguments` (name -> whether it may be an `(x, y,
+        w)` tuple) checked or wrapped first, the checks of `__call__` suspended while it
+        runs, and a check that failed inside a data pipeline re-raised as its ValueError."""
+        keras_method = getattr(super(), method)
+        specs = self.id_inputs()
+        if not specs or input_checks.checks_suspended():
+            return keras_method(*args, **kwargs)
+        bound = _signature(method).bind(None, *args, **kwargs)
+        for name, batch in data_arguments.items():
+            if bound.arguments.get(name) is not None:
+                bound.arguments[name] = input_checks.checked_data(
+                    bound.arguments[name], specs, f"{method}'s {name}", batch=batch
+                )
+        with input_checks.suspend_checks(), input_checks.pipeline_errors(), \
+                _jax_variables_kept(self):
+            return keras_method(*bound.args[1:], **bound.kwargs)
+
+    def fit(self, *args, **kwargs):
+        return self._run_checked("fit", args, kwargs, {"x": False, "validation_data": True})
+
+    def evaluate(self, *args, **kwargs):
+        return self._run_checked("evaluate", args, kwargs, {"x": False})
+
+    def predict(self, *args, **kwargs):
+        return self._run_checked("predict", args, kwargs, {"x": False})
+
+    def train_on_batch(self, *args, **kwargs):
+        return self._run_checked("train_on_batch", args, kwargs, {"x": False})
+
+    def test_on_batch(self, *args, **kwargs):
+        return self._run_checked("test_on_batch", args, kwargs, {"x": False})
+
+    def predict_on_batch(self, *args, **kwargs):
+        return self._run_checked("predict_on_batch", args, kwargs, {"x": False})
+
     def _base_config(self):
         """The `name`, `trainable` and `dtype` entries every kzoo model config starts with."""
         return {
@@ -177,6 +243,54 @@ class FunctionalModel(keras.Model):
     @classmethod
     def from_config(cls, config):
         return cls(**_deserialize_dtype(dict(config)))
+
+
+_SIGNATURES = {}
+
+
+@contextlib.contextmanager
+def _jax_variables_kept(model):
+    """On JAX, keep the model usable when `fit` / `evaluate` / `predict` stop with an error
+    (e.g. a batch whose ids a wrapped generator refuses).
+
+    Keras' JAX trainer detaches the variables' values (`_purge_model_variables`) while its
+    loop runs and reattaches them at the end; `evaluate` and `predict` do not reattach them
+    when the loop raises, nor does `fit` when the first step raises, which would leave a
+    model whose weights are gone. On an error this reattaches Keras' last state
+    (`jax_state_sync`), then the values held before the call for whatever is still
+    detached; a variable the call created and detached (an optimizer slot built by the
+    first `fit`) restarts from zeros, its initial value."""
+    if keras.config.backend() != "jax":
+        yield
+        return
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(model.metrics_variables)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    saved = {id(v): v.value for v in variables}
+    try:
+        yield
+    except BaseException:
+        model.jax_state_sync()
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.variables) + list(model.metrics_variables)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        for v in variables:
+            if getattr(v, "_value", 0) is None:  # detached by the trainer
+                value = saved.get(id(v))
+                v.assign(keras.ops.zeros(v.shape, v.dtype) if value is None else value)
+        model._jax_state = None
+        model._jax_state_synced = True
+        raise
+
+
+def _signature(method):
+    """The signature of Keras' own `Model.<method>` (with `self`), to bind a call's arguments
+    by name."""
+    if method not in _SIGNATURES:
+        _SIGNATURES[method] = inspect.signature(getattr(keras.Model, method))
+    return _SIGNATURES[method]
 
 
 class Backbone(FunctionalModel):
@@ -231,6 +345,11 @@ class TaskModel(FunctionalModel):
         self.compile(**keras.saving.deserialize_keras_object(config))
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
+
+    def id_inputs(self):
+        """The backbone's id inputs (a task model takes the backbone's inputs)."""
+        backbone = getattr(self, "backbone", None)
+        return backbone.id_inputs() if backbone is not None else ()
 
     def _task_config(self):
         return {}

@@ -35,7 +35,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, TaskModel
 
 FAMILY = "bert"
 
@@ -297,6 +297,16 @@ class BertBackbone(Backbone):
             self.dtype_policy = policy
 
         self._store_config(config)
+
+    def id_inputs(self):
+        """`token_ids` in `[0, vocabulary_size)` and `segment_ids` in `[0, num_segments)`
+        where `padding_mask` marks a token, checked at every entry point (`kzoo.inputs`)."""
+        return (
+            IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
+                    mask="padding_mask"),
+            IdInput("segment_ids", self.config.num_segments, "num_segments",
+                    mask="padding_mask"),
+        )
 
 
 # === Task models ===

@@ -50,7 +50,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "gpt"
 
@@ -362,6 +362,12 @@ class GPTBackbone(Backbone):
         )
 
         self._store_config(config, dtype)
+
+    def id_inputs(self):
+        """`token_ids` in `[0, vocabulary_size)` where `padding_mask` marks a token, checked
+        at every entry point (`kzoo.inputs`)."""
+        return (IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
+                        mask="padding_mask"),)
 
     # === Cached decoding ===
 
@@ -694,7 +700,7 @@ class GPTCausalLM(TaskModel):
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
-        check_positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping)
         stops = generation.stop_ids(stop_token_ids)

@@ -67,7 +67,7 @@ from kzoo.layers.utils import (
     check_rate,
     serialize_initializer,
 )
-from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, TaskModel
 
 FAMILY = "graphormer"
 EDGE_TYPES = ("multi_hop", "single_hop")
@@ -728,6 +728,25 @@ class GraphormerBackbone(Backbone):
         self.embedding_norm = embedding_norm
         self.encoder_layers = encoder_layers
         self.head_transform = head_transform
+
+    def id_inputs(self):
+        """The ids of every embedding table, checked at every entry point (`kzoo.inputs`):
+        node features in `[0, num_atoms]`, degrees below `num_in_degree` / `num_out_degree`,
+        `spatial_pos` below `num_spatial`, edge features (`attn_edge_type`, `input_edges`)
+        in `[0, num_edges]`. Padding is id 0 everywhere, so there is no mask."""
+        c = self.config
+        pair = ("graph", "from node", "to node")
+        return (
+            IdInput("input_nodes", c.num_atoms + 1, "num_atoms + 1",
+                    axes=("graph", "node", "feature")),
+            IdInput("in_degree", c.num_in_degree, "num_in_degree", axes=("graph", "node")),
+            IdInput("out_degree", c.num_out_degree, "num_out_degree", axes=("graph", "node")),
+            IdInput("spatial_pos", c.num_spatial, "num_spatial", axes=pair),
+            IdInput("attn_edge_type", c.num_edges + 1, "num_edges + 1",
+                    axes=pair + ("feature",)),
+            IdInput("input_edges", c.num_edges + 1, "num_edges + 1",
+                    axes=pair + ("hop", "feature")),
+        )
 
 
 @keras.saving.register_keras_serializable(package="kzoo")

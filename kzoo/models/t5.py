@@ -49,7 +49,7 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "t5"
 
@@ -335,6 +335,15 @@ class T5Backbone(Backbone):
         )
 
         self._store_config(config, dtype)
+
+    def id_inputs(self):
+        """`encoder_token_ids` / `decoder_token_ids` in `[0, vocabulary_size)` where their
+        padding masks mark a token, checked at every entry point (`kzoo.inputs`)."""
+        size = self.config.vocabulary_size
+        return (
+            IdInput("encoder_token_ids", size, "vocabulary_size", mask="encoder_padding_mask"),
+            IdInput("decoder_token_ids", size, "vocabulary_size", mask="decoder_padding_mask"),
+        )
 
     # === Stacks (shared by the functional graph and the decoding methods) ===
 
@@ -747,7 +756,7 @@ class T5Seq2SeqLM(TaskModel):
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
-        check_positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping)
         stops = generation.stop_ids(stop_token_ids)

@@ -1,0 +1,418 @@
+"""Checks of the token ids (and other embedding ids) a user passes to a model.
+
+An embedding lookup clips an id outside its table into range (`kzoo.layers.TokenEmbedding`
+does so on purpose: XLA and TensorFlow would otherwise read garbage or fail inside the
+compiled step), so a wrong id would silently become another token. Every user entry point of
+a model with id inputs therefore checks its data once, on the host, before anything is
+compiled (`kzoo.models.base.FunctionalModel` wires it in):
+
+- `model(x)` with concrete inputs (NumPy arrays, lists, eager torch / TensorFlow / JAX
+  tensors). Symbolic or traced inputs (a `keras.Input`, inside `jax.jit`, `tf.function`,
+  `torch.compile`, Keras' meta-device shape inference) are not checked: the check belongs to
+  whoever feeds the compiled function, outside it;
+- `fit`, `evaluate`, `predict`, `train_on_batch`, `test_on_batch`, `predict_on_batch`:
+  arrays, tensors and dicts of them are checked once up front (`fit`'s `validation_data`
+  too); a `tf.data.Dataset`, a Python generator or a `keras.utils.PyDataset` is wrapped so
+  that each batch is checked on the host as it is produced (a `tf.numpy_function` in the
+  dataset's own pipeline; the generator / `__getitem__` itself), never inside the compiled
+  train step. Inside those methods the model's own `__call__` does not check again.
+
+The rules (`check_inputs`):
+
+- an id input must have an integer dtype: float, bool, complex and object arrays are
+  refused (a float id would be truncated), with a `ValueError` naming the input, its dtype
+  and shape;
+- every id must lie in `[0, size)` of its table; the first one that does not raises a
+  `ValueError` naming the input, the id, its position (e.g. "batch row 1, token 5") and the
+  allowed range with the field it comes from (`vocabulary_size=260`);
+- padding: where an input has a padding mask (GPT's and BERT's `padding_mask`, T5's
+  `encoder_padding_mask` / `decoder_padding_mask`), the positions the mask marks as padding
+  (0 / False) are not checked and may hold anything, e.g. the -1 fillers some pipelines use:
+  the model never attends to them and their ids are clipped by the embedding. Every
+  position the mask marks as a real token must hold a valid id. Graphormer has no mask
+  input: its padding is id 0, which every table holds.
+
+The cost is one vectorised min/max per id input on the host (one conversion of a backend
+tensor to NumPy); the position of a bad id is only looked for once the min/max has failed.
+
+Example:
+>>> specs = (IdInput("token_ids", 260, "vocabulary_size", mask="padding_mask"),)
+>>> check_inputs({"token_ids": np.array([[1, 2, 300]]), "padding_mask": np.ones((1, 3))},
+...              specs)
+ValueError: `token_ids` (model input) holds id 300 at batch row 0, token 2; ids must lie
+in [0, 260) (vocabulary_size=260) ...
+"""
+
+import contextlib
+import dataclasses
+import sys
+import threading
+import types
+from typing import Optional
+
+import keras
+import numpy as np
+
+# === Specification ===
+
+
+@dataclasses.dataclass(frozen=True)
+class IdInput:
+    """One id input of a model: its key, the size of its table and how to name things.
+
+    Args:
+        key: the input's key in the model's input dict (e.g. "token_ids").
+        size: ids must lie in `[0, size)`.
+        size_name: how the model names that bound, for messages (e.g. "vocabulary_size",
+            "num_atoms + 1").
+        mask: the key of the padding mask of this input, if any: positions where it is
+            0 / False are not checked.
+        axes: names of the array's axes, to say where a bad id is ("batch row", "token").
+    """
+
+    key: str
+    size: int
+    size_name: str
+    mask: Optional[str] = None
+    axes: tuple = ("batch row", "token")
+
+
+# === Host conversion ===
+
+
+def _module(value):
+    return type(value).__module__.split(".")[0]
+
+
+def is_symbolic(value):
+    """True for a tensor without concrete values: a `keras.KerasTensor`, a JAX tracer, a
+    TensorFlow graph tensor, a torch meta / fake tensor or any tensor while `torch.compile`
+    traces. Such inputs are not checked (they are being traced, not fed)."""
+    if isinstance(value, keras.KerasTensor):
+        return True
+    module = _module(value)
+    if module == "jax" or module == "jaxlib":
+        import jax
+
+        return isinstance(value, jax.core.Tracer)
+    if module == "torch":
+        import torch
+
+        if not isinstance(value, torch.Tensor):
+            return False
+        if value.is_meta or type(value).__name__ == "FakeTensor":
+            return True
+        return bool(torch.compiler.is_compiling())
+    if module == "tensorflow":
+        tf = sys.modules["tensorflow"]
+        return not hasattr(value, "numpy") or tf.is_symbolic_tensor(value)
+    return False
+
+
+def to_host(value):
+    """`value` (array, list, backend tensor) as a NumPy array, converted once."""
+    if isinstance(value, np.ndarray):
+        return value
+    module = _module(value)
+    if module == "torch":
+        return value.detach().cpu().numpy()
+    if module == "tensorflow":
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _is_numbers(value):
+    """True for a number or a (nested) list / tuple of numbers (the first of each level
+    decides; an empty list counts)."""
+    while isinstance(value, (list, tuple)):
+        if not value:
+            return True
+        value = value[0]
+    return isinstance(value, (int, float, complex, np.generic))
+
+
+def _is_array_like(value):
+    """True for an array, a backend tensor or a (nested) list of numbers: what a model may
+    take as one input (a list of arrays, one per input, is not)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return _is_numbers(value)
+    return _module(value) in ("jax", "jaxlib", "torch", "tensorflow") or isinstance(
+        value, keras.KerasTensor
+    )
+
+
+# === The checks ===
+
+
+def check_integer_dtype(array, key, source="model input"):
+    """Raise `ValueError` unless `array` (NumPy) has an integer dtype (bool refused)."""
+    if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"`{key}` ({source}) must hold integer ids; got an array of dtype {array.dtype} "
+            f"and shape {tuple(array.shape)}. Non-integer ids are refused rather than "
+            "truncated: cast them yourself (e.g. `.astype('int32')`) if they are ids."
+        )
+
+
+def _where(index, axes):
+    if len(index) == len(axes):
+        return ", ".join(f"{axis} {i}" for axis, i in zip(axes, index))
+    return f"index {tuple(index)}"
+
+
+def check_id_range(array, spec, mask=None, source="model input"):
+    """Raise `ValueError` naming the first id of integer `array` outside `[0, spec.size)`.
+
+    `mask` (optional, the shape of `array`): only positions where it is non-zero / True are
+    checked. One min/max when every id is in range; the position is looked for only then.
+    """
+    if array.size == 0:
+        return
+    low, high = array.min(), array.max()
+    if low >= 0 and high < spec.size:
+        return
+    bad = (array < 0) | (array >= spec.size)
+    masked = ""
+    if mask is not None:
+        mask = to_host(mask)
+        if mask.shape == array.shape:
+            bad &= mask.astype(bool)
+            masked = f" where `{spec.mask}` marks a real token"
+    if not bad.any():
+        return
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), array.shape))
+    value = int(array[index])
+    raise ValueError(
+        f"`{spec.key}` ({source}) holds id {value} at {_where(index, spec.axes)}; ids must "
+        f"lie in [0, {spec.size}) ({spec.size_name}={spec.size}){masked}. An embedding would "
+        "silently clip it to another id."
+    )
+
+
+def check_inputs(inputs, specs, source="model input"):
+    """Check the id inputs of `inputs` (a dict of arrays / tensors, or one array for the
+    first of `specs`) against `specs` (a sequence of `IdInput`).
+
+    Raises `ValueError` for a non-integer dtype or an id out of range (see the module).
+    Inputs that are symbolic or traced are not checked, nor are structures other than a
+    dict or one array / tensor / list (Keras itself refuses those for kzoo's models).
+    """
+    if not specs or inputs is None:
+        return
+    if isinstance(inputs, dict):
+        values = inputs
+    elif _is_array_like(inputs):
+        values = {specs[0].key: inputs}
+    else:
+        return
+    for spec in specs:
+        value = values.get(spec.key)
+        if value is None or is_symbolic(value):
+            continue
+        array = to_host(value)
+        check_integer_dtype(array, spec.key, source)
+        mask = values.get(spec.mask) if spec.mask else None
+        if mask is not None and is_symbolic(mask):
+            mask = None
+        check_id_range(array, spec, mask, source)
+
+
+# === Entry points: when to check ===
+
+_state = threading.local()
+
+
+def checks_suspended():
+    """True inside `suspend_checks()` on this thread: an entry point that has already
+    checked its data (e.g. `fit`) runs the model, whose `__call__` must not check again."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def suspend_checks():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def features(batch):
+    """The model inputs `x` of a batch: `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`."""
+    if isinstance(batch, tuple) and 1 <= len(batch) <= 3:
+        return batch[0]
+    return batch
+
+
+# A check that failed inside a data pipeline (a `tf.data` map, a generator run by
+# `tf.data.Dataset.from_generator`): TensorFlow turns the `ValueError` into one of its own
+# errors; `pipeline_errors` turns it back.
+_pipeline_error = None
+
+
+def _check_in_pipeline(x, specs, source):
+    global _pipeline_error
+    try:
+        check_inputs(x, specs, source)
+    except ValueError as error:
+        _pipeline_error = error
+        raise
+
+
+@contextlib.contextmanager
+def pipeline_errors():
+    """Re-raise, as the original `ValueError`, a check that failed in a data pipeline and
+    reached the caller wrapped in another framework's error."""
+    global _pipeline_error
+    _pipeline_error = None
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as error:
+        recorded = _pipeline_error
+        if recorded is not None and str(recorded) in str(error):
+            raise ValueError(str(recorded)) from None
+        raise
+    finally:
+        _pipeline_error = None
+
+
+def _is_tf_dataset(data):
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(data, tf.data.Dataset)
+
+
+def _checked_tf_dataset(dataset, specs, source):
+    """`dataset` with each element's ids checked on the host (a `tf.numpy_function` whose
+    result the element depends on), in the dataset's own pipeline."""
+    tf = sys.modules["tensorflow"]
+
+    def check_element(*element):
+        batch = element[0] if len(element) == 1 else element
+        x = features(batch)
+        if isinstance(x, dict):
+            keys = [k for s in specs for k in (s.key, s.mask) if k is not None and k in x]
+            keys = list(dict.fromkeys(keys))
+            tensors = [x[k] for k in keys]
+        else:
+            keys, tensors = [specs[0].key], [x]
+
+        def run(*arrays):
+            _check_in_pipeline(dict(zip(keys, arrays)), specs, f"a batch of {source}")
+            return np.bool_(True)
+
+        checked = tf.numpy_function(run, tensors, tf.bool, stateful=True,
+                                    name="kzoo_check_ids")
+        with tf.control_dependencies([checked]):
+            return tf.nest.map_structure(tf.identity, batch)
+
+    return dataset.map(check_element)
+
+
+def _checked_generator(generator, specs, source):
+    for i, batch in enumerate(generator):
+        _check_in_pipeline(features(batch), specs, f"batch {i} of {source}")
+        yield batch
+
+
+class CheckedPyDataset(keras.utils.PyDataset):
+    """A `keras.utils.PyDataset` whose batches are checked as `__getitem__` produces them;
+    everything else (length, epoch hooks, workers) is the wrapped dataset's."""
+
+    def __init__(self, dataset, specs, source):
+        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self.dataset = dataset
+        self.specs = specs
+        self.source = source
+
+    @property
+    def num_batches(self):
+        return self.dataset.num_batches
+
+    def __getitem__(self, index):
+        batch = self.dataset[index]
+        _check_in_pipeline(features(batch), self.specs, f"batch {index} of {self.source}")
+        return batch
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
+
+
+def checked_data(data, specs, source, batch=False):
+    """`data` as given to `fit` / `evaluate` / `predict` (`x`, or with `batch=True` a
+    `validation_data` that may be an `(x, y[, w])` tuple), with its ids checked: arrays,
+    tensors and dicts of them now; a `tf.data.Dataset`, a generator or a
+    `keras.utils.PyDataset` wrapped to check each batch as it is produced. Returns what to
+    pass on to Keras."""
+    if not specs or data is None:
+        return data
+    if _is_tf_dataset(data):
+        return _checked_tf_dataset(data, specs, source)
+    if isinstance(data, types.GeneratorType):
+        return _checked_generator(data, specs, source)
+    if isinstance(data, keras.utils.PyDataset):
+        return CheckedPyDataset(data, specs, source)
+    check_inputs(features(data) if batch else data, specs, source)
+    return data
+
+
+# === Prompt checks of `generate` (kzoo.generation re-exports these names) ===
+
+
+def integer_array(values, name):
+    """`values` as a NumPy integer array; a float or boolean array is refused, not cast."""
+    array = np.asarray(to_host(values) if not isinstance(values, (list, tuple)) else values)
+    if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"`{name}` must hold integer token ids; got an array of dtype {array.dtype} "
+            f"and shape {array.shape} (cast it to int32 yourself if the values are ids)."
+        )
+    return array
+
+
+def integer_rows(rows, name):
+    """A list of token id sequences -> a list of lists of Python ints (non-integers refused)."""
+    out = []
+    for i, row in enumerate(rows):
+        values = []
+        for j, token in enumerate(row):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise ValueError(
+                    f"`{name}` must hold integer token ids; got {token!r} (of type "
+                    f"{type(token).__name__}) at prompt {i}, token {j}."
+                )
+            values.append(int(token))
+        out.append(values)
+    return out
+
+
+def check_token_ids(ids, vocabulary_size, mask=None):
+    """Raise `ValueError` naming the first id outside `[0, vocabulary_size)` and its position.
+
+    Args:
+        ids: a list of integer lists or a 2-D integer array (prompts x tokens).
+        vocabulary_size: the model's vocabulary size.
+        mask: optional boolean array the shape of `ids`: only `True` entries are checked
+            (padding may hold anything).
+
+    Example:
+    >>> check_token_ids([[1, 2], [3, 99]], 50)   # ValueError: ... id 99 at prompt 1, token 1
+    """
+    for i, row in enumerate(ids):
+        row = np.asarray(row, dtype=np.int64).reshape(-1)
+        bad = (row < 0) | (row >= vocabulary_size)
+        if mask is not None:
+            bad &= np.asarray(mask[i], bool).reshape(-1)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"Prompt token ids must be in [0, vocabulary_size={vocabulary_size}); got id "
+                f"{int(row[j])} at prompt {i}, token {j}."
+            )
