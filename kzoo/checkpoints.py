@@ -9,6 +9,13 @@ This module knows formats, not families: `kzoo.registry` says which family reads
 Hugging Face weights come from `model.safetensors` (or a sharded `model.safetensors.index.json`),
 read with the `safetensors` NumPy API (no torch needed), or from `pytorch_model.bin` when torch
 is installed.
+
+Files are data, never code: JSON is parsed, safetensors hold raw tensors, `pytorch_model.bin` is
+read with `torch.load(weights_only=True)` (a pickle that would build anything but tensors is
+refused), nothing is unpickled otherwise. Every file of a checkpoint directory is reached
+through `file_in`, which keeps it inside the directory (no absolute paths, no "..", no symbolic
+link leading out, except a Hugging Face hub cache's links from `snapshots/<revision>/` into
+the same repository's `blobs/`).
 """
 
 import json
@@ -71,10 +78,14 @@ def write_json(path, value, default=None):
 
 
 def file_in(directory, name, what="file"):
-    """`directory/name`, refusing a `name` that is absolute or leaves `directory` ("../").
+    """`directory/name`, refusing a `name` that is absolute or leaves `directory` ("../", or
+    a symbolic link whose target lies outside it).
 
     Files named inside a checkpoint (a weights file in a saved config, shards in a safetensors
-    index) must stay in the checkpoint's own directory.
+    index) must stay in the checkpoint's own directory, and so must the files a checkpoint
+    has under fixed names (config.json, the weights, tokenizer files). The one exception is
+    the layout of the Hugging Face hub cache, where `<repo>/snapshots/<revision>/<file>` is a
+    link to `<repo>/blobs/<hash>`: such a link may point into that repository's `blobs/`.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(
@@ -88,7 +99,28 @@ def file_in(directory, name, what="file"):
             f"The {what} reference {name!r} in {os.fspath(directory)!r} leaves its directory; "
             "only a relative path inside the directory is allowed."
         )
-    return os.path.join(os.fspath(directory), norm)
+    path = os.path.join(os.fspath(directory), norm)
+    root, target = os.path.realpath(directory), os.path.realpath(path)
+    if not (_inside(target, root) or _in_hub_blobs(target, root)):
+        raise ValueError(
+            f"The {what} reference {name!r} in {os.fspath(directory)!r} leaves its directory: "
+            f"it resolves to {target!r} (through a symbolic link); only files inside the "
+            "directory are read."
+        )
+    return path
+
+
+def _inside(path, root):
+    return os.path.commonpath([path, root]) == root
+
+
+def _in_hub_blobs(target, root):
+    """True when `root` is a hub cache snapshot (`<repo>/snapshots/<revision>`) and `target`
+    lies in `<repo>/blobs/`."""
+    snapshots = os.path.dirname(root)
+    if os.path.basename(snapshots) != "snapshots":
+        return False
+    return _inside(target, os.path.join(os.path.dirname(snapshots), "blobs"))
 
 
 def require_file(path, what="file"):
@@ -101,16 +133,17 @@ def require_file(path, what="file"):
 
 def is_hf_dir(path):
     """True when `path` is a directory with a `config.json` that names a `model_type`."""
-    config = os.path.join(os.fspath(path), HF_CONFIG)
+    config = file_in(path, HF_CONFIG, "Hugging Face config")
     return os.path.isfile(config) and "model_type" in read_json(config, "Hugging Face config")
 
 
 def read_hf_config(path):
     """The `config.json` of a Hugging Face checkpoint directory, as a dict."""
-    config = read_json(os.path.join(os.fspath(path), HF_CONFIG), "Hugging Face config")
+    config_path = file_in(path, HF_CONFIG, "Hugging Face config")
+    config = read_json(config_path, "Hugging Face config")
     if not isinstance(config.get("model_type"), str):
         raise ValueError(
-            f"{os.path.join(os.fspath(path), HF_CONFIG)!r} has no string `model_type`; got "
+            f"{config_path!r} has no string `model_type`; got "
             f"model_type={config.get('model_type')!r}."
         )
     return config
@@ -119,9 +152,9 @@ def read_hf_config(path):
 def read_hf_state(path):
     """All tensors of a checkpoint directory as a dict name -> NumPy array."""
     path = os.fspath(path)
-    single = os.path.join(path, HF_WEIGHTS)
-    index = os.path.join(path, HF_WEIGHTS_INDEX)
-    binary = os.path.join(path, HF_TORCH_WEIGHTS)
+    single = file_in(path, HF_WEIGHTS, "weights file")
+    index = file_in(path, HF_WEIGHTS_INDEX, "safetensors index")
+    binary = file_in(path, HF_TORCH_WEIGHTS, "weights file")
     if os.path.isfile(single) or os.path.isfile(index):
         from safetensors.numpy import load_file  # optional dependency: kzoo[hf]
 
@@ -146,9 +179,23 @@ def read_hf_state(path):
                 "to safetensors."
             ) from e
         try:
+            # weights_only: tensors and plain containers only; a pickle that would import
+            # or call anything else is refused before it runs.
             raw = torch.load(binary, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types for a damaged pickle/zip
             raise ValueError(f"The weights file {binary!r} cannot be read: {e}") from e
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError(
+                f"The weights file {binary!r} must hold a non-empty dict name -> tensor (a "
+                f"state dict); got {type(raw).__name__}."
+            )
+        bad = sorted(str(k) for k, v in raw.items()
+                     if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+        if bad:
+            raise ValueError(
+                f"The weights file {binary!r} must map names to tensors; these entries are "
+                f"not: {bad[:10]}."
+            )
         return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
                 for k, v in raw.items()}
     raise ValueError(
@@ -157,6 +204,8 @@ def read_hf_state(path):
 
 
 def _read_weights(load_file, path):
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"The weights file {path!r} is empty.")
     try:
         return load_file(path)
     except Exception as e:  # safetensors raises its own error type for a damaged header
@@ -185,22 +234,39 @@ def load_tokenizer(path):
         import tokenizers  # optional dependency: kzoo[hf]
     except ImportError:
         return None
-    tok_json = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(tok_json):
+    def tokenizer_file(name):
+        return file_in(path, name, "tokenizer file")
+
+    def build(make, *files):
+        for file in files:
+            if os.path.getsize(file) == 0:
+                raise ValueError(f"The tokenizer file {file!r} is empty.")
         try:
-            return tokenizers.Tokenizer.from_file(tok_json)
-        except Exception as e:  # tokenizers raises its own error type for bad JSON
-            raise ValueError(f"The tokenizer file {tok_json!r} cannot be read: {e}") from e
-    vocab = os.path.join(path, "vocab.txt")
+            return make()
+        except Exception as e:  # tokenizers raises its own error types for bad files
+            raise ValueError(
+                f"The tokenizer file{'s' if len(files) > 1 else ''} "
+                f"{', '.join(repr(f) for f in files)} cannot be read: {e}"
+            ) from e
+
+    tok_json = tokenizer_file("tokenizer.json")
+    if os.path.isfile(tok_json):
+        return build(lambda: tokenizers.Tokenizer.from_file(tok_json), tok_json)
+    vocab = tokenizer_file("vocab.txt")
     if os.path.isfile(vocab):
         lower = True
-        cfg = os.path.join(path, "tokenizer_config.json")
+        cfg = tokenizer_file("tokenizer_config.json")
         if os.path.isfile(cfg):
             lower = read_json(cfg, "tokenizer config").get("do_lower_case", True)
-        return tokenizers.BertWordPieceTokenizer(vocab, lowercase=lower)
-    merges, vocab_json = os.path.join(path, "merges.txt"), os.path.join(path, "vocab.json")
+        if not isinstance(lower, bool):
+            raise ValueError(
+                f"`do_lower_case` in {cfg!r} must be true or false; got {lower!r}."
+            )
+        return build(lambda: tokenizers.BertWordPieceTokenizer(vocab, lowercase=lower), vocab)
+    merges, vocab_json = tokenizer_file("merges.txt"), tokenizer_file("vocab.json")
     if os.path.isfile(merges) and os.path.isfile(vocab_json):
-        return tokenizers.ByteLevelBPETokenizer(vocab_json, merges)
+        return build(lambda: tokenizers.ByteLevelBPETokenizer(vocab_json, merges),
+                     vocab_json, merges)
     return None
 
 

@@ -4,7 +4,8 @@
   with the package).
 - `info(name)`: the preset's JSON (family, task, config, paper, parameter count).
 - `load(name_or_path, *, task=None, weights=None, dtype=None, **overrides)`: a Keras model
-  from a preset name, a directory written by `save`, or a Hugging Face checkpoint directory.
+  from a preset name, a directory written by `save`, a Hugging Face checkpoint directory, or a
+  `.keras` file.
 - `save(model, directory, format="kzoo"|"hf")`: a directory `load` reads back.
 - `build(family, config, task=None, task_config=None, dtype=None)`: a model from a config.
 
@@ -12,14 +13,21 @@ Which family a preset, a saved directory or a Hugging Face `model_type` belongs 
 that family builds, imports and exports, comes from `kzoo.registry`. A file that is missing,
 empty, truncated or not JSON raises `ValueError` naming it.
 
+Loading never runs code from the files: configs are JSON validated field by field, weights are
+HDF5 / safetensors / `torch.load(weights_only=True)` (see `kzoo.checkpoints`), and a `.keras`
+file is read with Keras' safe mode forced on, after its config has been checked to name only
+Keras and kzoo classes (no `Lambda` layer, no serialised Python function, no other module).
+
 Example:
 >>> import kzoo
 >>> model = kzoo.presets.load("gpt_mini")
 >>> model = kzoo.presets.load("bert_tiny_uncased", task="classifier", num_classes=3)
 """
 
+import builtins
 import os
 import time
+import zipfile
 
 import keras
 
@@ -28,6 +36,19 @@ from kzoo import checkpoints, registry
 
 CONFIG_FILE = "kzoo_config.json"
 WEIGHTS_FILE = "model.weights.h5"
+KERAS_SUFFIX = ".keras"
+# Modules whose classes a `.keras` file may name, and classes it may not name even there (they
+# carry Python code or pickles: Keras' safe mode refuses them too, this is the second lock).
+# A function is named by its module like a class (`keras.activations.relu`).
+_KERAS_FILE_MODULES = ("keras", "kzoo")
+_KERAS_FILE_REFUSED = ("Lambda", "__lambda__", "TorchModuleWrapper")
+# Functions (class_name "function") only from the modelling namespaces: never e.g.
+# `keras.config.enable_unsafe_deserialization` or `keras.utils.get_file`.
+_KERAS_FILE_FUNCTION_MODULES = tuple(
+    f"{root}.{name}" for root in ("keras", "keras.src")
+    for name in ("activations", "losses", "metrics", "ops", "initializers", "regularizers",
+                 "constraints")
+) + ("kzoo",)
 
 
 def list():  # noqa: A001 - the public name the design asks for
@@ -63,8 +84,11 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
     """Build a model by preset name, from a `save` directory, or from a Hugging Face checkpoint.
 
     Args:
-        name_or_path: a name from `list()`, a directory written by `save`, or a Hugging Face
-            checkpoint directory (`config.json` with `model_type` and safetensors/bin weights).
+        name_or_path: a name from `list()`, a directory written by `save`, a Hugging Face
+            checkpoint directory (`config.json` with `model_type` and safetensors/bin weights),
+            or a `.keras` file (`model.save("m.keras")`; loaded as saved, so `task`,
+            `weights`, `dtype` and overrides do not apply; only Keras and kzoo classes, safe
+            mode always on).
         task: task model to build ("backbone" for the backbone alone); defaults to the
             preset's / checkpoint's own task.
         weights: for a preset name, an optional weights file (`.weights.h5`) or Hugging Face
@@ -78,8 +102,18 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
     >>> model = kzoo.presets.load("vit_tiny_patch16_224", num_classes=10, image_size=32)
     """
     path = os.fspath(name_or_path)
+    if path.endswith(KERAS_SUFFIX) and os.path.isfile(path):
+        given = {"task": task, "weights": weights, "dtype": dtype, **overrides}
+        given = {k: v for k, v in given.items() if v is not None}
+        if given:
+            raise ValueError(
+                f"A .keras file loads as it was saved; got {sorted(given)} for {path!r}. "
+                "Save a preset directory (`kzoo.presets.save`) to load it with another task, "
+                "dtype or configuration."
+            )
+        return load_keras_file(path)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        if os.path.isfile(checkpoints.file_in(path, CONFIG_FILE, "saved kzoo config")):
             return _load_saved(path, task=task, weights=weights, dtype=dtype,
                                overrides=overrides)
         if checkpoints.is_hf_dir(path):
@@ -123,6 +157,75 @@ def _load_weights_into(model, weights):
             f"`weights` must be a .weights.h5 file or a Hugging Face checkpoint directory; "
             f"got weights={weights!r} (not found)."
         )
+
+
+def load_keras_file(path):
+    """The model in a `.keras` file, read without running code from it.
+
+    The archive's `config.json` is checked first: every object it names must come from Keras
+    or kzoo, and none may be a `Lambda` layer, a serialised Python function or a wrapped
+    torch module. Keras then loads it with `safe_mode=True` passed explicitly, so neither the
+    file nor an earlier `keras.config.enable_unsafe_deserialization()` turns safe mode off.
+    Any problem raises `ValueError` naming the file.
+
+    Example:
+    >>> model.save("m.keras")
+    >>> same = kzoo.presets.load("m.keras")
+    """
+    path = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            data = archive.read("config.json")
+    except KeyError:
+        raise ValueError(f"The Keras file {path!r} has no config.json.") from None
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ValueError(
+            f"The Keras file {path!r} cannot be read (not a .keras zip archive, or "
+            f"truncated): {e}"
+        ) from None
+    config = checkpoints.parse_json(data, f"{path}:config.json", "Keras model config")
+    _check_keras_config(config, path)
+    try:
+        with _forced_safe_mode():
+            return keras.saving.load_model(path, safe_mode=True)
+    except Exception as e:  # Keras raises ValueError, TypeError, KeyError, OSError ...
+        raise ValueError(f"The Keras file {path!r} cannot be loaded: {e}") from e
+
+
+def _forced_safe_mode():
+    """A context in which Keras deserialises in safe mode whatever the process set before.
+
+    Keras 3.15 lets a global `keras.config.enable_unsafe_deserialization()` win over
+    `load_model(..., safe_mode=True)` (its deserialiser reads the global flag first), so
+    the flag itself is set for the duration of the load, with Keras' own scope.
+    """
+    from keras.src.saving.serialization_lib import SafeModeScope  # no public equivalent
+
+    return SafeModeScope(True)
+
+
+def _check_keras_config(node, path, where="config"):
+    """Refuse any object of a `.keras` config outside Keras and kzoo, or carrying code."""
+    if isinstance(node, builtins.list):  # this module's `list` is the preset list
+        for i, item in enumerate(node):
+            _check_keras_config(item, path, f"{where}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    class_name, module = node.get("class_name"), node.get("module")
+    if class_name is not None:
+        package = module.split(".")[0] if isinstance(module, str) else None
+        foreign_function = class_name == "function" and module is not None and not (
+            isinstance(module, str) and module.startswith(_KERAS_FILE_FUNCTION_MODULES))
+        if class_name in _KERAS_FILE_REFUSED or foreign_function or (
+                module is not None and package not in _KERAS_FILE_MODULES):
+            raise ValueError(
+                f"The Keras file {path!r} names {class_name!r} from module {module!r} at "
+                f"{where}; kzoo loads only Keras and kzoo classes and never code (Lambda "
+                "layers, Python functions, pickled modules) from a file."
+            )
+    for key, value in node.items():
+        _check_keras_config(value, path, f"{where}.{key}")
 
 
 def _read_keras_weights(model, path):
@@ -186,7 +289,7 @@ def _json_default(obj):
 def _read_saved_config(path):
     """The checked contents of a saved directory's `kzoo_config.json`:
     (family, task, config, task config, weights path)."""
-    config_path = os.path.join(path, CONFIG_FILE)
+    config_path = checkpoints.file_in(path, CONFIG_FILE, "saved kzoo config")
     meta = {"task": registry.BACKBONE_TASK, "task_config": {},
             **checkpoints.read_json(config_path, "saved kzoo config")}
     family = registry.check_spec(meta, repr(config_path))
@@ -239,4 +342,4 @@ def _load_hf(path, task=None, dtype=None, overrides=None):
     return model
 
 
-__all__ = ["list", "info", "load", "save", "build"]
+__all__ = ["list", "info", "load", "save", "build", "load_keras_file"]

@@ -105,8 +105,13 @@ def check_number(name, value, allow_none=False):
 
 
 def check_choice(name, value, allowed):
+    """Raise unless `value` is one of `allowed`; a NumPy scalar (e.g. `np.str_`) is returned
+    as its Python value. Arrays are refused, even 0-d ones holding an allowed value."""
+    if isinstance(value, np.generic):
+        value = value.item()
     try:
-        ok = value in allowed
+        # An array is no choice: `array in allowed` compares element-wise.
+        ok = not isinstance(value, np.ndarray) and value in allowed
     except TypeError:  # e.g. an unhashable value against a set or dict
         ok = False
     if not ok:
