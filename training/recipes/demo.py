@@ -19,10 +19,10 @@ Why these choices (see the README's demo section for the measured figures):
   (positions past `--seq-len` never are).
 """
 
+import math
 import os
 import re
 
-import kzoo.data
 from training.recipes import _text
 from training.recipes import gpt_text
 
@@ -41,7 +41,11 @@ DEFAULTS = dict(
 )
 # Defaults of the text options that differ from `gpt_text`'s (set on the parser, so that
 # `--help` shows them and the command line still overrides them).
-OPTION_DEFAULTS = dict(tokenizer="bpe", bpe_vocab=1024, seq_len=128, sample_tokens=96)
+OPTION_DEFAULTS = dict(tokenizer="bpe", bpe_vocab=1024, seq_len=128, sample_tokens=96,
+                       prose_only=True)
+# The printed sample: several prompts from the held-out text, continued in one batch, so that
+# the share of known words is measured over a few hundred words rather than one sentence.
+SAMPLING = dict(prompts=4, prompt_tokens=32, temperature=0.7, top_k=40, top_p=None)
 
 EDGE_PUNCTUATION = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 
@@ -73,14 +77,22 @@ def word_coverage(sample, vocabulary):
 
 
 def training_vocabulary(options):
-    """The set of words of the training 90% of the run's text (see `_text.load_tokens`)."""
-    text = kzoo.data.load_text(options.get("text", "pydoc"), options.get("max_chars"))
-    train_text, _ = kzoo.data.train_val_split(text, 0.1)
+    """The set of words of the run's training text (the text the model and the BPE were
+    trained on: `_text.load_texts`, prose only by default)."""
+    train_text, _ = _text.load_texts(options)
     return set(words(train_text))
 
 
 def report(model, task, metrics):
-    gpt_text.report(model, task, metrics)
+    print(f"Validation: loss {metrics['val_loss']:.4f}, next-token accuracy "
+          f"{metrics['val_accuracy']:.4f}, perplexity {metrics['val_perplexity']:.2f} "
+          f"({task.info['tokenizer']} tokens)")
+    pairs = metrics["samples"]
+    print(f"--- {len(pairs)} samples: a prompt from the held-out text \u2502 what the model "
+          "wrote after it ---")
+    for prompt, text in pairs:
+        print(prompt + "\u2502" + text)
+        print()
     found, total = metrics["sample_words_found"], metrics["sample_words"]
     share = metrics["sample_words_in_training_text"]
     print(f"Words of the generated text found in the training text: {found} of {total} "
@@ -102,11 +114,20 @@ def train(cfg):
     # examples are random windows of the text, a "pass" over it is only nominal here.
     task.steps_per_epoch = max(task.steps_per_epoch, cfg.steps or 0)
     vocabulary = training_vocabulary(cfg.options)
-    sample_metrics = gpt_text.make_evaluate(cfg)
 
     def evaluate(model, task):
-        out = sample_metrics(model, task)
-        found, total = word_coverage(out["sample"], vocabulary)
+        x, y, w = task.validation
+        results = model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size,
+                                 verbose=0, return_dict=True)
+        pairs = gpt_text.samples(model, task, cfg, **SAMPLING)
+        out = {
+            "val_loss": float(results["loss"]),
+            "val_accuracy": float(results["accuracy"]),
+            "val_nll": float(results["nll"]),
+            "val_perplexity": float(math.exp(min(float(results["nll"]), 50.0))),
+            "samples": [list(pair) for pair in pairs],
+        }
+        found, total = word_coverage(" ".join(text for _, text in pairs), vocabulary)
         out["sample_words_found"] = found
         out["sample_words"] = total
         out["sample_words_in_training_text"] = found / total if total else 0.0

@@ -65,34 +65,64 @@ def lm_metrics():
             keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="nll")]
 
 
-def _prose_start(tokenizer, ids, length, window=2000):
-    """Index of the first word in `ids[:window]` that starts with a capital letter and whose
-    next `length` tokens decode to prose (mostly letters and spaces), so that the sample's
-    prompt is a sentence rather than a code listing; 0 when there is none."""
-    for start in range(0, max(1, min(window, len(ids) - length))):
+def _prose_starts(tokenizer, ids, length, count=1, window=2000):
+    """Indices of up to `count` non-overlapping prompts in `ids`: each starts a word that
+    begins with a capital letter, and its `length` tokens decode to prose (mostly letters
+    and spaces) and end where a word ends (the next token starts with a space or a line
+    break), so that a prompt is a sentence rather than a code listing or half a word. The
+    first is searched in `ids[:window]`, the others evenly over the rest of `ids`;
+    `[0]` when there is none."""
+    def is_start(start):
         if start and not tokenizer.decode([int(ids[start - 1])]).isspace():
-            continue
+            return False
         text = tokenizer.decode([int(t) for t in ids[start:start + length]])
+        if not text[:1].isupper():
+            return False
+        following = tokenizer.decode([int(ids[start + length])]) if start + length < len(ids) \
+            else " "
         letters = sum(ch.isalpha() or ch == " " for ch in text)
-        if text[:1].isupper() and letters >= 0.9 * max(1, len(text)):
-            return start
-    return 0
+        return following[:1].isspace() and letters >= 0.9 * max(1, len(text))
+
+    last = max(1, len(ids) - length)
+    spacing = max(length, last // max(1, count))
+    starts = []
+    for begin in range(0, last, spacing):
+        end = min(last, begin + (window if not starts else spacing))
+        found = next((i for i in range(max(begin, starts[-1] + length if starts else 0), end)
+                      if is_start(i)), None)
+        if found is not None:
+            starts.append(found)
+        if len(starts) == count:
+            break
+    return starts or [0]
+
+
+def _prose_start(tokenizer, ids, length, window=2000):
+    """Index of the first prompt `_prose_starts` finds in `ids[:window]`; 0 when none."""
+    return _prose_starts(tokenizer, ids, length, 1, window)[0]
+
+
+def samples(model, task, cfg, prompt_tokens=32, strategy="sample", prompts=1,
+            temperature=0.8, top_k=40, top_p=None):
+    """[(prompt text, generated text)] for up to `prompts` prompts of the held-out text
+    (see `_prose_starts`), generated together in one batch."""
+    tokenizer = task.info["tokenizer_object"]
+    val_ids = task.info["val_ids"]
+    prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
+    starts = _prose_starts(tokenizer, val_ids, prompt_tokens, prompts)
+    batch = [[int(t) for t in val_ids[s:s + prompt_tokens]] for s in starts]
+    room = model.backbone.max_sequence_length - prompt_tokens
+    new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
+    out = model.generate(batch, max_new_tokens=new_tokens, strategy=strategy,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=cfg.seed,
+                         stop_token_ids=[tokenizer.eos_id])
+    return [(tokenizer.decode(p), tokenizer.decode(o)) for p, o in zip(batch, out)]
 
 
 def sample(model, task, cfg, prompt_tokens=32, strategy="sample"):
     """(prompt text, generated text): the prompt is the first prose line of the held-out
     text (see `_prose_start`)."""
-    tokenizer = task.info["tokenizer_object"]
-    val_ids = task.info["val_ids"]
-    prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
-    start = _prose_start(tokenizer, val_ids, prompt_tokens)
-    prompt = [int(t) for t in val_ids[start:start + prompt_tokens]]
-    room = model.backbone.max_sequence_length - len(prompt)
-    new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
-    out = model.generate([prompt], max_new_tokens=new_tokens, strategy=strategy,
-                         temperature=0.8, top_k=40, seed=cfg.seed,
-                         stop_token_ids=[tokenizer.eos_id])
-    return tokenizer.decode(prompt), tokenizer.decode(out[0])
+    return samples(model, task, cfg, prompt_tokens, strategy)[0]
 
 
 def make_evaluate(cfg):
