@@ -74,7 +74,7 @@ def test_prompts_are_non_overlapping_prose_that_ends_at_a_word():
             + "Third, words all new end here.")
     ids = tokenizer.encode(text)
     length = 20
-    starts = gpt_text._prose_starts(tokenizer, ids, length, count=3)
+    starts = gpt_text._prose_starts(tokenizer, ids, length, count=3, whole_words=True)
     assert len(starts) == 3 and starts == sorted(starts)
     for first, second in zip(starts, starts[1:]):
         assert second >= first + length
@@ -86,6 +86,9 @@ def test_prompts_are_non_overlapping_prose_that_ends_at_a_word():
     assert [text[s:s + length] for s in starts] == [
         "The first words here", "Other words come now", "Third, words all new"]
     assert gpt_text._prose_start(tokenizer, ids, length) == starts[0]
+    # Without whole_words a prompt may end inside a word ("The first words her").
+    assert gpt_text._prose_starts(tokenizer, ids, length - 1, count=3) == starts
+    assert gpt_text._prose_starts(tokenizer, ids, length - 1, count=3, whole_words=True) == [0]
 
 
 def test_prose_only_is_the_demos_default_and_off_for_the_other_text_recipes():

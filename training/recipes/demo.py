@@ -62,7 +62,8 @@ OPTION_DEFAULTS = dict(tokenizer="bpe", bpe_vocab=1024, seq_len=128, sample_toke
                        prose_only=True)
 # The printed sample: several prompts from the held-out text, continued in one batch, so that
 # the share of known words is measured over a few hundred words rather than one sentence.
-SAMPLING = dict(prompts=4, prompt_tokens=32, temperature=0.7, top_k=40, top_p=None)
+SAMPLING = dict(prompts=4, prompt_tokens=32, temperature=0.7, top_k=40, top_p=None,
+                whole_words=True)
 
 EDGE_PUNCTUATION = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 

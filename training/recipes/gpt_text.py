@@ -65,23 +65,24 @@ def lm_metrics():
             keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="nll")]
 
 
-def _prose_starts(tokenizer, ids, length, count=1, window=2000):
+def _prose_starts(tokenizer, ids, length, count=1, window=2000, whole_words=False):
     """Indices of up to `count` non-overlapping prompts in `ids`: each starts a word that
-    begins with a capital letter, and its `length` tokens decode to prose (mostly letters
-    and spaces) and end where a word ends (the next token starts with a space or a line
-    break), so that a prompt is a sentence rather than a code listing or half a word. The
-    first is searched in `ids[:window]`, the others evenly over the rest of `ids`;
-    `[0]` when there is none."""
+    begins with a capital letter and its `length` tokens decode to prose (mostly letters
+    and spaces), so that a prompt is a sentence rather than a code listing; with
+    `whole_words`, it also ends where a word ends (the next token starts with a space or a
+    line break), not in the middle of one. The first is searched in `ids[:window]`, the
+    others evenly over the rest of `ids`; `[0]` when there is none."""
     def is_start(start):
         if start and not tokenizer.decode([int(ids[start - 1])]).isspace():
             return False
         text = tokenizer.decode([int(t) for t in ids[start:start + length]])
         if not text[:1].isupper():
             return False
-        following = tokenizer.decode([int(ids[start + length])]) if start + length < len(ids) \
-            else " "
+        if whole_words and start + length < len(ids) and \
+                not tokenizer.decode([int(ids[start + length])])[:1].isspace():
+            return False
         letters = sum(ch.isalpha() or ch == " " for ch in text)
-        return following[:1].isspace() and letters >= 0.9 * max(1, len(text))
+        return letters >= 0.9 * max(1, len(text))
 
     last = max(1, len(ids) - length)
     spacing = max(length, last // max(1, count))
@@ -103,13 +104,14 @@ def _prose_start(tokenizer, ids, length, window=2000):
 
 
 def samples(model, task, cfg, prompt_tokens=32, strategy="sample", prompts=1,
-            temperature=0.8, top_k=40, top_p=None):
+            temperature=0.8, top_k=40, top_p=None, whole_words=False):
     """[(prompt text, generated text)] for up to `prompts` prompts of the held-out text
     (see `_prose_starts`), generated together in one batch."""
     tokenizer = task.info["tokenizer_object"]
     val_ids = task.info["val_ids"]
     prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
-    starts = _prose_starts(tokenizer, val_ids, prompt_tokens, prompts)
+    starts = _prose_starts(tokenizer, val_ids, prompt_tokens, prompts,
+                           whole_words=whole_words)
     batch = [[int(t) for t in val_ids[s:s + prompt_tokens]] for s in starts]
     room = model.backbone.max_sequence_length - prompt_tokens
     new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
