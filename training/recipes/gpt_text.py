@@ -127,20 +127,23 @@ def sample(model, task, cfg, prompt_tokens=32, strategy="sample"):
     return samples(model, task, cfg, prompt_tokens, strategy)[0]
 
 
+def validation_metrics(model, task):
+    """Loss, next-token accuracy, NLL and perplexity on the held-out windows."""
+    x, y, w = task.validation
+    results = model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size,
+                             verbose=0, return_dict=True)
+    return {
+        "val_loss": float(results["loss"]),
+        "val_accuracy": float(results["accuracy"]),
+        "val_nll": float(results["nll"]),
+        "val_perplexity": float(math.exp(min(float(results["nll"]), 50.0))),
+    }
+
+
 def make_evaluate(cfg):
     def evaluate(model, task):
-        x, y, w = task.validation
-        results = model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size,
-                                 verbose=0, return_dict=True)
         prompt, text = sample(model, task, cfg)
-        return {
-            "val_loss": float(results["loss"]),
-            "val_accuracy": float(results["accuracy"]),
-            "val_nll": float(results["nll"]),
-            "val_perplexity": float(math.exp(min(float(results["nll"]), 50.0))),
-            "sample_prompt": prompt,
-            "sample": text,
-        }
+        return {**validation_metrics(model, task), "sample_prompt": prompt, "sample": text}
     return evaluate
 
 
