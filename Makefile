@@ -1,8 +1,8 @@
 # Two commands for a new user: `make demo` and `make test`. Each creates .venv when missing.
 # `make demo` installs only what the demo needs (the runtime, its backend, tokenizers and
-# matplotlib: about a minute); `make test` upgrades the same .venv to everything (all three
-# backends, the data sets, the test tools and the peers compared against), so either can
-# come first.
+# matplotlib: 832 MB, ~2 minutes with a warm pip cache, see the README's demo section);
+# `make test` upgrades the same .venv to everything (all three backends, the data sets, the
+# test tools and the peers compared against), so either can come first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

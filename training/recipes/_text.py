@@ -1,5 +1,8 @@
 """What `gpt_text`, `bert_mlm` and `demo` share: the text, its split and the tokenizer."""
 
+import argparse
+import re
+
 import numpy as np
 
 import kzoo.data
@@ -17,6 +20,9 @@ def add_text_arguments(parser, seq_len):
                         help=f"tokens per training example (default {seq_len})")
     parser.add_argument("--max-chars", type=int, default=None,
                         help="use only the first N characters of the text (quick runs)")
+    parser.add_argument("--prose-only", action=argparse.BooleanOptionalAction, default=False,
+                        help="keep only the prose paragraphs of the text (see "
+                             "`_text.prose_only`): no code, grammar or tables")
 
 
 def check_options(options):
@@ -30,16 +36,55 @@ def check_options(options):
         raise ValueError(f"--max-chars must be at least 1000; got {options['max_chars']!r}.")
 
 
+PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+
+
+def is_prose(paragraph, min_words=8, min_letters=0.9):
+    """Whether a paragraph (lines without a blank one between them) reads as prose: none of
+    its lines is indented (pydoc indents code, grammar and tables), it starts with a capital
+    letter, ends with `.` or `:`, has at least `min_words` words, and at least
+    `min_letters` of its characters are letters or spaces (code is full of symbols)."""
+    lines = paragraph.strip("\n").split("\n")
+    if any(line[:1].isspace() for line in lines):
+        return False
+    flat = " ".join(line.strip() for line in lines)
+    if len(flat.split()) < min_words or not flat[:1].isupper() or flat[-1:] not in ".:":
+        return False
+    return sum(ch.isalpha() or ch == " " for ch in flat) >= min_letters * len(flat)
+
+
+def prose_only(text):
+    """The prose paragraphs of `text` (see `is_prose`), each joined into one line, separated
+    by blank lines. On pydoc's 465K characters this keeps ~150K: the explanations, without
+    the code listings, grammar rules and tables between them."""
+    kept = [" ".join(line.strip() for line in p.strip("\n").split("\n"))
+            for p in PARAGRAPH_BREAK.split(text) if is_prose(p)]
+    if not kept:
+        raise ValueError("--prose-only: the text has no prose paragraph (see "
+                         "training.recipes._text.is_prose); drop --prose-only.")
+    return "\n\n".join(kept)
+
+
+def load_texts(options):
+    """(training text, validation text) of a run: the source, cut to --max-chars, filtered
+    to its prose with --prose-only, then split 90/10 (`kzoo.data.train_val_split`)."""
+    text = kzoo.data.load_text(options.get("text", "pydoc"), options.get("max_chars"))
+    if options.get("prose_only"):
+        text = prose_only(text)
+    return kzoo.data.train_val_split(text, 0.1)
+
+
 def load_tokens(options):
     """(tokenizer, train ids, validation ids, info) for the text options of a run."""
     check_options(options)
-    text = kzoo.data.load_text(options.get("text", "pydoc"), options.get("max_chars"))
-    train_text, val_text = kzoo.data.train_val_split(text, 0.1)
+    train_text, val_text = load_texts(options)
     tokenizer = D.make_tokenizer(options.get("tokenizer", "byte"), train_text,
                                  options.get("bpe_vocab", 1024))
     train_ids = tokenizer.encode(train_text)
     val_ids = tokenizer.encode(val_text)
-    info = {"text": options.get("text", "pydoc"), "characters": len(text),
+    info = {"text": options.get("text", "pydoc"),
+            "prose_only": bool(options.get("prose_only")),
+            "characters": len(train_text) + len(val_text),
             "tokenizer": tokenizer.kind, "vocabulary_size": tokenizer.vocabulary_size,
             "train_tokens": int(len(train_ids)), "validation_tokens": int(len(val_ids))}
     return tokenizer, np.asarray(train_ids), np.asarray(val_ids), info

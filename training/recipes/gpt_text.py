@@ -65,50 +65,85 @@ def lm_metrics():
             keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="nll")]
 
 
-def _prose_start(tokenizer, ids, length, window=2000):
-    """Index of the first word in `ids[:window]` that starts with a capital letter and whose
-    next `length` tokens decode to prose (mostly letters and spaces), so that the sample's
-    prompt is a sentence rather than a code listing; 0 when there is none."""
-    for start in range(0, max(1, min(window, len(ids) - length))):
+def _prose_starts(tokenizer, ids, length, count=1, window=2000, whole_words=False):
+    """Indices of up to `count` non-overlapping prompts in `ids`: each starts a word that
+    begins with a capital letter and its `length` tokens decode to prose (mostly letters
+    and spaces), so that a prompt is a sentence rather than a code listing; with
+    `whole_words`, it also ends where a word ends (the next token starts with a space or a
+    line break), not in the middle of one. The first is searched in `ids[:window]`, the
+    others evenly over the rest of `ids`; `[0]` when there is none."""
+    def is_start(start):
         if start and not tokenizer.decode([int(ids[start - 1])]).isspace():
-            continue
+            return False
         text = tokenizer.decode([int(t) for t in ids[start:start + length]])
+        if not text[:1].isupper():
+            return False
+        if whole_words and start + length < len(ids) and \
+                not tokenizer.decode([int(ids[start + length])])[:1].isspace():
+            return False
         letters = sum(ch.isalpha() or ch == " " for ch in text)
-        if text[:1].isupper() and letters >= 0.9 * max(1, len(text)):
-            return start
-    return 0
+        return letters >= 0.9 * max(1, len(text))
+
+    last = max(1, len(ids) - length)
+    spacing = max(length, last // max(1, count))
+    starts = []
+    for begin in range(0, last, spacing):
+        end = min(last, begin + (window if not starts else spacing))
+        found = next((i for i in range(max(begin, starts[-1] + length if starts else 0), end)
+                      if is_start(i)), None)
+        if found is not None:
+            starts.append(found)
+        if len(starts) == count:
+            break
+    return starts or [0]
+
+
+def _prose_start(tokenizer, ids, length, window=2000):
+    """Index of the first prompt `_prose_starts` finds in `ids[:window]`; 0 when none."""
+    return _prose_starts(tokenizer, ids, length, 1, window)[0]
+
+
+def samples(model, task, cfg, prompt_tokens=32, strategy="sample", prompts=1,
+            temperature=0.8, top_k=40, top_p=None, whole_words=False):
+    """[(prompt text, generated text)] for up to `prompts` prompts of the held-out text
+    (see `_prose_starts`), generated together in one batch."""
+    tokenizer = task.info["tokenizer_object"]
+    val_ids = task.info["val_ids"]
+    prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
+    starts = _prose_starts(tokenizer, val_ids, prompt_tokens, prompts,
+                           whole_words=whole_words)
+    batch = [[int(t) for t in val_ids[s:s + prompt_tokens]] for s in starts]
+    room = model.backbone.max_sequence_length - prompt_tokens
+    new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
+    out = model.generate(batch, max_new_tokens=new_tokens, strategy=strategy,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=cfg.seed,
+                         stop_token_ids=[tokenizer.eos_id])
+    return [(tokenizer.decode(p), tokenizer.decode(o)) for p, o in zip(batch, out)]
 
 
 def sample(model, task, cfg, prompt_tokens=32, strategy="sample"):
     """(prompt text, generated text): the prompt is the first prose line of the held-out
     text (see `_prose_start`)."""
-    tokenizer = task.info["tokenizer_object"]
-    val_ids = task.info["val_ids"]
-    prompt_tokens = max(1, min(prompt_tokens, model.backbone.max_sequence_length // 2))
-    start = _prose_start(tokenizer, val_ids, prompt_tokens)
-    prompt = [int(t) for t in val_ids[start:start + prompt_tokens]]
-    room = model.backbone.max_sequence_length - len(prompt)
-    new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
-    out = model.generate([prompt], max_new_tokens=new_tokens, strategy=strategy,
-                         temperature=0.8, top_k=40, seed=cfg.seed,
-                         stop_token_ids=[tokenizer.eos_id])
-    return tokenizer.decode(prompt), tokenizer.decode(out[0])
+    return samples(model, task, cfg, prompt_tokens, strategy)[0]
+
+
+def validation_metrics(model, task):
+    """Loss, next-token accuracy, NLL and perplexity on the held-out windows."""
+    x, y, w = task.validation
+    results = model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size,
+                             verbose=0, return_dict=True)
+    return {
+        "val_loss": float(results["loss"]),
+        "val_accuracy": float(results["accuracy"]),
+        "val_nll": float(results["nll"]),
+        "val_perplexity": float(math.exp(min(float(results["nll"]), 50.0))),
+    }
 
 
 def make_evaluate(cfg):
     def evaluate(model, task):
-        x, y, w = task.validation
-        results = model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size,
-                                 verbose=0, return_dict=True)
         prompt, text = sample(model, task, cfg)
-        return {
-            "val_loss": float(results["loss"]),
-            "val_accuracy": float(results["accuracy"]),
-            "val_nll": float(results["nll"]),
-            "val_perplexity": float(math.exp(min(float(results["nll"]), 50.0))),
-            "sample_prompt": prompt,
-            "sample": text,
-        }
+        return {**validation_metrics(model, task), "sample_prompt": prompt, "sample": text}
     return evaluate
 
 
