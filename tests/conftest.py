@@ -1,40 +1,12 @@
 import glob
 import importlib.util
 import os
-import shutil
-import tempfile
 
-# === Compilation settings for the test session (before keras / jax / tensorflow load) ===
-#
-# Most of a JAX test's time is XLA compiling tiny programs, not running them: each eager op
-# and each random initialiser per new shape, each new model's predict / train step. One
-# setting cuts that without changing what runs (XLA's own flags stay the defaults, so the
-# tests compile exactly what users' code compiles):
-#
-# - A persistent JAX compilation cache shared by the whole session: the pytest-xdist
-#   workers and the subprocesses some tests start (crash safety, training resume, import
-#   probes) read what another process already compiled, and a model rebuilt identically in
-#   a later test finds its predict / train step there. The key is the program itself (the
-#   HLO without debug names, the jax / jaxlib version, the XLA flags, the device), so a hit
-#   runs the executable a fresh compile would have produced. By default the cache is a
-#   temporary directory made by the first process of a session and removed at its end, so
-#   every run starts cold (as CI does); set JAX_COMPILATION_CACHE_DIR to keep one across
-#   runs.
-_CACHE_OWNER = "KZOO_TEST_JAX_CACHE_OWNER"
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kzoo-jax-cache-")
-    os.environ[_CACHE_OWNER] = str(os.getpid())
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-if importlib.util.find_spec("filelock") is not None:
-    # A size limit turns on jax's file lock: a worker never reads an entry another one is
-    # still writing (the limit itself is far above what a session writes, ~100 MB).
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+import keras
+import numpy as np
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +44,3 @@ def pytest_configure(config):
     except Exception:  # the tests that need it report the failure themselves
         pass
 
-
-def pytest_unconfigure(config):
-    """The process that made the session's compilation cache removes it."""
-    if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
