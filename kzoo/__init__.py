@@ -1,7 +1,7 @@
 """kzoo: a Keras 3 transformer model zoo for JAX, PyTorch and TensorFlow.
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.checkpoints`,
-`kzoo.convert`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`,
+`kzoo.convert`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`,
 `kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.losses`, `kzoo.models`, `kzoo.presets`,
 `kzoo.schedules`. None of them imports a framework that the current backend does not use
 (heavy optional packages are imported when first used; see `kzoo._lazy_tensorflow` for
@@ -22,6 +22,7 @@ from kzoo import data  # noqa: E402
 from kzoo import generation  # noqa: E402
 from kzoo import graphs  # noqa: E402
 from kzoo import inputs  # noqa: E402
+from kzoo import interpret  # noqa: E402
 from kzoo import layers  # noqa: E402
 from kzoo import losses  # noqa: E402
 from kzoo import models  # noqa: E402
@@ -32,7 +33,8 @@ from kzoo import schedules  # noqa: E402
 # The public submodules (tests/test_import.py checks that every module of the package
 # that does not start with "_" is listed here and imported above).
 SUBMODULES = (
-    "checkpoints", "convert", "data", "generation", "graphs", "inputs", "layers", "losses",
+    "checkpoints", "convert", "data", "generation", "graphs", "inputs", "interpret", "layers",
+    "losses",
     "models",
     "presets",
     "registry",

@@ -33,3 +33,4 @@ from kzoo.layers.position import (  # noqa: F401,E402
     alibi_slopes,
     relative_position_bucket,
 )
+from kzoo.layers.taps import AttentionRecord, BlockRecord, Tap, active_tap  # noqa: F401,E402

@@ -3,8 +3,14 @@
 import keras
 from keras import ops
 
-from kzoo.layers.kernels import KERNELS, dot_product_attention
+from kzoo.layers.kernels import (
+    KERNELS,
+    _grouped_output,
+    dot_product_attention,
+    reference_attention,
+)
 from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
+from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
     check_bool,
     check_choice,
@@ -278,18 +284,25 @@ class MultiHeadAttention(keras.layers.Layer):
                 mask = merge_masks(mask, causal_mask(q_len, k.shape[1], offset=cache_index))
             else:
                 is_causal = True
-        result = dot_product_attention(
-            q, k, v,
-            mask=mask,
-            bias=attention_bias,
-            is_causal=is_causal,
-            scale=self.scale,
-            kernel=self.kernel,
-            return_weights=return_attention_weights,
-            dropout_rate=self.dropout,
-            training=training,
-            seed_generator=self.seed_generator,
-        )
+        tap = active_tap()
+        if tap is not None:
+            result = self._tapped_attention(tap, q, k, v, mask, attention_bias, is_causal,
+                                            training)
+            if not return_attention_weights:
+                result = result[0]
+        else:
+            result = dot_product_attention(
+                q, k, v,
+                mask=mask,
+                bias=attention_bias,
+                is_causal=is_causal,
+                scale=self.scale,
+                kernel=self.kernel,
+                return_weights=return_attention_weights,
+                dropout_rate=self.dropout,
+                training=training,
+                seed_generator=self.seed_generator,
+            )
         if return_attention_weights:
             out, weights = result
         else:
@@ -302,6 +315,21 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache is not None:
             outputs += (new_cache,)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def _tapped_attention(self, tap, q, k, v, mask, bias, is_causal, training):
+        """The exact formula with the probabilities handed to `tap` (see `kzoo.layers.taps`):
+        the tap may record or replace them and scale heads; dropout (training only) comes
+        after the tap, as in the fused kernels."""
+        _, weights = reference_attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal,
+                                         scale=self.scale, return_weights=True)
+        weights = tap._on_attention(self, weights)
+        head_scale = tap._head_scale(self)
+        if head_scale is not None:
+            head_scale = ops.reshape(ops.cast(head_scale, weights.dtype), (1, -1, 1, 1))
+            weights = weights * head_scale
+        if training and self.dropout > 0:
+            weights = keras.random.dropout(weights, self.dropout, seed=self.seed_generator)
+        return _grouped_output(weights, v, q.dtype), weights
 
     def compute_output_shape(self, query_shape, value_shape=None):
         return tuple(query_shape[:-1]) + (self.output_dim or query_shape[-1],)

@@ -33,6 +33,7 @@ from kzoo.layers.kernels import KERNELS
 from kzoo.layers.masks import merge_masks
 from kzoo.layers.moe import MixtureOfExperts
 from kzoo.layers.norm import RMSNorm
+from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
     check_bool,
     check_choice,
@@ -388,6 +389,10 @@ class TransformerBlock(keras.layers.Layer):
         x = residual + self.feedforward_dropout(x, training=training)
         if not self.norm_first:
             x = self.feedforward_norm(x)
+
+        tap = active_tap()
+        if tap is not None:
+            x = tap._on_block(self, x)
 
         if cache is None and cross_cache is None:
             return x

@@ -30,6 +30,8 @@ import threading
 
 import keras
 
+from kzoo.layers.taps import active_tap
+
 _STATE = threading.local()
 
 
@@ -47,6 +49,8 @@ def fast_steps():
 def enabled(training=False):
     """Whether `decode_block` takes the torch path now."""
     if not getattr(_STATE, "active", False) or training:
+        return False
+    if active_tap() is not None:  # a tap must see every attention call of the Keras path
         return False
     if os.environ.get("KZOO_FAST_DECODE", "1") == "0":
         return False

@@ -1,0 +1,110 @@
+"""Taps: observe or alter a forward pass from outside, for interpretation tools.
+
+A `Tap` is a context manager. While one is active, every `MultiHeadAttention` call computes
+its attention with the exact formula (probabilities materialised, whatever kernel was
+selected) and hands the probabilities to `Tap.attention`, and every `TransformerBlock`
+hands its output to `Tap.block`. What the tap returns replaces the tensor in the forward
+pass, so a tap can record tensors, add a (zero) perturbation to make them differentiable
+inputs of a gradient, or scale heads (head masking). When no tap is active the layers run
+exactly as before: the check is one Python test at call time, outside any compiled graph,
+so a forward pass that does not ask for taps costs nothing extra.
+
+Taps see the tensors of the current call, so they work in eager calls and inside one traced
+function (a `jax.grad`, a `tf.GradientTape`, a Keras train step): the recorded tensors must
+be used inside the same trace.
+
+Example:
+>>> with Tap() as tap:
+...     model(inputs)
+>>> [record.weights.shape for record in tap.attention_records]
+"""
+
+import dataclasses
+
+_ACTIVE = []
+
+
+@dataclasses.dataclass
+class AttentionRecord:
+    """One attention call seen by a tap: the layer, its position among the tap's attention
+    calls, and the probabilities `(batch, heads, query, key)` it used."""
+
+    layer: object
+    index: int
+    weights: object
+
+
+@dataclasses.dataclass
+class BlockRecord:
+    """One `TransformerBlock` call seen by a tap: the block, its position, its output."""
+
+    layer: object
+    index: int
+    output: object
+
+
+class Tap:
+    """Base tap: records every attention probability tensor and block output it sees.
+
+    Subclass and override `attention` / `block` / `head_scale` to alter the pass.
+
+    Args:
+        record_attention: keep the attention probabilities in `attention_records`.
+        record_blocks: keep block outputs in `block_records`.
+    """
+
+    def __init__(self, record_attention=True, record_blocks=False):
+        self.record_attention = record_attention
+        self.record_blocks = record_blocks
+        self.attention_records = []
+        self.block_records = []
+        self._attention_calls = 0
+        self._block_calls = 0
+
+    # Hooks called by the layers ------------------------------------------------------------
+    def attention(self, layer, index, weights):
+        """Called with the post-softmax probabilities of attention call number `index`;
+        returns the probabilities the layer goes on with."""
+        return weights
+
+    def head_scale(self, layer, index):
+        """A per-head multiplier `(heads,)` for attention call `index`, or None."""
+        return None
+
+    def block(self, layer, index, output):
+        """Called with the output of block call number `index`; returns the output the
+        model goes on with."""
+        return output
+
+    # Plumbing --------------------------------------------------------------------------------
+    def _on_attention(self, layer, weights):
+        index = self._attention_calls
+        self._attention_calls += 1
+        weights = self.attention(layer, index, weights)
+        if self.record_attention:
+            self.attention_records.append(AttentionRecord(layer, index, weights))
+        return weights
+
+    def _head_scale(self, layer):
+        return self.head_scale(layer, self._attention_calls - 1)
+
+    def _on_block(self, layer, output):
+        index = self._block_calls
+        self._block_calls += 1
+        output = self.block(layer, index, output)
+        if self.record_blocks:
+            self.block_records.append(BlockRecord(layer, index, output))
+        return output
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return False
+
+
+def active_tap():
+    """The innermost active `Tap`, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
