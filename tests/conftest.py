@@ -2,9 +2,17 @@ import glob
 import importlib.util
 import os
 
-import keras
-import numpy as np
-import pytest
+# Compile tests' XLA programs (JAX, and subprocesses that tests start) with XLA's backend
+# optimisation off. Test programs are tiny and compiled once or twice each, so compiling
+# dominates: on this 2-core CPU the JAX run of test_bert/t5/vit/graphormer took 248 s of CPU
+# with it, 326 s without (TensorFlow: no change), every figure passing as before. Set before
+# Keras (and with it JAX) is imported; an XLA_FLAGS of your own wins, and `make test-all`
+# runs with XLA's default optimisation (XLA_FLAGS="").
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
