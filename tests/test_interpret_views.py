@@ -286,6 +286,31 @@ def test_head_view_in_headless_chromium(maps, tmp_path):
     assert set(drawn) == {(int(i), int(j)) for i, j in zip(*np.nonzero(weights > 0.001))}
     for (i, j), opacity in drawn.items():
         assert opacity == pytest.approx(weights[i, j], abs=1e-4)
+    # Hover, driven by events from a script appended to a copy of the page: entering query 2
+    # shows row 2, leaving restores every line, entering key 4 shows column 4.
+    driver = """<script>
+      function keysOf() {
+        return Array.from(document.querySelectorAll("#lines line")).map(
+          function (l) { return l.getAttribute("data-query") + ":" + l.getAttribute("data-key"); });
+      }
+      var rects = function (side) { return document.querySelectorAll("g." + side + "-tokens rect"); };
+      rects("query")[2].dispatchEvent(new MouseEvent("mouseenter"));
+      document.body.setAttribute("data-hover-query", keysOf().join(" "));
+      rects("query")[2].dispatchEvent(new MouseEvent("mouseleave"));
+      document.body.setAttribute("data-after-leave", String(keysOf().length));
+      rects("key")[4].dispatchEvent(new MouseEvent("mouseenter"));
+      document.body.setAttribute("data-hover-key", keysOf().join(" "));
+    </script></body>"""
+    hovered = tmp_path / "hovered.html"
+    hovered.write_text(path.read_text(encoding="utf-8").replace("</body>", driver),
+                       encoding="utf-8")
+    dom = _run_chromium(tmp_path, hovered.as_uri(), "--dump-dom")
+    attrs = dict(re.findall(r'(data-hover-query|data-after-leave|data-hover-key)="([^"]*)"', dom))
+    row = {f"2:{j}" for j in np.nonzero(weights[2] > 0.001)[0]}
+    column = {f"{i}:4" for i in np.nonzero(weights[:, 4] > 0.001)[0]}
+    assert set(attrs["data-hover-query"].split()) == row
+    assert int(attrs["data-after-leave"]) == len(drawn)
+    assert set(attrs["data-hover-key"].split()) == column
     # The screenshot shows the line in its colour (weight 1: the exact colour).
     shot = tmp_path / "shot.png"
     _run_chromium(tmp_path, url + "#layer=1&head=0&token=3", f"--screenshot={shot}")

@@ -39,9 +39,9 @@ _STYLE = """
 body { font-family: sans-serif; margin: 16px; color: #222; background: #fff; }
 #controls { margin-bottom: 12px; font-size: 14px; }
 #controls select { margin: 0 12px 0 4px; }
-#view text { font-size: 13px; cursor: default; fill: #222; }
+#view text { font-size: 13px; fill: #222; pointer-events: none; }
 #view text.active { font-weight: bold; fill: #000; }
-#view rect.hit { fill: transparent; }
+#view rect.hit { fill: transparent; cursor: default; }
 #view rect.hit.active { fill: #dde6f3; }
 #note { font-size: 12px; color: #666; margin-top: 8px; }
 """
@@ -59,6 +59,7 @@ _SCRIPT = """
   var width = data.width, nq = data.queries.length, nk = data.keys.length;
   var leftEdge = leftX + width, rightX = leftEdge + gap;
   var state = {layer: 0, head: 0, query: null, key: null};
+  var tokenNodes = {query: [], key: []};
 
   function option(box, value, label) {
     var o = document.createElement("option");
@@ -67,6 +68,38 @@ _SCRIPT = """
   for (var l = 0; l < data.weights.length; l++) option(layerBox, l, String(data.layers[l]));
   for (var h = 0; h < data.heads; h++) option(headBox, h, String(h));
   option(headBox, "mean", "mean of heads");
+
+  function el(name, attrs, parent) {
+    var node = document.createElementNS(svgNS, name);
+    for (var k in attrs) node.setAttribute(k, attrs[k]);
+    parent.appendChild(node);
+    return node;
+  }
+
+  view.setAttribute("width", rightX + width + 20);
+  view.setAttribute("height", top * 2 + Math.max(nq, nk) * rowHeight);
+  var lines = el("g", {id: "lines"}, view);
+
+  // Token columns are built once; hovering only redraws the lines and the highlights.
+  function column(tokens, x, anchor, side) {
+    var g = el("g", {"class": side + "-tokens"}, view);
+    for (var i = 0; i < tokens.length; i++) {
+      var hit = el("rect", {
+        x: x, y: top + i * rowHeight, width: width, height: rowHeight,
+        "class": "hit", "data-index": i
+      }, g);
+      var t = el("text", {
+        x: anchor === "end" ? x + width - 4 : x + 4, y: top + (i + 0.5) * rowHeight,
+        "text-anchor": anchor, "dominant-baseline": "middle"
+      }, g);
+      t.textContent = tokens[i];
+      hit.addEventListener("mouseenter", hover(side, i));
+      hit.addEventListener("mouseleave", unhover);
+      tokenNodes[side].push([hit, t]);
+    }
+  }
+  column(data.queries, leftX, "end", "query");
+  column(data.keys, rightX, "start", "key");
 
   function matrix() {
     var heads = data.weights[state.layer];
@@ -84,19 +117,8 @@ _SCRIPT = """
     return out;
   }
 
-  function el(name, attrs, parent) {
-    var node = document.createElementNS(svgNS, name);
-    for (var k in attrs) node.setAttribute(k, attrs[k]);
-    parent.appendChild(node);
-    return node;
-  }
-
   function draw() {
-    while (view.firstChild) view.removeChild(view.firstChild);
-    var rows = Math.max(nq, nk);
-    view.setAttribute("width", rightX + width + 20);
-    view.setAttribute("height", top * 2 + rows * rowHeight);
-    var lines = el("g", {id: "lines"}, view);
+    while (lines.firstChild) lines.removeChild(lines.firstChild);
     var a = matrix();
     for (var i = 0; i < nq; i++) {
       if (state.query !== null && state.query !== i) continue;
@@ -112,34 +134,19 @@ _SCRIPT = """
         }, lines);
       }
     }
-    column(data.queries, leftX, "end", "query");
-    column(data.keys, rightX, "start", "key");
-  }
-
-  function column(tokens, x, anchor, side) {
-    var g = el("g", {"class": side + "-tokens"}, view);
-    for (var i = 0; i < tokens.length; i++) {
-      var active = side === "query" ? state.query === i : state.key === i;
-      var hit = el("rect", {
-        x: x, y: top + i * rowHeight, width: width, height: rowHeight,
-        "class": active ? "hit active" : "hit"
-      }, g);
-      var t = el("text", {
-        x: anchor === "end" ? x + width - 4 : x + 4, y: top + (i + 0.5) * rowHeight,
-        "text-anchor": anchor, "dominant-baseline": "middle",
-        "class": active ? "active" : ""
-      }, g);
-      t.textContent = tokens[i];
-      hit.addEventListener("mouseenter", hover(side, i));
-      t.addEventListener("mouseenter", hover(side, i));
-      hit.addEventListener("mouseleave", unhover);
-    }
+    ["query", "key"].forEach(function (side) {
+      tokenNodes[side].forEach(function (pair, i) {
+        var active = state[side] === i;
+        pair[0].setAttribute("class", active ? "hit active" : "hit");
+        pair[1].setAttribute("class", active ? "active" : "");
+      });
+    });
   }
 
   function hover(side, i) {
     return function () {
-      if (side === "query") { state.query = i; state.key = null; }
-      else { state.key = i; state.query = null; }
+      state.query = side === "query" ? i : null;
+      state.key = side === "key" ? i : null;
       draw();
     };
   }
