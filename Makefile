@@ -18,7 +18,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?= -n $(PYTEST_WORKERS)
 BENCH_ARGS ?=
 
-.PHONY: demo test test-all test-jax test-torch test-tensorflow bench bench-attention install clean
+.PHONY: demo test test-all test-browser test-jax test-torch test-tensorflow bench bench-attention install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test: $(STAMP)
 	  echo "=== KERAS_BACKEND=$$b"; \
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q $(PYTEST_ARGS) || exit $$?; \
 	done
+
+# The head view in a real headless chromium (also part of test-all); needs Debian's chromium:
+# `apt-get install -y chromium`. The test fails, with that hint, when it is missing.
+test-browser: $(STAMP)
+	KERAS_BACKEND=$(DEMO_BACKEND) $(PY) -m pytest -q -m browser tests/test_interpret_views.py
 
 test-%: $(STAMP)
 	KERAS_BACKEND=$* $(PY) -m pytest -q $(PYTEST_ARGS)
