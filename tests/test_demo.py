@@ -135,3 +135,12 @@ def test_demo_prints_the_share_of_known_words_of_its_samples(tmp_path, capsys):
     for prompt, sample in pairs:
         assert prompt + "\u2502" + sample in printed
         assert prompt in text[len(train_text):]  # a prompt of the held-out text
+    # The run ends with one attention heatmap of the trained model (kzoo.interpret).
+    heatmap = os.path.join(out, "attention.png")
+    line = next(l for l in printed.splitlines() if "attention heatmap:" in l)
+    assert os.path.samefile(line.split(":", 1)[1].strip(), heatmap)
+    import matplotlib.image
+
+    picture = matplotlib.image.imread(heatmap)
+    assert picture.ndim == 3 and picture.shape[0] > 100 and picture.shape[1] > 100
+    assert picture[..., :3].std() > 0.05  # drawn, not blank

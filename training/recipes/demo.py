@@ -42,6 +42,8 @@ Why these choices (see the README's demo section for the measured figures):
 import os
 import re
 
+import numpy as np
+
 from training.recipes import _text
 from training.recipes import gpt_text
 
@@ -124,6 +126,26 @@ def _show(path):
     return path if rel.startswith("..") else rel
 
 
+HEATMAP_TOKENS = 16
+
+
+def attention_heatmap(model, task, prompt, path):
+    """One picture of what the trained model attends to: every head of its last layer over
+    the first `HEATMAP_TOKENS` tokens of a held-out prompt (`kzoo.interpret`). Returns the
+    PNG's path; `python -m kzoo.interpret <model dir> --text ...` draws every layer."""
+    from kzoo.interpret import attention_maps, plot_attention
+
+    tokenizer = task.info["tokenizer_object"]
+    ids = np.asarray(tokenizer.encode(prompt), "int32")[:HEATMAP_TOKENS]
+    labels = [tokenizer.decode([int(i)]) for i in ids]
+    maps = attention_maps(model, {"token_ids": ids[None], "padding_mask": np.ones_like(ids)[None]})
+    last = len(maps["self"]) - 1
+    figure = plot_attention(maps, labels, layer=last, head=None,
+                            title=f"demo GPT: attention of every head, layer {last}")
+    figure.savefig(path)
+    return path
+
+
 def train(cfg):
     from training.loop import run
     from training.losses import SmoothedSparseCrossentropy
@@ -153,6 +175,9 @@ def train(cfg):
                  extra_files=[gpt_text.tokenizer_writer(task)],
                  extra_run_info={"data": info})
     files = record["files"]
+    prompt = record["metrics"]["samples"][0][0]
+    heatmap = attention_heatmap(model, task, prompt,
+                                os.path.join(os.path.dirname(files["plot"]), "attention.png"))
     print("Where things are:")
     print(f"  model (kzoo.presets.load):  {_show(files['model'])}")
     print(f"  best model:                 {_show(files['best'])}")
@@ -160,5 +185,6 @@ def train(cfg):
     print(f"  loss/metric curves:         {_show(files['plot'])}")
     print(f"  metrics:                    {_show(files['metrics'])}")
     print(f"  checkpoints:                {_show(files['checkpoints'])}")
+    print(f"  attention heatmap:          {_show(heatmap)}")
     print(f"Reload it with: kzoo.presets.load({_show(files['model'])!r})")
     return record

@@ -1,0 +1,117 @@
+"""`python -m kzoo.interpret`: the files it writes for a GPT (text through the tokenizer saved
+beside the model), a T5 (token ids) and a ViT (an image), and its errors.
+
+Entropy in the CSV is checked against the NumPy formula on the maps of
+`kzoo.interpret.attention_maps` (which tests/test_interpret_maps.py checks against
+transformers)."""
+
+import csv
+import os
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+import kzoo
+from kzoo.interpret.__main__ import main
+
+TEXT = "the cat sat on the mat. the dog sat on the log. a cat and a dog met on a mat. " * 20
+
+
+def _png_ok(path):
+    picture = matplotlib.image.imread(path)
+    assert picture.ndim == 3 and min(picture.shape[:2]) > 50, path
+    assert picture[..., :3].std() > 0.02, f"{path} is blank"
+
+
+def _entropy_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _numpy_mean_entropy(layer_map):
+    """(heads,) mean over queries of -sum p log p, one example, no padding."""
+    p = np.asarray(layer_map, "float64")[0]
+    terms = np.where(p > 0, -p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    return terms.sum(-1).mean(-1)
+
+
+def test_gpt_text_through_its_saved_tokenizer(tmp_path, capsys):
+    tokenizer = kzoo.data.train_bpe_tokenizer(TEXT, 120, special_tokens=("[PAD]",),
+                                              min_frequency=1)
+    model = kzoo.presets.load("gpt_mini", num_layers=2, num_heads=2, hidden_dim=16,
+                              intermediate_dim=32, vocabulary_size=tokenizer.get_vocab_size(),
+                              max_sequence_length=32)
+    source = str(tmp_path / "model")
+    kzoo.presets.save(model, source)
+    tokenizer.save(os.path.join(source, "tokenizer.json"))
+    out = str(tmp_path / "out")
+    assert main([source, "--text", "the cat sat on the log", "--out", out]) == 0
+    printed = capsys.readouterr().out
+    names = ["attention_self_layer0.png", "attention_self_layer1.png", "head_view.html",
+             "entropy.csv"]
+    assert sorted(os.listdir(out)) == sorted(names)
+    for name in names:
+        assert os.path.relpath(os.path.join(out, name)) in printed
+    for name in names[:2]:
+        _png_ok(os.path.join(out, name))
+    with open(os.path.join(out, "head_view.html"), encoding="utf-8") as f:
+        html = f.read()
+    assert "http://" not in html and "https://" not in html
+    ids = np.asarray(tokenizer.encode("the cat sat on the log").ids, "int32")[None]
+    maps = kzoo.interpret.attention_maps(
+        kzoo.presets.load(source), {"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    rows = _entropy_rows(os.path.join(out, "entropy.csv"))
+    assert [(r["stack"], int(r["layer"]), int(r["head"])) for r in rows] == [
+        ("self", layer, head) for layer in range(2) for head in range(2)]
+    for row in rows:
+        expected = _numpy_mean_entropy(maps["self"][int(row["layer"])])[int(row["head"])]
+        assert abs(float(row["mean_entropy_nats"]) - expected) < 1e-5
+
+
+def test_t5_ids_give_encoder_decoder_and_cross_maps(tmp_path):
+    model = kzoo.presets.load("t5_small", num_layers=1, num_decoder_layers=1, num_heads=2,
+                              hidden_dim=16, key_value_dim=8, intermediate_dim=32,
+                              vocabulary_size=50)
+    source = str(tmp_path / "t5")
+    kzoo.presets.save(model, source)
+    out = str(tmp_path / "out")
+    assert main([source, "--ids", "5,6,7,8,1", "--out", out]) == 0
+    assert sorted(os.listdir(out)) == sorted([
+        "attention_encoder_layer0.png", "attention_decoder_layer0.png",
+        "attention_cross_layer0.png", "head_view.html", "entropy.csv"])
+    stacks = {r["stack"] for r in _entropy_rows(os.path.join(out, "entropy.csv"))}
+    assert stacks == {"encoder", "decoder", "cross"}
+
+
+def test_vit_image_gets_a_rollout_picture(tmp_path):
+    model = kzoo.presets.load("vit_tiny_patch16_224", image_size=8, patch_size=2,
+                              num_channels=1, num_layers=2, num_heads=2, hidden_dim=16,
+                              intermediate_dim=32, num_classes=3)
+    source = str(tmp_path / "vit.keras")
+    model.save(source)
+    image = np.zeros((8, 8), "float32")
+    image[2:6, 3:5] = 1.0
+    np.save(tmp_path / "digit.npy", image)
+    out = str(tmp_path / "out")
+    assert main([source, "--image", str(tmp_path / "digit.npy"), "--out", out]) == 0
+    assert sorted(os.listdir(out)) == sorted([
+        "attention_self_layer0.png", "attention_self_layer1.png", "entropy.csv",
+        "rollout.png"])
+    _png_ok(os.path.join(out, "rollout.png"))
+
+
+def test_errors_name_the_option(tmp_path):
+    model = kzoo.presets.load("gpt_mini", num_layers=1, num_heads=2, hidden_dim=16,
+                              intermediate_dim=32, vocabulary_size=40, max_sequence_length=16)
+    source = str(tmp_path / "model")
+    kzoo.presets.save(model, source)
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match="--ids"):
+        main([source, "--text", "no tokenizer here", "--out", out])
+    with pytest.raises(ValueError, match="--text or --ids, not --image"):
+        main([source, "--image", "x.png", "--out", out])
+    with pytest.raises(ValueError, match="comma-separated integers"):
+        main([source, "--ids", "1,two", "--out", out])
+    with pytest.raises(SystemExit):  # argparse: --out is required
+        main([source, "--ids", "1,2"])
