@@ -88,16 +88,16 @@ def _per_example(name, value, batch, low, high):
     return array.astype("int64")
 
 
-def _selection(inputs, outputs, target, position):
+def _selection(layout, inputs, outputs, target, position):
     """The target of each example as NumPy one-hot weights: `(token (batch, classes), place
     (batch, seq) or None, targets, positions)` for a `(batch, classes)` or `(batch, seq,
     vocab)` output, or None for a callable target."""
     if callable(target):
         return None
-    if len(outputs) != 1:
+    if layout.model is layout.backbone or len(outputs) != 1:
         raise ValueError(
-            "This model returns several outputs (a backbone); pass `target` as a callable "
-            "`target(outputs) -> (batch,)` tensor choosing what to explain; got "
+            f"{layout.model.name} is a backbone (hidden states, no logits): pass `target` as "
+            "a callable `target(outputs) -> (batch,)` tensor choosing what to explain; got "
             f"target={target!r}."
         )
     logits = outputs[0].astype("float64")
@@ -216,7 +216,7 @@ def attention_gradient(model, inputs, target=None, position=None, head_mask=None
     """
     layout, inputs, mask = _prepare(model, inputs, head_mask)
     outputs, maps, _ = _probe(layout, inputs, mask)
-    selection = _selection(inputs, outputs, target, position)
+    selection = _selection(layout, inputs, outputs, target, position)
     batch = outputs[0].shape[0]
     mask_keys, mask_arrays = _flat_mask(mask)
     selection_arrays, has_place = _selection_arrays(selection, batch)
@@ -383,7 +383,7 @@ def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, po
                 f"`baseline` must broadcast to the input embeddings' shape {x.shape} (batch, "
                 f"positions, dim); got shape {np.shape(baseline)}."
             ) from None
-    selection = _selection(inputs, outputs, target, position)
+    selection = _selection(layout, inputs, outputs, target, position)
     batch = x.shape[0]
     alphas, weights = _quadrature(method, int(steps))
     per_pass = len(alphas) if internal_batch_size is None else int(internal_batch_size)
@@ -507,7 +507,7 @@ def _default_loss(model, has_labels):
 
     if not has_labels:
         if isinstance(model, GPTCausalLM):
-            return TokenCrossentropy(), "next_token"
+            return TokenCrossentropy(reduction="mean_with_sample_weight"), "next_token"
         raise ValueError(
             f"`data` batches for {type(model).__name__} must be (inputs, labels) pairs when "
             "no `loss` is given (only a GPTCausalLM has a default without labels: the "
@@ -572,7 +572,7 @@ def head_importance(model, data, loss=None):
             (token models: `kzoo.losses.TokenCrossentropy`), sparse categorical
             cross-entropy on logits for classifiers, mean squared error for a Graphormer
             regression; a `GPTCausalLM` given batches without labels uses the next-token
-            loss of its inputs (padding excluded).
+            loss of its inputs (the mean cross-entropy over the real next tokens).
 
     Returns:
         float32 NumPy `(layers, heads)`; for T5 a dict `{"encoder", "decoder", "cross"}` of
@@ -590,12 +590,14 @@ def head_importance(model, data, loss=None):
     shapes = layout.mask_shapes()
     ones = [np.ones(shapes[key], "float32") for key in keys]
     totals = [np.zeros(shapes[key], "float64") for key in keys]
-    seen = 0
+    seen, defaults = 0, {}
     for index, batch in enumerate(data):
         x, labels, sample_weight = _split_batch(batch, index)
         x = _numpy_inputs(_check_inputs(model, x))
-        if loss is None:
-            batch_loss, mode = _default_loss(model, labels is not None)
+        if loss is None:  # one loss object per kind of batch (a JAX cache key)
+            if (labels is not None) not in defaults:
+                defaults[labels is not None] = _default_loss(model, labels is not None)
+            batch_loss, mode = defaults[labels is not None]
         else:
             batch_loss, mode = loss, "labels"
         if mode == "next_token":

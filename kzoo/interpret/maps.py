@@ -131,15 +131,19 @@ class _InterpretTap(Tap):
             (scaled) probabilities of each layer (zeros make them differentiable inputs).
         embedding_fn: None or `fn(index, embeddings) -> embeddings` for the embedding calls.
         keep_blocks: keep block outputs in `blocks[key][i]`.
+        record_embeddings: keep the input embeddings (`Tap.embedding_records`).
+        forget_compiled: on entering and leaving, drop the Keras functions the model
+            compiled for `predict` / `evaluate` / `fit` (see `masked_heads`).
 
     The scaled (and perturbed) probabilities are what the layer goes on with, and what
     `maps[key][i]` holds: a masked head reads as zeros, as transformers' attentions do.
     """
 
     def __init__(self, layout, head_mask=None, perturb=None, embedding_fn=None,
-                 keep_blocks=False, record_embeddings=False):
+                 keep_blocks=False, record_embeddings=False, forget_compiled=False):
         super().__init__(record_attention=False, record_blocks=False,
                          record_embeddings=record_embeddings)
+        self.forget_compiled = forget_compiled
         self.layout = layout
         self.head_mask = head_mask
         self.perturb = perturb
@@ -168,6 +172,16 @@ class _InterpretTap(Tap):
     def embedding(self, layer, index, output):
         return output if self.embedding_fn is None else self.embedding_fn(index, output)
 
+    def __enter__(self):
+        if self.forget_compiled:
+            _forget_compiled(self.layout)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.forget_compiled:
+            _forget_compiled(self.layout)
+        return super().__exit__(*exc)
+
     def checked_maps(self):
         """`maps`, after checking that every layer was seen (key -> list of tensors)."""
         for key, maps in self.maps.items():
@@ -178,6 +192,16 @@ class _InterpretTap(Tap):
                     f"run attention layers {missing} of {key!r} through the tap."
                 )
         return self.maps
+
+
+def _forget_compiled(layout):
+    """Drop the compiled `predict` / `evaluate` / `fit` functions of the model (and its
+    backbone): Keras traces them once and reuses them, so one traced inside a tap would keep
+    the tap's effect after it, and one traced before would ignore it."""
+    for model in {id(m): m for m in (layout.model, layout.backbone)}.values():
+        for name in ("predict_function", "test_function", "train_function"):
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
 
 
 def _enclosing_head_mask(layout):
@@ -374,6 +398,10 @@ def masked_heads(model, head_mask):
             self-attention, `(decoder layers, heads)`) and "cross" (the decoder's
             cross-attention, `(decoder layers, heads)`); a key left out is all ones.
 
+    The mask applies to direct calls (`model(inputs)`) and to `predict` / `evaluate` /
+    `*_on_batch` called inside the context: the functions Keras compiled for them are
+    dropped on entering and leaving, so they are traced again with (then without) the mask.
+
     Returns:
         A `kzoo.layers.taps.Tap` to use in a `with` statement (attention runs with the
         exact formula while it is active).
@@ -389,7 +417,8 @@ def masked_heads(model, head_mask):
     >>> t5_mask = {"cross": np.zeros((2, 4))}           # T5 without cross-attention
     """
     layout = _Layout(model)
-    return _InterpretTap(layout, head_mask=_check_head_mask(layout, head_mask))
+    return _InterpretTap(layout, head_mask=_check_head_mask(layout, head_mask),
+                         forget_compiled=True)
 
 
 # === Attention maps ===
