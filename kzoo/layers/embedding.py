@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
@@ -113,7 +114,9 @@ class TokenEmbedding(keras.layers.Layer):
             ids = ops.cast(ids, "int32")
         ids = ops.clip(ids, 0, self.vocabulary_size - 1)
         table = ops.cast(self.embeddings, self.compute_dtype)
-        return ops.take(table, ids, axis=0)
+        x = ops.take(table, ids, axis=0)
+        tap = active_tap()  # interpretation (kzoo.layers.taps): None in a plain pass
+        return x if tap is None else tap._on_embedding(self, x)
 
     def _reverse(self, hidden):
         dtype = self.reverse_dtype or self.compute_dtype

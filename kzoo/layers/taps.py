@@ -2,8 +2,10 @@
 
 A `Tap` is a context manager. While one is active, every `MultiHeadAttention` call computes
 its attention with the exact formula (probabilities materialised, whatever kernel was
-selected) and hands the probabilities to `Tap.attention`, and every `TransformerBlock`
-hands its output to `Tap.block`. What the tap returns replaces the tensor in the forward
+selected) and hands the probabilities to `Tap.attention`, every `TransformerBlock`
+hands its output to `Tap.block`, and each family hands its input embeddings (token
+embeddings of `TokenEmbedding`, ViT's patch embeddings, Graphormer's node features, before
+positions, class or graph tokens are added) to `Tap.embedding`. What the tap returns replaces the tensor in the forward
 pass, so a tap can record tensors, add a (zero) perturbation to make them differentiable
 inputs of a gradient, or scale heads (head masking). When no tap is active the layers run
 exactly as before: the check is one Python test at call time, outside any compiled graph,
@@ -35,6 +37,16 @@ class AttentionRecord:
 
 
 @dataclasses.dataclass
+class EmbeddingRecord:
+    """One input-embedding call seen by a tap: the layer, its position, its output
+    `(batch, positions, dim)`."""
+
+    layer: object
+    index: int
+    output: object
+
+
+@dataclasses.dataclass
 class BlockRecord:
     """One `TransformerBlock` call seen by a tap: the block, its position, its output."""
 
@@ -51,15 +63,19 @@ class Tap:
     Args:
         record_attention: keep the attention probabilities in `attention_records`.
         record_blocks: keep block outputs in `block_records`.
+        record_embeddings: keep input embeddings in `embedding_records`.
     """
 
-    def __init__(self, record_attention=True, record_blocks=False):
+    def __init__(self, record_attention=True, record_blocks=False, record_embeddings=False):
         self.record_attention = record_attention
         self.record_blocks = record_blocks
+        self.record_embeddings = record_embeddings
         self.attention_records = []
         self.block_records = []
+        self.embedding_records = []
         self._attention_calls = 0
         self._block_calls = 0
+        self._embedding_calls = 0
 
     # Hooks called by the layers ------------------------------------------------------------
     def attention(self, layer, index, weights):
@@ -74,6 +90,12 @@ class Tap:
     def block(self, layer, index, output):
         """Called with the output of block call number `index`; returns the output the
         model goes on with."""
+        return output
+
+    def embedding(self, layer, index, output):
+        """Called with the input embeddings `(batch, positions, dim)` of embedding call
+        number `index` (T5 embeds its encoder tokens first, then its decoder tokens);
+        returns the embeddings the model goes on with."""
         return output
 
     # Plumbing --------------------------------------------------------------------------------
@@ -94,6 +116,14 @@ class Tap:
         output = self.block(layer, index, output)
         if self.record_blocks:
             self.block_records.append(BlockRecord(layer, index, output))
+        return output
+
+    def _on_embedding(self, layer, output):
+        index = self._embedding_calls
+        self._embedding_calls += 1
+        output = self.embedding(layer, index, output)
+        if self.record_embeddings:
+            self.embedding_records.append(EmbeddingRecord(layer, index, output))
         return output
 
     def __enter__(self):

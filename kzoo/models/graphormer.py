@@ -54,6 +54,7 @@ from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
     check_at_most,
     check_bool,
@@ -197,6 +198,9 @@ class GraphormerNodeFeature(keras.layers.Layer):
         nodes = _lookup_reduce(self.atom_embeddings, input_nodes, True, dtype, mean=False)
         nodes = nodes + _lookup(self.in_degree_embeddings, in_degree, True, dtype)
         nodes = nodes + _lookup(self.out_degree_embeddings, out_degree, True, dtype)
+        tap = active_tap()  # interpretation (kzoo.layers.taps): None in a plain pass
+        if tap is not None:
+            nodes = tap._on_embedding(self, nodes)
         token = ops.cast(self.graph_token, dtype)[None]  # (1, 1, hidden)
         token = ops.broadcast_to(token, (ops.shape(nodes)[0], 1, self.hidden_dim))
         return ops.concatenate([token, nodes], axis=1)

@@ -27,6 +27,7 @@ from keras import ops
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import PatchEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import FieldError
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_choice
@@ -237,6 +238,9 @@ class ViTEmbedding(keras.layers.Layer):
     def call(self, images, training=None):
         grid = self._input_grid(tuple(images.shape))
         x = self.patch_embedding(images)
+        tap = active_tap()  # interpretation (kzoo.layers.taps): None in a plain pass
+        if tap is not None:
+            x = tap._on_embedding(self, x)
         if self.use_class_token:
             token = ops.cast(self.class_token, x.dtype)
             token = ops.broadcast_to(token, (ops.shape(x)[0], 1, self.hidden_dim))

@@ -1,0 +1,620 @@
+"""Gradient-based interpretation for every kzoo family, on every backend.
+
+- `attention_gradient(model, inputs, target=None)`: attention x gradient, `A * |dL/dA|`
+  per layer and head (the layout of `attention_maps`).
+- `integrated_gradients(model, inputs, target=None, steps=32, baseline=None)`: integrated
+  gradients (Sundararajan et al. 2017) on the input embeddings (token embeddings for BERT,
+  GPT and T5's encoder, patch embeddings for ViT, node features for Graphormer), with the
+  completeness check.
+- `logit_lens(model, inputs)`: each decoder layer's hidden state through the final norm and
+  the language-model head (GPT, T5).
+- `head_importance(model, data, loss=None)`: Michel et al. 2019, `|dL / d head_mask|`
+  summed over a data set.
+
+Everything runs the model itself under a `kzoo.layers.taps.Tap` (the attention probabilities,
+head scales or embeddings become inputs of the gradient) and differentiates with the backend's
+own autodiff (`kzoo.interpret._backend`): no second model, no finite differences.
+
+The objective `L` ("the target logit"), for `attention_gradient` and
+`integrated_gradients`, per example of the batch (the batch's `L` is their sum, so each
+example's gradients are its own):
+- a classifier (BERT, ViT, Graphormer task models; output `(batch, classes)`): the logit of
+  class `target`, by default the predicted class (argmax); a Graphormer regression
+  (`num_classes=1`) has the prediction itself;
+- a token model (GPT's causal LM, BERT's masked LM, T5; output `(batch, seq, vocab)`): the
+  logit of token `target` at position `position`. `position` defaults to the last real
+  position (by the padding mask: `padding_mask`, T5's `decoder_padding_mask`), i.e. the
+  next-token prediction of a causal LM and the last decoder step of T5; give the masked
+  position of a masked LM. `target` defaults to the predicted token (argmax) there;
+- anything else (a backbone, or another choice): `target` may be a callable
+  `target(outputs) -> (batch,)` tensor.
+
+Example:
+>>> scores = attention_gradient(lm, inputs)              # {"self": [(batch, h, q, k), ...]}
+>>> ig = integrated_gradients(lm, inputs, steps=64)
+>>> ig.attributions.shape, ig.relative_gap               # (batch, seq), completeness gap
+>>> lens = logit_lens(lm, inputs)                        # (layers, batch, seq, vocab)
+>>> importance = head_importance(lm, [batch_1, batch_2]) # (layers, heads)
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+from keras import ops
+
+from kzoo.interpret._backend import run
+from kzoo.interpret.maps import (
+    _InterpretTap,
+    _Layout,
+    _check_inputs,
+    _flat_maps,
+    _flat_mask,
+    _mask_of,
+    _numpy_inputs,
+    _output_list,
+    _prepare,
+    _probe,
+    _unflatten_maps,
+)
+
+METHODS = ("trapezoid", "midpoint")
+
+
+# === Targets ===
+
+
+def _padding_mask_key(inputs):
+    for key in ("decoder_padding_mask", "padding_mask"):
+        if isinstance(inputs, Mapping) and key in inputs:
+            return key
+    return None
+
+
+def _per_example(name, value, batch, low, high):
+    """An int or `(batch,)` ints in `[low, high)` as a `(batch,)` int array."""
+    array = np.asarray(value)
+    if array.ndim == 0:
+        array = np.full((batch,), array)
+    if array.shape != (batch,) or array.dtype.kind not in "iu":
+        raise ValueError(
+            f"`{name}` must be an int or {batch} ints (one per example); got {name}={value!r}."
+        )
+    if array.min() < low or array.max() >= high:
+        raise ValueError(
+            f"`{name}` must be in [{low}, {high}); got {name}={value!r}."
+        )
+    return array.astype("int64")
+
+
+def _selection(layout, inputs, outputs, target, position):
+    """The target of each example as NumPy one-hot weights: `(token (batch, classes), place
+    (batch, seq) or None, targets, positions)` for a `(batch, classes)` or `(batch, seq,
+    vocab)` output, or None for a callable target."""
+    if callable(target):
+        return None
+    if layout.model is layout.backbone or len(outputs) != 1:
+        raise ValueError(
+            f"{layout.model.name} is a backbone (hidden states, no logits): pass `target` as "
+            "a callable `target(outputs) -> (batch,)` tensor choosing what to explain; got "
+            f"target={target!r}."
+        )
+    logits = outputs[0].astype("float64")
+    batch = logits.shape[0]
+    place, positions = None, None
+    if logits.ndim == 3:
+        seq = logits.shape[1]
+        if position is None:
+            key = _padding_mask_key(inputs)
+            if key is None:
+                positions = np.full((batch,), seq - 1)
+            else:
+                real = np.asarray(inputs[key]) > 0
+                positions = np.where(real.any(1), seq - 1 - np.argmax(real[:, ::-1], 1),
+                                     seq - 1)
+        else:
+            positions = _per_example("position", position, batch, -seq, seq) % seq
+        place = np.zeros((batch, seq), "float32")
+        place[np.arange(batch), positions] = 1.0
+        logits = logits[np.arange(batch), positions]
+    elif logits.ndim != 2:
+        raise ValueError(
+            f"The model's output has shape {logits.shape}; a default target needs "
+            "(batch, classes) or (batch, seq, vocab): pass `target` as a callable "
+            "`target(outputs) -> (batch,)` tensor."
+        )
+    elif position is not None:
+        raise ValueError(
+            f"`position` is for models with a (batch, seq, vocab) output; this model's output "
+            f"is (batch, classes) = {logits.shape}; got position={position!r}."
+        )
+    classes = logits.shape[-1]
+    targets = (np.argmax(logits, -1) if target is None
+               else _per_example("target", target, batch, 0, classes))
+    token = np.zeros((batch, classes), "float32")
+    token[np.arange(batch), targets] = 1.0
+    return token, place, targets, positions
+
+
+def _objective(outputs, static_target, selection_tensors):
+    """Per-example objective `(batch,)` from the model's outputs."""
+    if static_target is not None:
+        return static_target(outputs)
+    token, place = selection_tensors
+    logits = ops.cast(outputs, "float32")
+    if place is not None:
+        logits = ops.sum(logits * ops.expand_dims(ops.cast(place, "float32"), -1), axis=1)
+    return ops.sum(logits * ops.cast(token, "float32"), axis=-1)
+
+
+def _selection_arrays(selection, batch, repeat=1):
+    """`(arrays, has_place)` passing a selection to a body (tiled `repeat` times)."""
+    if selection is None:
+        return [], False
+    token, place = selection[0], selection[1]
+    arrays = [np.tile(token, (repeat, 1))]
+    if place is not None:
+        arrays.append(np.tile(place, (repeat, 1)))
+    return arrays, place is not None
+
+
+def _take_selection(tensors, start, has_selection, has_place):
+    """`(selection tensors (token, place) or None, next index)`."""
+    if not has_selection:
+        return None, start
+    if has_place:
+        return (tensors[start], tensors[start + 1]), start + 2
+    return (tensors[start], None), start + 1
+
+
+# === Attention x gradient ===
+
+
+def _attention_grad_body(model, call, inputs, tensors, static):
+    mask_keys, target, has_selection, has_place = static
+    layout = _Layout(model)
+    mask = _mask_of(mask_keys, tensors)
+    selection, start = _take_selection(tensors, len(mask_keys), has_selection, has_place)
+    zeros = _unflatten_maps(layout, tensors[start:])
+    tap = _InterpretTap(layout, head_mask=mask, perturb=zeros)
+    with tap:
+        outputs = call(inputs)
+    objective = _objective(outputs, target, selection)
+    return ops.sum(objective), [_flat_maps(layout, tap.checked_maps()), objective]
+
+
+def attention_gradient(model, inputs, target=None, position=None, head_mask=None):
+    """Attention x gradient: `A * |dL/dA|` for every layer and head.
+
+    `A` are the post-softmax probabilities of each layer (as `attention_maps` returns them)
+    and `L` the target logit (see the module docstring); the gradient treats each layer's
+    `A` as an input of the rest of the network (a tap adds a zeros tensor to it and the
+    backend differentiates `L` with respect to those zeros), so `dL/dA_ij` is the effect of
+    the probability of key `j` for query `i` on `L` with everything else fixed.
+
+    Args:
+        model: a kzoo backbone or task model.
+        inputs: the model's inputs (see `attention_maps`).
+        target: None (the predicted class / token), an int or one int per example (a class
+            or token id), or a callable `target(outputs) -> (batch,)` tensor.
+        position: for `(batch, seq, vocab)` outputs, the position explained: None (the last
+            real position), an int or one int per example (negative counts from the end).
+        head_mask: optional head mask (see `masked_heads`).
+
+    Returns:
+        The layout of `attention_maps`: `{"self": [...]}` (T5: "encoder", "decoder",
+        "cross"), each float32 `(batch, heads, query, key)`, `A * |dL/dA|` >= 0.
+
+    Raises:
+        ValueError: bad model, inputs, target, position or head mask.
+
+    Example:
+    >>> scores = attention_gradient(classifier, inputs)          # explain the predicted class
+    >>> per_head = [s.sum(axis=(2, 3)) for s in scores["self"]]  # (batch, heads) a layer
+    >>> scores = attention_gradient(bert_mlm, inputs, position=3)  # the masked position 3
+    """
+    layout, inputs, mask = _prepare(model, inputs, head_mask)
+    outputs, maps, _ = _probe(layout, inputs, mask)
+    selection = _selection(layout, inputs, outputs, target, position)
+    batch = outputs[0].shape[0]
+    mask_keys, mask_arrays = _flat_mask(mask)
+    selection_arrays, has_place = _selection_arrays(selection, batch)
+    flat = _flat_maps(layout, maps)
+    static = (mask_keys, target if callable(target) else None, selection is not None,
+              has_place)
+    arrays = mask_arrays + selection_arrays + [np.zeros_like(m) for m in flat]
+    grads, _ = run(model, _attention_grad_body, inputs, arrays, static=static, grad=True)
+    grads = grads[len(mask_arrays) + len(selection_arrays):]
+    scores = [m * np.abs(g) for m, g in zip(flat, grads)]
+    return _unflatten_maps(layout, scores)
+
+
+# === Integrated gradients ===
+
+
+@dataclasses.dataclass
+class IntegratedGradients:
+    """What `integrated_gradients` returns (NumPy arrays).
+
+    Attributes:
+        attributions: `(batch, positions)`, the raw attributions summed over the embedding
+            axis: one score per token (BERT, GPT, T5 encoder), patch (ViT, row-major) or
+            node (Graphormer).
+        raw: `(batch, positions, dim)`, `(x - baseline) * mean gradient` per coordinate.
+        output: `(batch,)` the objective `L` at the input, `f(x)`.
+        baseline_output: `(batch,)` `L` at the baseline, `f(baseline)`.
+        completeness_gap: `(batch,)` `sum(raw) - (f(x) - f(baseline))` (0 for the exact
+            integral; the quadrature error of `steps` points otherwise).
+        relative_gap: `(batch,)` `|completeness_gap| / |f(x) - f(baseline)|`.
+        targets: `(batch,)` the class or token explained (None for a callable target).
+        positions: `(batch,)` the output position explained (token models), else None.
+    """
+
+    attributions: np.ndarray
+    raw: np.ndarray
+    output: np.ndarray
+    baseline_output: np.ndarray
+    completeness_gap: np.ndarray
+    relative_gap: np.ndarray
+    targets: object = None
+    positions: object = None
+
+
+def _ig_body(model, call, inputs, tensors, static):
+    mask_keys, target, has_selection, has_place, embedding_index = static
+    layout = _Layout(model)
+    mask = _mask_of(mask_keys, tensors)
+    selection, start = _take_selection(tensors, len(mask_keys), has_selection, has_place)
+    path = tensors[start]
+
+    def replace(index, embeddings):
+        if index != embedding_index:
+            return embeddings
+        return ops.cast(path, embeddings.dtype)
+
+    with _InterpretTap(layout, head_mask=mask, embedding_fn=replace):
+        outputs = call(inputs)
+    objective = _objective(outputs, target, selection)
+    return ops.sum(objective), [objective]
+
+
+def _embedding_index(layout, inputs, embeddings):
+    """Which embedding call is the one explained (T5: the encoder's, its first)."""
+    if not embeddings:
+        raise ValueError(
+            f"{layout.model.name} embeds no inputs through a tap (kzoo.layers.taps); "
+            "integrated gradients need a BERT, GPT, T5, ViT or Graphormer model."
+        )
+    if layout.is_seq2seq:
+        expected = tuple(np.shape(inputs["encoder_token_ids"]))
+        if tuple(embeddings[0].shape[:2]) != expected:
+            raise RuntimeError(
+                f"kzoo.interpret: T5's first embedding call has shape {embeddings[0].shape}, "
+                f"not the encoder's {expected}."
+            )
+    return 0
+
+
+def _tile(inputs, repeat):
+    if isinstance(inputs, Mapping):
+        return {key: _tile(value, repeat) for key, value in inputs.items()}
+    return np.concatenate([inputs] * repeat, axis=0)
+
+
+def _quadrature(method, steps):
+    """`(alphas, weights)` of `method` with `steps` gradient points, plus alpha 0 and 1 with
+    weight 0 where the rule lacks them (for f(baseline) and f(x))."""
+    if method == "trapezoid":
+        alphas = np.linspace(0.0, 1.0, steps)
+        weights = np.full(steps, 1.0 / (steps - 1))
+        weights[[0, -1]] *= 0.5
+    else:
+        alphas = (np.arange(steps) + 0.5) / steps
+        weights = np.full(steps, 1.0 / steps)
+        alphas = np.concatenate([[0.0], alphas, [1.0]])
+        weights = np.concatenate([[0.0], weights, [0.0]])
+    return alphas, weights
+
+
+def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, position=None,
+                         method="trapezoid", internal_batch_size=None, head_mask=None):
+    """Integrated gradients of the target logit with respect to the input embeddings.
+
+    `IG(x) = (x - x') * integral_0^1 dL(x' + a (x - x')) / dx da` over the input embeddings
+    `x` (token embeddings for BERT, GPT and T5's encoder, patch embeddings for ViT, node
+    features for Graphormer; before positions, segments, class or graph tokens are added,
+    which stay as they are), baseline `x'`. The integral is a quadrature over `steps` points
+    (`method="trapezoid"`: `steps` points from the baseline to the input, both included;
+    `"midpoint"`: the Riemann midpoint rule), evaluated `internal_batch_size` points at a time
+    as one batch. By completeness, `sum(IG) = L(x) - L(x')` up to the quadrature error, which
+    the result reports (`completeness_gap`, `relative_gap`): raise `steps` when it is large.
+
+    Args:
+        model: a kzoo backbone or task model.
+        inputs: the model's inputs (see `attention_maps`).
+        target: as in `attention_gradient` (None: the predicted class / token).
+        steps: gradient evaluations (>= 2 for the trapezoid rule, >= 1 for the midpoint).
+        baseline: None (zero embeddings), or an array broadcastable to the embeddings
+            `(batch, positions, dim)`.
+        position: as in `attention_gradient` (token models: the output position explained).
+        method: "trapezoid" or "midpoint".
+        internal_batch_size: interpolation points per forward/backward pass (None: all).
+        head_mask: optional head mask (see `masked_heads`).
+
+    Returns:
+        An `IntegratedGradients` (per-position `attributions`, `raw` ones, the outputs and
+        the completeness gap).
+
+    Raises:
+        ValueError: bad model, inputs, target, position, steps, baseline or method.
+
+    Example:
+    >>> ig = integrated_gradients(vit_classifier, images, steps=64)
+    >>> heat = ig.attributions[0].reshape(4, 4)                 # a 4x4 grid of patches
+    >>> assert ig.relative_gap.max() < 0.01
+    """
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {list(METHODS)}; got method={method!r}.")
+    least = 2 if method == "trapezoid" else 1
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < least:
+        raise ValueError(
+            f"`steps` must be an int >= {least} for method={method!r}; got steps={steps!r}."
+        )
+    if internal_batch_size is not None and (
+            isinstance(internal_batch_size, bool)
+            or not isinstance(internal_batch_size, (int, np.integer))
+            or internal_batch_size < 1):
+        raise ValueError(
+            "`internal_batch_size` must be None or a positive int; got "
+            f"internal_batch_size={internal_batch_size!r}."
+        )
+    layout, inputs, mask = _prepare(model, inputs, head_mask)
+    outputs, _, embeddings = _probe(layout, inputs, mask)
+    index = _embedding_index(layout, inputs, embeddings)
+    x = embeddings[index].astype("float32")
+    if baseline is None:
+        base = np.zeros_like(x)
+    else:
+        try:
+            base = np.broadcast_to(np.asarray(baseline, "float32"), x.shape).copy()
+        except ValueError:
+            raise ValueError(
+                f"`baseline` must broadcast to the input embeddings' shape {x.shape} (batch, "
+                f"positions, dim); got shape {np.shape(baseline)}."
+            ) from None
+    selection = _selection(layout, inputs, outputs, target, position)
+    batch = x.shape[0]
+    alphas, weights = _quadrature(method, int(steps))
+    per_pass = len(alphas) if internal_batch_size is None else int(internal_batch_size)
+    passes = -(-len(alphas) // per_pass)
+    padding = passes * per_pass - len(alphas)  # equal passes: one compiled function on JAX
+    alphas = np.concatenate([alphas, np.zeros(padding)])
+    weights = np.concatenate([weights, np.zeros(padding)])
+
+    mask_keys, mask_arrays = _flat_mask(mask)
+    selection_arrays, has_place = _selection_arrays(selection, batch, repeat=per_pass)
+    static = (mask_keys, target if callable(target) else None, selection is not None,
+              has_place, index)
+    tiled = _tile(inputs, per_pass)
+    mean_gradient = np.zeros(x.shape, "float64")
+    values = np.zeros((len(alphas), batch), "float64")
+    for p in range(passes):
+        chunk = alphas[p * per_pass:(p + 1) * per_pass]
+        path = base[None] + chunk[:, None, None, None] * (x - base)[None]
+        arrays = mask_arrays + selection_arrays + [path.reshape((-1,) + x.shape[1:])]
+        grads, (objective,) = run(model, _ig_body, tiled, arrays, static=static, grad=True)
+        grad = grads[-1].reshape((per_pass,) + x.shape).astype("float64")
+        chunk_weights = weights[p * per_pass:(p + 1) * per_pass]
+        mean_gradient += np.tensordot(chunk_weights, grad, axes=1)
+        values[p * per_pass:(p + 1) * per_pass] = objective.reshape(per_pass, batch)
+    raw = (x - base).astype("float64") * mean_gradient
+    first = int(np.argmax(alphas == 0.0))
+    last = int(np.argmax(alphas == 1.0))
+    output, baseline_output = values[last], values[first]
+    delta = output - baseline_output
+    gap = raw.sum(axis=(1, 2)) - delta
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.abs(gap) / np.abs(delta)
+    return IntegratedGradients(
+        attributions=raw.sum(-1).astype("float32"),
+        raw=raw.astype("float32"),
+        output=output,
+        baseline_output=baseline_output,
+        completeness_gap=gap,
+        relative_gap=relative,
+        targets=None if selection is None else selection[2],
+        positions=None if selection is None else selection[3],
+    )
+
+
+# === Logit lens ===
+
+
+def _lens_parts(model):
+    """`(block key, norm, head)` of a decoder: GPT (backbone or causal LM), T5's LM."""
+    from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+    from kzoo.models.t5 import T5Seq2SeqLM
+
+    if isinstance(model, (GPTBackbone, GPTCausalLM)):
+        backbone = model if isinstance(model, GPTBackbone) else model.backbone
+        return "self", backbone.final_norm, (
+            lambda h: backbone.token_embedding(h, reverse=True))
+    if isinstance(model, T5Seq2SeqLM):
+        return "decoder", model.backbone.decoder_output_norm, model._logits
+    raise ValueError(
+        "`model` of logit_lens must be a decoder with a language-model head: a GPT backbone "
+        f"or GPTCausalLM, or a T5Seq2SeqLM; got {type(model).__name__}."
+    )
+
+
+def _lens_body(model, call, inputs, tensors, static):
+    mask_keys, log_probs = static
+    key, norm, head = _lens_parts(model)
+    tap = _InterpretTap(_Layout(model), head_mask=_mask_of(mask_keys, tensors),
+                        keep_blocks=True)
+    with tap:
+        call(inputs)
+    lens = ops.stack([ops.cast(head(norm(h)), "float32") for h in tap.blocks[key]])
+    if log_probs:
+        lens = lens - ops.logsumexp(lens, axis=-1, keepdims=True)
+    return None, [lens]
+
+
+def logit_lens(model, inputs, log_probs=False, head_mask=None):
+    """The logit lens (nostalgebraist 2020): each decoder layer's output through the final
+    norm and the language-model head.
+
+    Layer `i`'s lens is `head(final_norm(h_i))` with `h_i` the output of decoder block `i`
+    (the residual stream after it): GPT's final norm and (tied or separate) head; T5's
+    decoder output norm and its head (`d_model^-1/2`-scaled tied embedding, or `lm_head`).
+    The last layer's lens is the model's own logits.
+
+    Args:
+        model: a `GPTCausalLM` (or `GPTBackbone`) or a `T5Seq2SeqLM`.
+        inputs: the model's inputs (see `attention_maps`).
+        log_probs: return log-probabilities (log-softmax over the vocabulary) instead of
+            logits.
+        head_mask: optional head mask (see `masked_heads`).
+
+    Returns:
+        float32 NumPy `(layers, batch, seq, vocabulary)` (T5: decoder layers and decoder
+        positions): logits, or log-probabilities with `log_probs=True`.
+
+    Raises:
+        ValueError: the model is not a GPT or T5 language model, or bad inputs.
+
+    Example:
+    >>> lens = logit_lens(lm, inputs)
+    >>> lens[:, 0, -1].argmax(-1)       # each layer's guess of the next token, example 0
+    """
+    _lens_parts(model)
+    layout, inputs, mask = _prepare(model, inputs, head_mask)
+    mask_keys, mask_arrays = _flat_mask(mask)
+    _, (lens,) = run(model, _lens_body, inputs, mask_arrays,
+                     static=(mask_keys, bool(log_probs)))
+    return lens
+
+
+# === Head importance ===
+
+
+def _default_loss(model, has_labels):
+    """`(loss, mode)`: the loss a data set without `loss` uses (see `head_importance`)."""
+    from kzoo.losses import TokenCrossentropy
+    from kzoo.models.gpt import GPTCausalLM
+    from kzoo.models.graphormer import GraphormerPredictor
+
+    if not has_labels:
+        if isinstance(model, GPTCausalLM):
+            return TokenCrossentropy(reduction="mean_with_sample_weight"), "next_token"
+        raise ValueError(
+            f"`data` batches for {type(model).__name__} must be (inputs, labels) pairs when "
+            "no `loss` is given (only a GPTCausalLM has a default without labels: the "
+            "next-token loss of its inputs)."
+        )
+    default = getattr(model, "default_loss", lambda: None)()
+    if default is not None:
+        return default, "labels"
+    if isinstance(model, GraphormerPredictor) and model.num_classes == 1:
+        return keras.losses.MeanSquaredError(), "labels"
+    if getattr(model, "task_name", None) in ("classifier", "predictor"):
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True), "labels"
+    raise ValueError(
+        f"{type(model).__name__} has no default loss; pass `loss` (a Keras loss or a callable "
+        "`loss(y_true, y_pred)`)."
+    )
+
+
+def _split_batch(batch, index):
+    """`(inputs, labels, sample_weight)` of a data item: inputs, or a (inputs, labels[,
+    sample_weight]) tuple."""
+    if isinstance(batch, (tuple, list)):
+        if len(batch) not in (2, 3):
+            raise ValueError(
+                f"Each `data` batch must be inputs, (inputs, labels) or (inputs, labels, "
+                f"sample_weight); batch {index} is a {type(batch).__name__} of length "
+                f"{len(batch)}."
+            )
+        return batch[0], batch[1], batch[2] if len(batch) == 3 else None
+    return batch, None, None
+
+
+def _importance_body(model, call, inputs, tensors, static):
+    mask_keys, loss, mode = static
+    x, labels, sample_weight = inputs
+    with _InterpretTap(_Layout(model), head_mask=_mask_of(mask_keys, tensors)):
+        outputs = call(x)
+    if mode == "next_token":
+        outputs = outputs[:, :-1]
+    if sample_weight is None:
+        value = loss(labels, outputs)
+    else:
+        value = loss(labels, outputs, sample_weight=sample_weight)
+    return ops.cast(value, "float32"), []
+
+
+def head_importance(model, data, loss=None):
+    """Head importance scores (Michel, Levy & Neubig 2019, "Are Sixteen Heads Really Better
+    than One?"): `|dL / d xi_h|` summed over the batches of `data`.
+
+    Every head's probabilities are multiplied by a mask variable `xi_h = 1` (as
+    `masked_heads` does) and the batch loss `L` is differentiated with respect to the masks,
+    so the score of a head is the first-order change of the loss when it is removed; as in
+    the authors' code, each batch contributes the absolute gradient of its mean loss.
+
+    Args:
+        model: a kzoo task model (or a backbone, with `loss`).
+        data: an iterable of batches: inputs (see `attention_maps`), `(inputs, labels)` or
+            `(inputs, labels, sample_weight)`.
+        loss: None, a Keras loss or a callable `loss(y_true, y_pred)` (called with
+            `sample_weight=` when batches carry weights). None: the model's default loss
+            (token models: `kzoo.losses.TokenCrossentropy`), sparse categorical
+            cross-entropy on logits for classifiers, mean squared error for a Graphormer
+            regression; a `GPTCausalLM` given batches without labels uses the next-token
+            loss of its inputs (the mean cross-entropy over the real next tokens).
+
+    Returns:
+        float32 NumPy `(layers, heads)`; for T5 a dict `{"encoder", "decoder", "cross"}` of
+        `(layers, heads)` arrays.
+
+    Raises:
+        ValueError: bad model, empty `data`, bad batches, or no default loss.
+
+    Example:
+    >>> importance = head_importance(classifier, [(inputs, labels)])
+    >>> order = np.argsort(importance, axis=None)         # least important heads first
+    """
+    layout = _Layout(model)
+    keys = tuple(layout.attention)
+    shapes = layout.mask_shapes()
+    ones = [np.ones(shapes[key], "float32") for key in keys]
+    totals = [np.zeros(shapes[key], "float64") for key in keys]
+    seen, defaults = 0, {}
+    for index, batch in enumerate(data):
+        x, labels, sample_weight = _split_batch(batch, index)
+        x = _numpy_inputs(_check_inputs(model, x))
+        if loss is None:  # one loss object per kind of batch (a JAX cache key)
+            if (labels is not None) not in defaults:
+                defaults[labels is not None] = _default_loss(model, labels is not None)
+            batch_loss, mode = defaults[labels is not None]
+        else:
+            batch_loss, mode = loss, "labels"
+        if mode == "next_token":
+            labels = np.asarray(x["token_ids"])[:, 1:]
+            sample_weight = (np.asarray(x["padding_mask"])[:, 1:] > 0).astype("float32")
+        else:
+            labels = None if labels is None else np.asarray(
+                keras.ops.convert_to_numpy(labels))
+            if sample_weight is not None:
+                sample_weight = np.asarray(keras.ops.convert_to_numpy(sample_weight),
+                                           "float32")
+        grads, _ = run(model, _importance_body, (x, labels, sample_weight), ones,
+                       static=(keys, batch_loss, mode), grad=True)
+        for total, grad in zip(totals, grads):
+            total += np.abs(grad)
+        seen += 1
+    if not seen:
+        raise ValueError("`data` must hold at least one batch; got an empty iterable.")
+    result = {key: total.astype("float32") for key, total in zip(keys, totals)}
+    return result if layout.is_seq2seq else result["self"]

@@ -1,0 +1,299 @@
+"""kzoo.interpret gradients: attention x gradient and head importance against central finite
+differences, integrated gradients' completeness, the logit lens against the model's logits
+and a NumPy norm + head.
+
+The finite differences perturb the model through taps written here (`kzoo.layers.taps.Tap`
+subclasses adding to one attention probability or scaling heads), evaluated by forward passes
+only; the losses they difference are NumPy formulas written here.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo.interpret import (
+    attention_gradient,
+    head_importance,
+    integrated_gradients,
+    logit_lens,
+)
+from kzoo.interpret._backend import run
+from kzoo.layers.taps import Tap
+from kzoo.models.bert import BertBackbone, BertClassifier
+from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+from kzoo.models.vit import ViTBackbone, ViTClassifier
+from tests.harness import backend, forward, ref, to_numpy
+
+VOCAB = 40
+
+
+def _randomize(model, seed, scale=0.3):
+    """Weights of scale `scale` (norm scales ~1, biases ~0.1): sharp attention and heads that
+    matter, unlike the small initialisers (a ViT head even starts at zero)."""
+    r = np.random.default_rng(seed)
+    values = []
+    for w in model.weights:
+        shape = tuple(w.shape)
+        if "gamma" in w.path or w.path.endswith("scale"):
+            values.append(1.0 + 0.1 * r.normal(size=shape))
+        elif len(shape) == 1:
+            values.append(0.1 * r.normal(size=shape))
+        else:
+            values.append(scale * r.normal(size=shape))
+    model.set_weights([v.astype("float32") for v in values])
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    lm = GPTCausalLM(GPTBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                                 hidden_dim=16, intermediate_dim=24, max_sequence_length=16,
+                                 dropout=0.0))
+    _randomize(lm, 0)
+    ids = np.random.default_rng(1).integers(1, VOCAB, (2, 6)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[1, 4:] = 0
+    ids[mask == 0] = 0
+    return lm, {"token_ids": ids, "padding_mask": mask}
+
+
+def _logits(model, x):
+    return np.asarray(to_numpy(forward(model, x)), np.float64)
+
+
+# === Taps written here, evaluated by forward passes only ===
+
+
+class _AddToAttention(Tap):
+    """Adds `deltas[i]` (batch, heads, query, key) to attention call `i`'s probabilities."""
+
+    def __init__(self, deltas):
+        super().__init__(record_attention=False)
+        self.deltas = deltas
+
+    def attention(self, layer, index, weights):
+        return weights + keras.ops.cast(self.deltas[index], weights.dtype)
+
+
+class _ScaleHeads(Tap):
+    """Scales head `h` of attention call `i` by `scales[0][i, h]`."""
+
+    def __init__(self, scales):
+        super().__init__(record_attention=False)
+        self.scales = scales[0]
+
+    def head_scale(self, layer, index):
+        return self.scales[index]
+
+
+def _tapped_body(model, call, inputs, tensors, static):
+    with static(tensors):
+        return None, [call(inputs)]
+
+
+def tapped_logits(model, x, tap_class, arrays):
+    """The model's output under `tap_class(tensors of arrays)`: a forward pass (on JAX one
+    compiled function per tap class, whatever the arrays hold)."""
+    _, (out,) = run(model, _tapped_body, x, arrays, static=tap_class)
+    return out.astype(np.float64)
+
+
+def _next_token_targets(logits, mask):
+    """Last real position of each row and the predicted token there (NumPy)."""
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1)
+    rows = np.arange(len(last))
+    return last, np.argmax(logits[rows, last], axis=-1)
+
+
+# === Attention x gradient ===
+
+
+def test_attention_gradient_matches_finite_differences(gpt):
+    lm, x = gpt
+    mask = x["padding_mask"]
+    logits = _logits(lm, x)
+    last, token = _next_token_targets(logits, mask)
+    rows = np.arange(2)
+    scores = attention_gradient(lm, x)["self"]
+    assert [s.shape for s in scores] == [(2, 2, 6, 6)] * 2
+    assert all(np.all(s >= 0) for s in scores)
+
+    # |dL/dA| at the highest-scoring entries of each layer (example 0 and 1), by central
+    # differences of the target logit with A perturbed through a tap.
+    probabilities = recorded_attention(lm, x)
+    eps = 1e-3
+    zeros = [np.zeros_like(s) for s in scores]
+    checked = 0
+    for layer in range(2):
+        for b in range(2):
+            entry = (b,) + np.unravel_index(np.argmax(scores[layer][b]), scores[layer][b].shape)
+            values = []
+            for sign in (1.0, -1.0):
+                deltas = [z.copy() for z in zeros]
+                deltas[layer][entry] = sign * eps
+                out = tapped_logits(lm, x, _AddToAttention, deltas)
+                values.append(out[rows, last, token])
+            fd = (values[0] - values[1]) / (2 * eps)
+            # scores = A * |dL/dA|, so |dL/dA| = score / A
+            got = scores[layer][entry] / probabilities[layer][entry]
+            print(f"[{backend()}] layer {layer} entry {entry}: |dL/dA| {got:.5f}, "
+                  f"finite difference {abs(fd[b]):.5f}")
+            assert abs(got - abs(fd[b])) <= 2e-3 + 2e-2 * abs(fd[b])
+            assert abs(fd[b]) > 1e-2  # a gradient that matters
+            checked += 1
+    assert checked == 4
+
+
+def recorded_attention(model, x):
+    """Each layer's attention probabilities, recorded by a plain `Tap` in a forward pass."""
+    _, (maps,) = run(model, _recording_body, x, [], static=None)
+    return maps
+
+
+def _recording_body(model, call, inputs, tensors, static):
+    with Tap() as tap:
+        call(inputs)
+    return None, [[r.weights for r in tap.attention_records]]
+
+
+# === Integrated gradients ===
+
+
+def _bert_classifier():
+    model = BertClassifier(BertBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                                        hidden_dim=16, intermediate_dim=24,
+                                        max_sequence_length=16, dropout=0.0),
+                           num_classes=3, dropout=0.0)
+    _randomize(model, 2)
+    ids = np.random.default_rng(3).integers(1, VOCAB, (2, 7)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[0, 5:] = 0
+    ids[mask == 0] = 0
+    return model, {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+
+
+def _vit_classifier():
+    model = ViTClassifier(ViTBackbone(image_size=16, patch_size=8, num_layers=2, num_heads=2,
+                                      hidden_dim=16, intermediate_dim=24, dropout=0.0,
+                                      attention_dropout=0.0), num_classes=3)
+    _randomize(model, 4, scale=0.2)
+    images = 0.3 * np.random.default_rng(5).normal(size=(2, 16, 16, 3))  # a smooth path
+    return model, images.astype("float32")
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "vit"])
+def test_integrated_gradients_completeness(family, gpt):
+    if family == "gpt":
+        model, x = gpt
+    else:
+        model, x = _bert_classifier() if family == "bert" else _vit_classifier()
+    logits = _logits(model, x)
+    ig = integrated_gradients(model, x, steps=32)
+    positions = {"gpt": 6, "bert": 7, "vit": 4}[family]  # tokens, tokens, 2x2 patches
+    assert ig.attributions.shape == (2, positions)
+    assert ig.raw.shape == (2, positions, 16)
+    np.testing.assert_allclose(ig.attributions, ig.raw.sum(-1), rtol=1e-5, atol=1e-6)
+    # The target logit at the input is the model's own (predicted class / next token).
+    if family == "gpt":
+        last, token = _next_token_targets(logits, x["padding_mask"])
+        expected = logits[np.arange(2), last, token]
+        np.testing.assert_array_equal(ig.positions, last)
+    else:
+        expected = logits.max(-1)
+    np.testing.assert_array_equal(ig.targets, np.argmax(
+        logits[np.arange(2), ig.positions] if family == "gpt" else logits, -1))
+    np.testing.assert_allclose(ig.output, expected, atol=1e-4)
+    delta = ig.output - ig.baseline_output
+    print(f"[{backend()}] {family}: f(x) - f(baseline) {delta}, sum(IG) "
+          f"{ig.raw.sum(axis=(1, 2))}, relative gap {ig.relative_gap}")
+    assert np.all(np.abs(delta) > 1e-2)
+    assert np.all(ig.relative_gap < 0.01), ig.relative_gap
+    if family == "gpt":  # padded tokens do not matter to the next-token logit
+        assert np.all(ig.raw[1, 4:] == 0.0)
+
+
+# === Logit lens ===
+
+
+def test_logit_lens_is_norm_and_head_of_each_block(gpt):
+    lm, x = gpt
+    lens = logit_lens(lm, x)
+    assert lens.shape == (2, 2, 6, VOCAB)
+    np.testing.assert_allclose(lens[-1], _logits(lm, x), atol=1e-5)
+    # Layer 0: NumPy layer norm (the final norm's weights) and tied head on block 0's output.
+    backbone = lm.backbone
+    block = keras.Model(backbone.input, backbone.transformer_layers[0].output)
+    hidden = to_numpy(forward(block, x))
+    norm = backbone.final_norm
+    expected = ref.layer_norm(hidden, ref.w(norm.gamma), ref.w(norm.beta), norm.epsilon) @ \
+        ref.w(backbone.token_embedding.embeddings).T
+    np.testing.assert_allclose(lens[0], expected, atol=1e-4)
+    assert np.abs(lens[0] - lens[1]).max() > 1e-2
+    log_probs = logit_lens(lm, x, log_probs=True)
+    shifted = lens - lens.max(-1, keepdims=True)
+    np.testing.assert_allclose(
+        log_probs, shifted - np.log(np.exp(shifted).sum(-1, keepdims=True)), atol=1e-5)
+
+
+# === Head importance ===
+
+
+def _next_token_loss(logits, x):
+    """Mean cross-entropy of the real next tokens (NumPy)."""
+    ids, mask = x["token_ids"], x["padding_mask"]
+    z = logits[:, :-1]
+    log_probs = z - z.max(-1, keepdims=True)
+    log_probs = log_probs - np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, ids[:, 1:, None].astype(int), -1)[..., 0]
+    weight = mask[:, 1:] > 0
+    return (nll * weight).sum() / weight.sum()
+
+
+def test_head_importance_matches_finite_differences(gpt):
+    lm, x = gpt
+    other = {"token_ids": x["token_ids"][:, ::-1].copy(), "padding_mask": np.ones((2, 6),
+                                                                                   "int32")}
+    data = [x, other]
+    importance = head_importance(lm, data)   # next-token loss of batches without labels
+    assert importance.shape == (2, 2)
+    eps = 1e-3
+    expected = np.zeros((2, 2))
+    for batch in data:
+        for layer in range(2):
+            for head in range(2):
+                losses = []
+                for sign in (1.0, -1.0):
+                    scales = np.ones((1, 2, 2), "float32")
+                    scales[0, layer, head] += sign * eps
+                    losses.append(_next_token_loss(
+                        tapped_logits(lm, batch, _ScaleHeads, scales), batch))
+                expected[layer, head] += abs(losses[0] - losses[1]) / (2 * eps)
+    print(f"[{backend()}] head importance {importance.ravel()}, finite differences "
+          f"{expected.ravel()}")
+    np.testing.assert_allclose(importance, expected, atol=2e-3, rtol=2e-2)
+    assert expected.max() > 5e-2
+
+
+# === Errors ===
+
+
+def test_errors_name_the_argument(gpt):
+    lm, x = gpt
+    with pytest.raises(ValueError, match="`model` of logit_lens must be a decoder"):
+        logit_lens(lm.backbone.transformer_layers[0], x)
+    with pytest.raises(ValueError, match=r"`steps` must be an int >= 2.*steps=1"):
+        integrated_gradients(lm, x, steps=1)
+    with pytest.raises(ValueError, match=r"`method` must be one of"):
+        integrated_gradients(lm, x, method="simpson")
+    with pytest.raises(ValueError, match=r"`target` must be in \[0, 40\); got target=40"):
+        attention_gradient(lm, x, target=40)
+    with pytest.raises(ValueError, match=r"`position` must be an int or 2 ints"):
+        attention_gradient(lm, x, position=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"`baseline` must broadcast to .*\(2, 6, 16\)"):
+        integrated_gradients(lm, x, baseline=np.zeros((3, 16)))
+    with pytest.raises(ValueError, match="pass `target` as a callable"):
+        attention_gradient(lm.backbone, x)
+    with pytest.raises(ValueError, match="`data` must hold at least one batch"):
+        head_importance(lm, [])
+    with pytest.raises(ValueError, match=r"batch 0 is a tuple of length 4"):
+        head_importance(lm, [(x, 1, 2, 3)])

@@ -1,0 +1,294 @@
+"""kzoo.interpret maps: attention maps and head masking against transformers.
+
+The maps of tiny random transformers checkpoints (BERT, GPT-2, T5, ViT) imported with
+`kzoo.presets.load` must equal transformers' `output_attentions=True` (eager attention) to
+1e-5 on the real (unpadded) query rows, and BERT's and T5's head masks must match
+transformers' `head_mask` / `decoder_head_mask` / `cross_attn_head_mask`.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo.presets
+from kzoo import graphs
+from kzoo.interpret import attention_maps, masked_heads
+from kzoo.layers import set_attention_kernel
+from kzoo.layers.attention import MultiHeadAttention
+from kzoo.layers.taps import active_tap
+from tests.harness import backend, forward, hf_checkpoint, to_numpy, torch_forward
+
+ATOL = 1e-5
+
+
+# === Checkpoints (one per family and module) ===
+
+
+def _perturbed(model, scale=0.1):
+    """Non-trivial norms and biases (transformers starts them at 1 and 0)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * scale)
+    return model.eval()
+
+
+def _load(tmp_path_factory, name, hf):
+    path = hf_checkpoint(str(tmp_path_factory.mktemp(name)), hf)
+    return kzoo.presets.load(path)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=24, max_position_embeddings=16, type_vocab_size=2,
+        attn_implementation="eager")
+    hf = transformers.BertForMaskedLM(config)
+    with torch.no_grad():  # sharper attention than the 0.02 initialisation
+        for name, p in hf.named_parameters():
+            if "query" in name or "key" in name:
+                p.mul_(20.0)
+    hf = _perturbed(hf)
+    lengths = np.array([9, 6])
+    ids = np.random.default_rng(1).integers(1, 61, (2, 9)).astype("int32")
+    mask = (np.arange(9)[None] < lengths[:, None]).astype("int32")
+    ids[mask == 0] = 0
+    segments = (np.arange(9)[None] >= 4).astype("int32") * mask
+    x = {"token_ids": ids, "segment_ids": segments, "padding_mask": mask}
+    hf_x = dict(input_ids=ids, token_type_ids=segments, attention_mask=mask)
+    return _load(tmp_path_factory, "bert", hf), hf, x, hf_x, mask
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=53, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3, attn_implementation="eager")
+    hf = _perturbed(transformers.GPT2LMHeadModel(config))
+    ids = np.random.default_rng(2).integers(1, 53, (2, 8)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[1, 5:] = 0
+    ids[mask == 0] = 0
+    x = {"token_ids": ids, "padding_mask": mask}
+    return _load(tmp_path_factory, "gpt2", hf), hf, x, dict(input_ids=ids, attention_mask=mask), mask
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=41, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
+        num_heads=3, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        feed_forward_proj="relu", tie_word_embeddings=True, attn_implementation="eager")
+    hf = _perturbed(transformers.T5ForConditionalGeneration(config))
+    r = np.random.default_rng(3)
+    enc, dec = r.integers(2, 41, (2, 7)).astype("int32"), r.integers(2, 41, (2, 5)).astype("int32")
+    enc_mask = (np.arange(7)[None] < np.array([[7], [4]])).astype("int32")
+    dec_mask = (np.arange(5)[None] < np.array([[3], [5]])).astype("int32")
+    enc[enc_mask == 0] = 0
+    dec[dec_mask == 0] = 0
+    x = {"encoder_token_ids": enc, "encoder_padding_mask": enc_mask,
+         "decoder_token_ids": dec, "decoder_padding_mask": dec_mask}
+    hf_x = dict(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=dec,
+                decoder_attention_mask=dec_mask)
+    return _load(tmp_path_factory, "t5", hf), hf, x, hf_x
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=24, attn_implementation="eager")
+    hf = transformers.ViTForImageClassification(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * (0.2 if p.ndim > 1 else 0.1))
+    hf = hf.eval()
+    images = np.random.default_rng(4).normal(size=(2, 16, 16, 3)).astype("float32")
+    hf_x = dict(pixel_values=np.ascontiguousarray(images.transpose(0, 3, 1, 2)))
+    return _load(tmp_path_factory, "vit", hf), hf, images, hf_x
+
+
+def _hf(hf, hf_x, **kwargs):
+    return torch_forward(hf, **hf_x, output_attentions=True, **kwargs)
+
+
+def assert_maps_match(ours, theirs, query_mask=None, label=""):
+    """Each layer's `(batch, heads, query, key)` maps agree to ATOL on the real query rows."""
+    assert len(ours) == len(theirs), (label, len(ours), len(theirs))
+    for layer, (a, b) in enumerate(zip(ours, theirs)):
+        b = b.numpy() if hasattr(b, "numpy") else np.asarray(b)
+        assert a.shape == b.shape, (label, layer, a.shape, b.shape)
+        rows = np.ones(a.shape[:1] + a.shape[2:3], bool) if query_mask is None else \
+            np.asarray(query_mask).astype(bool)
+        diff = np.abs(a - b).transpose(0, 2, 1, 3)[rows].max()
+        print(f"[{backend()}] {label} layer {layer}: max |diff| {diff:.2e}")
+        assert diff <= ATOL, (label, layer, diff)
+
+
+# === Parity with transformers ===
+
+
+def test_bert_maps_and_head_mask_match_transformers(bert):
+    import torch
+
+    model, hf, x, hf_x, mask = bert
+    head_mask = np.ones((2, 4), "float32")
+    head_mask[0, 1] = 0.0   # remove a head
+    head_mask[1, 3] = 0.5   # halve another
+    expected = _hf(hf, hf_x, head_mask=torch.tensor(head_mask))
+    maps = attention_maps(model, x, head_mask=head_mask)
+    assert sorted(maps) == ["self"]
+    assert_maps_match(maps["self"], expected.attentions, mask, "BERT head-masked maps")
+    assert np.all(maps["self"][0][:, 1] == 0.0)
+
+    with masked_heads(model, head_mask):   # the mask applies to the model's own calls
+        logits = to_numpy(forward(model, x))
+    diff = np.abs(logits - expected.logits.numpy())[mask.astype(bool)].max()
+    print(f"[{backend()}] BERT head-masked logits: max |diff| {diff:.2e}")
+    assert diff <= ATOL
+    # Outside the context the model is unmasked again (its compiled predict is rebuilt).
+    unmasked = to_numpy(forward(model, x))
+    plain = torch_forward(hf, **hf_x).logits.numpy()
+    assert np.abs(unmasked - plain)[mask.astype(bool)].max() <= ATOL
+    assert np.abs(logits - plain)[mask.astype(bool)].max() > 1e-3
+
+
+def test_gpt2_maps_match_transformers_under_any_kernel(gpt2):
+    model, hf, x, hf_x, mask = gpt2
+    expected = _hf(hf, hf_x).attentions
+    maps = attention_maps(model, x)
+    assert sorted(maps) == ["self"] and maps["self"][0].shape == (2, 2, 8, 8)
+    assert_maps_match(maps["self"], expected, mask, "GPT-2")
+    try:
+        set_attention_kernel("fused")
+        fused = attention_maps(model, x)
+    finally:
+        set_attention_kernel(None)
+    assert_maps_match(fused["self"], expected, mask, "GPT-2 (fused kernel selected)")
+
+
+def test_t5_maps_and_head_masks_match_transformers(t5):
+    import torch
+
+    model, hf, x, hf_x = t5
+    head_mask = {"encoder": np.ones((2, 3), "float32"), "cross": np.ones((2, 3), "float32")}
+    head_mask["encoder"][1, 2] = 0.0
+    head_mask["cross"][0, 0] = 0.0
+    # (transformers 4.57 fails on `head_mask` without `decoder_head_mask`: pass ones)
+    expected = _hf(hf, hf_x, head_mask=torch.tensor(head_mask["encoder"]),
+                   decoder_head_mask=torch.ones(2, 3),
+                   cross_attn_head_mask=torch.tensor(head_mask["cross"]))
+    maps = attention_maps(model, x, head_mask=head_mask)
+    assert sorted(maps) == ["cross", "decoder", "encoder"]
+    assert maps["cross"][0].shape == (2, 3, 5, 7)
+    assert_maps_match(maps["encoder"], expected.encoder_attentions,
+                      x["encoder_padding_mask"], "T5 encoder")
+    assert_maps_match(maps["decoder"], expected.decoder_attentions,
+                      x["decoder_padding_mask"], "T5 decoder")
+    assert_maps_match(maps["cross"], expected.cross_attentions,
+                      x["decoder_padding_mask"], "T5 cross")
+    assert np.all(maps["cross"][0][:, 0] == 0.0) and np.all(maps["encoder"][1][:, 2] == 0.0)
+
+
+def test_vit_maps_match_transformers(vit):
+    model, hf, images, hf_x = vit
+    maps = attention_maps(model, images)
+    assert maps["self"][0].shape == (2, 2, 5, 5)  # class token + 2x2 patches
+    assert_maps_match(maps["self"], _hf(hf, hf_x).attentions, None, "ViT")
+
+
+# === A pass without a tap is unchanged ===
+
+
+def test_forward_without_tap_is_untouched(gpt2, monkeypatch):
+    model, _, x, _, mask = gpt2
+    before = to_numpy(forward(model, x))
+    attention_maps(model, x)
+    with masked_heads(model, np.ones((2, 2))):
+        tapped = to_numpy(forward(model, x))   # the exact formula, same numbers
+    assert active_tap() is None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tapped attention path ran without a tap")
+
+    monkeypatch.setattr(MultiHeadAttention, "_tapped_attention", refuse)
+    after = to_numpy(forward(model, x))
+    np.testing.assert_array_equal(before, after)
+    real = mask.astype(bool)
+    assert np.abs(tapped - before)[real].max() <= 1e-5
+
+
+# === Graphormer ===
+
+
+def test_graphormer_maps_are_distributions_over_real_nodes():
+    from kzoo.models.graphormer import GraphormerBackbone, GraphormerPredictor
+
+    model = GraphormerPredictor(GraphormerBackbone(
+        num_layers=2, hidden_dim=16, intermediate_dim=24, num_heads=4, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0))
+    x = graphs.batch([graphs.from_smiles(s) for s in ["CCO", "c1ccccc1"]])
+    x.pop("labels", None)
+    maps = attention_maps(model, x)["self"]
+    nodes = x["input_nodes"].shape[1]
+    assert len(maps) == 2 and maps[0].shape == (2, 4, nodes + 1, nodes + 1)
+    real = np.concatenate([np.ones((2, 1), bool), x["input_nodes"].any(-1)], axis=1)
+    for m in maps:
+        rows = m.transpose(0, 2, 1, 3)[real]                # (real queries, heads, keys)
+        np.testing.assert_allclose(rows.sum(-1), 1.0, atol=1e-5)
+        padded_keys = np.broadcast_to(~real[:, None, None, :], m.shape)
+        assert np.all(m[padded_keys & real[:, None, :, None]] == 0.0)
+
+
+# === Errors ===
+
+
+def test_errors_name_the_argument(bert, t5, vit):
+    model, _, x, _, _ = bert
+    with pytest.raises(ValueError, match="`model` must be a kzoo model"):
+        attention_maps(keras.Sequential([keras.layers.Dense(2)]), x)
+    with pytest.raises(ValueError, match=r"`inputs` must have exactly the keys .*missing "
+                                         r"\['segment_ids'\]"):
+        attention_maps(model, {k: v for k, v in x.items() if k != "segment_ids"})
+    with pytest.raises(ValueError, match=r"`inputs\['token_ids'\]` must have shape "
+                                         r"\(batch, any\).*\(2, 9, 1\)"):
+        attention_maps(model, {**x, "token_ids": x["token_ids"][..., None]})
+    with pytest.raises(ValueError, match="same batch size"):
+        attention_maps(model, {**x, "segment_ids": x["segment_ids"][:1]})
+    with pytest.raises(ValueError, match=r"`inputs` must be one array"):
+        attention_maps(vit[0], {"images": vit[2]})
+    with pytest.raises(ValueError, match=r"`inputs` must have shape \(batch, any, any, 3\)"):
+        attention_maps(vit[0], vit[2][..., :2])
+    with pytest.raises(ValueError, match=r"`head_mask` must have shape \(layers, heads\) = "
+                                         r"\(2, 4\).*got shape \(3, 4\)"):
+        masked_heads(model, np.ones((3, 4)))
+    with pytest.raises(ValueError, match="`head_mask` must hold finite numbers"):
+        masked_heads(model, np.full((2, 4), np.nan))
+    with pytest.raises(ValueError, match="`head_mask` of a T5 model must be a dict"):
+        masked_heads(t5[0], np.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"unknown keys \['self'\]"):
+        masked_heads(t5[0], {"self": np.ones((2, 3))})
+    with pytest.raises(ValueError, match=r"`head_mask\['decoder'\]` must have shape"):
+        masked_heads(t5[0], {"decoder": np.ones((2, 4))})
