@@ -37,7 +37,7 @@ def _numpy_mean_entropy(layer_map):
 
 
 def test_gpt_text_through_its_saved_tokenizer(tmp_path, capsys):
-    tokenizer = kzoo.data.train_bpe_tokenizer(TEXT, 120, special_tokens=("[PAD]",),
+    tokenizer = kzoo.data.train_bpe_tokenizer(TEXT, 280, special_tokens=("[PAD]",),
                                               min_frequency=1)
     model = kzoo.presets.load("gpt_mini", num_layers=2, num_heads=2, hidden_dim=16,
                               intermediate_dim=32, vocabulary_size=tokenizer.get_vocab_size(),
