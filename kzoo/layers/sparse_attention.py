@@ -338,7 +338,9 @@ def _global_slots(global_tokens, n, batch, max_global):
         )
     if max_global is None:
         try:
-            max_global = int(np.max(np.sum(ops.convert_to_numpy(flags), axis=1)))
+            concrete = (global_tokens if isinstance(global_tokens, np.ndarray)
+                        else ops.convert_to_numpy(flags))
+            max_global = int(np.max(np.sum(concrete.astype(bool), axis=1)))
         except Exception as error:  # traced: the count is not known
             raise ValueError(
                 "`max_global` (the largest number of global tokens in a row) is needed when "
