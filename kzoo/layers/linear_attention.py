@@ -124,7 +124,8 @@ def feature_map_features(x, feature_map, projection=None, scale=None, *, is_quer
         scale = 1.0 / math.sqrt(dim)
     x = x * math.sqrt(scale)
     m = projection.shape[0]
-    wx = ops.einsum("...d,md->...m", x, projection)
+    # matmul, not einsum: TensorFlow's einsum gradient builds (m, d, ...) outer products.
+    wx = ops.matmul(x, ops.transpose(projection))
     half_sq = 0.5 * ops.sum(x * x, axis=-1, keepdims=True)
     if feature_map == "fourier":
         amp = ops.exp(half_sq) / math.sqrt(m)
