@@ -34,3 +34,18 @@ from kzoo.layers.position import (  # noqa: F401,E402
     relative_position_bucket,
 )
 from kzoo.layers.taps import AttentionRecord, BlockRecord, Tap, active_tap  # noqa: F401,E402
+from kzoo.layers.sparse_attention import (  # noqa: F401,E402
+    bigbird_attention,
+    bigbird_layout,
+    block_sparse_attention,
+    longformer_attention,
+    sliding_window_attention,
+    strided_attention,
+)
+from kzoo.layers.linear_attention import (  # noqa: F401,E402
+    feature_map_features,
+    linear_attention,
+    linear_attention_state,
+    linear_attention_step,
+    random_projection,
+)
