@@ -22,7 +22,7 @@ from kzoo.layers.taps import Tap
 from kzoo.models.bert import BertBackbone, BertClassifier
 from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from kzoo.models.vit import ViTBackbone, ViTClassifier
-from tests.harness import backend, forward, ref, to_numpy
+from tests.harness import backend, ref
 
 VOCAB = 40
 
@@ -58,7 +58,21 @@ def gpt():
 
 
 def _logits(model, x):
-    return np.asarray(to_numpy(forward(model, x)), np.float64)
+    return plain_pass(model, x)[0]
+
+
+def plain_pass(model, x):
+    """`(output, attention probabilities, block outputs)` of a forward pass recorded by a
+    plain `Tap` (one compiled function on JAX for all three)."""
+    _, (out, maps, blocks) = run(model, _recording_body, x, [], static=None)
+    return out.astype(np.float64), maps, blocks
+
+
+def _recording_body(model, call, inputs, tensors, static):
+    with Tap(record_blocks=True) as tap:
+        out = call(inputs)
+    return None, [out, [r.weights for r in tap.attention_records],
+                  [r.output for r in tap.block_records]]
 
 
 # === Taps written here, evaluated by forward passes only ===
@@ -111,7 +125,7 @@ def _next_token_targets(logits, mask):
 def test_attention_gradient_matches_finite_differences(gpt):
     lm, x = gpt
     mask = x["padding_mask"]
-    logits = _logits(lm, x)
+    logits, probabilities, _ = plain_pass(lm, x)
     last, token = _next_token_targets(logits, mask)
     rows = np.arange(2)
     scores = attention_gradient(lm, x)["self"]
@@ -120,7 +134,6 @@ def test_attention_gradient_matches_finite_differences(gpt):
 
     # |dL/dA| at the highest-scoring entries of each layer (example 0 and 1), by central
     # differences of the target logit with A perturbed through a tap.
-    probabilities = recorded_attention(lm, x)
     eps = 1e-3
     zeros = [np.zeros_like(s) for s in scores]
     checked = 0
@@ -144,16 +157,6 @@ def test_attention_gradient_matches_finite_differences(gpt):
     assert checked == 4
 
 
-def recorded_attention(model, x):
-    """Each layer's attention probabilities, recorded by a plain `Tap` in a forward pass."""
-    _, (maps,) = run(model, _recording_body, x, [], static=None)
-    return maps
-
-
-def _recording_body(model, call, inputs, tensors, static):
-    with Tap() as tap:
-        call(inputs)
-    return None, [[r.weights for r in tap.attention_records]]
 
 
 # === Integrated gradients ===
@@ -187,22 +190,17 @@ def test_integrated_gradients_completeness(family, gpt):
         model, x = gpt
     else:
         model, x = _bert_classifier() if family == "bert" else _vit_classifier()
-    logits = _logits(model, x)
     ig = integrated_gradients(model, x, steps=32)
     positions = {"gpt": 6, "bert": 7, "vit": 4}[family]  # tokens, tokens, 2x2 patches
     assert ig.attributions.shape == (2, positions)
     assert ig.raw.shape == (2, positions, 16)
     np.testing.assert_allclose(ig.attributions, ig.raw.sum(-1), rtol=1e-5, atol=1e-6)
-    # The target logit at the input is the model's own (predicted class / next token).
-    if family == "gpt":
+    if family == "gpt":  # the target: the predicted next token (plain pass, NumPy)
+        logits = _logits(model, x)
         last, token = _next_token_targets(logits, x["padding_mask"])
-        expected = logits[np.arange(2), last, token]
         np.testing.assert_array_equal(ig.positions, last)
-    else:
-        expected = logits.max(-1)
-    np.testing.assert_array_equal(ig.targets, np.argmax(
-        logits[np.arange(2), ig.positions] if family == "gpt" else logits, -1))
-    np.testing.assert_allclose(ig.output, expected, atol=1e-4)
+        np.testing.assert_array_equal(ig.targets, token)
+        np.testing.assert_allclose(ig.output, logits[np.arange(2), last, token], atol=1e-4)
     delta = ig.output - ig.baseline_output
     print(f"[{backend()}] {family}: f(x) - f(baseline) {delta}, sum(IG) "
           f"{ig.raw.sum(axis=(1, 2))}, relative gap {ig.relative_gap}")
@@ -219,11 +217,12 @@ def test_logit_lens_is_norm_and_head_of_each_block(gpt):
     lm, x = gpt
     lens = logit_lens(lm, x)
     assert lens.shape == (2, 2, 6, VOCAB)
-    np.testing.assert_allclose(lens[-1], _logits(lm, x), atol=1e-5)
-    # Layer 0: NumPy layer norm (the final norm's weights) and tied head on block 0's output.
+    logits, _, blocks = plain_pass(lm, x)
+    np.testing.assert_allclose(lens[-1], logits, atol=1e-5)
+    # Layer 0: NumPy layer norm (the final norm's weights) and tied head on block 0's output
+    # (recorded by a plain tap).
     backbone = lm.backbone
-    block = keras.Model(backbone.input, backbone.transformer_layers[0].output)
-    hidden = to_numpy(forward(block, x))
+    hidden = blocks[0]
     norm = backbone.final_norm
     expected = ref.layer_norm(hidden, ref.w(norm.gamma), ref.w(norm.beta), norm.epsilon) @ \
         ref.w(backbone.token_embedding.embeddings).T

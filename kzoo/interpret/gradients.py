@@ -449,16 +449,11 @@ def _lens_parts(model):
 
 
 def _lens_body(model, call, inputs, tensors, static):
-    mask_keys, log_probs = static
     key, norm, head = _lens_parts(model)
-    tap = _InterpretTap(_Layout(model), head_mask=_mask_of(mask_keys, tensors),
-                        keep_blocks=True)
+    tap = _InterpretTap(_Layout(model), head_mask=_mask_of(static, tensors), keep_blocks=True)
     with tap:
         call(inputs)
-    lens = ops.stack([ops.cast(head(norm(h)), "float32") for h in tap.blocks[key]])
-    if log_probs:
-        lens = lens - ops.logsumexp(lens, axis=-1, keepdims=True)
-    return None, [lens]
+    return None, [ops.stack([ops.cast(head(norm(h)), "float32") for h in tap.blocks[key]])]
 
 
 def logit_lens(model, inputs, log_probs=False, head_mask=None):
@@ -491,9 +486,12 @@ def logit_lens(model, inputs, log_probs=False, head_mask=None):
     _lens_parts(model)
     layout, inputs, mask = _prepare(model, inputs, head_mask)
     mask_keys, mask_arrays = _flat_mask(mask)
-    _, (lens,) = run(model, _lens_body, inputs, mask_arrays,
-                     static=(mask_keys, bool(log_probs)))
-    return lens
+    _, (lens,) = run(model, _lens_body, inputs, mask_arrays, static=mask_keys)
+    if log_probs:
+        lens = lens.astype("float64")
+        top = lens.max(-1, keepdims=True)
+        lens = lens - top - np.log(np.exp(lens - top).sum(-1, keepdims=True))
+    return lens.astype("float32")
 
 
 # === Head importance ===
