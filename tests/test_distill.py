@@ -218,7 +218,9 @@ def test_fit_lowers_the_attention_term_and_leaves_the_teacher_alone(models):
     initial_logits = to_numpy(student(x))
     history = distiller.fit(x, y, sample_weight=w, batch_size=4, epochs=3, verbose=0).history
     after = float(to_numpy(distiller.attention_loss(x)[0]))
-    assert after < 0.9 * before, (before, after)
+    # Each step lowers it: the terms logged before each step, then the final one.
+    terms = list(history["attention_loss"]) + [after]
+    assert all(b < a for a, b in zip(terms, terms[1:])), terms
     for a, v in zip(teacher_before, teacher.weights):
         np.testing.assert_array_equal(a, to_numpy(v))
     assert any(not np.array_equal(student_before[v.path], to_numpy(v))
