@@ -14,6 +14,7 @@ RECIPE_MODULES = {
     "vit_digits": "training.recipes.vit_digits",
     "graphormer_freesolv": "training.recipes.graphormer_freesolv",
     "demo": "training.recipes.demo",
+    "distill_gpt": "training.recipes.distill_gpt",
 }
 
 RECIPES = tuple(RECIPE_MODULES)
