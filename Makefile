@@ -54,12 +54,10 @@ test-browser: $(STAMP)
 test-%: $(STAMP)
 	KERAS_BACKEND=$* $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# `make test-all`: the slow tests too, compiled with XLA's default optimisation (an empty
-# XLA_FLAGS; the default suite turns the backend optimisation off, see tests/conftest.py).
 test-all: $(STAMP)
 	@set -e; for b in $(BACKENDS); do \
 	  echo "=== KERAS_BACKEND=$$b (all, slow included)"; \
-	  XLA_FLAGS="$${XLA_FLAGS:-}" KERAS_BACKEND=$$b $(PY) -m pytest -q -m "" $(PYTEST_ARGS) || exit $$?; \
+	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "" $(PYTEST_ARGS) || exit $$?; \
 	done
 
 # `make bench`: kzoo beside keras-hub and transformers (benchmarks/peers.py), e.g.

@@ -2,13 +2,11 @@ import glob
 import importlib.util
 import os
 
-# Compile tests' XLA programs (JAX, and subprocesses that tests start) with XLA's backend
-# optimisation off. Test programs are tiny and compiled once or twice each, so compiling
-# dominates: on this 2-core CPU the JAX run of test_bert/t5/vit/graphormer took 248 s of CPU
-# with it, 326 s without (TensorFlow: no change), every figure passing as before. Set before
-# Keras (and with it JAX) is imported; an XLA_FLAGS of your own wins, and `make test-all`
-# runs with XLA's default optimisation (XLA_FLAGS="").
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# XLA's backend optimisation stays on in tests. Turning it off
+# (XLA_FLAGS=--xla_backend_optimization_level=0) cut the JAX tests' CPU time by a quarter, but
+# made the JAX chunked kernel's gradients NaN in tests/test_attention.py
+# (test_chunked_multi_block_forward_and_gradients[head_bias_broadcast, key_bias_broadcast]):
+# a NaN that the optimised program does not compute. Left for that kernel's owner.
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

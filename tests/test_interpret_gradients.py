@@ -184,14 +184,50 @@ def _vit_classifier():
     return model, images.astype("float32")
 
 
-@pytest.mark.parametrize("family", ["gpt", "bert", "vit"])
+def _t5_lm():
+    from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
+
+    model = T5Seq2SeqLM(T5Backbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                                   hidden_dim=16, key_value_dim=8, intermediate_dim=24,
+                                   dropout=0.0))
+    _randomize(model, 6)
+    ids = np.random.default_rng(7).integers(2, VOCAB, (2, 5)).astype("int32")
+    decoder = np.random.default_rng(8).integers(2, VOCAB, (2, 3)).astype("int32")
+    decoder[:, 0] = 0
+    return model, {"encoder_token_ids": ids, "encoder_padding_mask": np.ones_like(ids),
+                   "decoder_token_ids": decoder, "decoder_padding_mask": np.ones_like(decoder)}
+
+
+def _graphormer_predictor():
+    from kzoo import graphs
+    from kzoo.models.graphormer import GraphormerBackbone, GraphormerPredictor
+
+    model = GraphormerPredictor(GraphormerBackbone(  # test_graphormer's TINY
+        num_layers=2, hidden_dim=16, intermediate_dim=24, num_heads=4, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0))
+    _randomize(model, 9)
+    x = graphs.batch([graphs.from_smiles(s) for s in ["CCO", "C=CC(N)C"]])
+    x.pop("labels", None)
+    return model, x
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert", "vit", "t5", "graphormer"])
 def test_integrated_gradients_completeness(family, gpt):
     if family == "gpt":
         model, x = gpt
     else:
-        model, x = _bert_classifier() if family == "bert" else _vit_classifier()
-    ig = integrated_gradients(model, x, steps=32)
-    positions = {"gpt": 6, "bert": 7, "vit": 4}[family]  # tokens, tokens, 2x2 patches
+        model, x = {"bert": _bert_classifier, "vit": _vit_classifier, "t5": _t5_lm,
+                    "graphormer": _graphormer_predictor}[family]()
+    # Graphormer's and T5's paths bend more: more quadrature points. T5's RMS norm has a
+    # gradient of about 1/sqrt(eps) at zero embeddings, so its baseline is the pad token's.
+    baseline = None
+    if family == "t5":
+        baseline = keras.ops.convert_to_numpy(
+            model.backbone.get_layer("token_embedding").embeddings)[0]
+    steps = {"graphormer": 128, "t5": 512}.get(family, 32)
+    ig = integrated_gradients(model, x, steps=steps, baseline=baseline)
+    # tokens, tokens, 2x2 patches, encoder tokens, graph nodes (padded to the larger graph)
+    positions = {"gpt": 6, "bert": 7, "vit": 4, "t5": 5, "graphormer": 5}[family]
     assert ig.attributions.shape == (2, positions)
     assert ig.raw.shape == (2, positions, 16)
     np.testing.assert_allclose(ig.attributions, ig.raw.sum(-1), rtol=1e-5, atol=1e-6)
@@ -205,7 +241,9 @@ def test_integrated_gradients_completeness(family, gpt):
     print(f"[{backend()}] {family}: f(x) - f(baseline) {delta}, sum(IG) "
           f"{ig.raw.sum(axis=(1, 2))}, relative gap {ig.relative_gap}")
     assert np.all(np.abs(delta) > 1e-2)
-    assert np.all(ig.relative_gap < 0.01), ig.relative_gap
+    # T5 (ReLU feed-forward, RMS norms): 1.1% left at 512 points with the JAX/TensorFlow
+    # draw of its weights (0.8% with torch's), falling slowly with more points.
+    assert np.all(ig.relative_gap < (0.02 if family == "t5" else 0.01)), ig.relative_gap
     if family == "gpt":  # padded tokens do not matter to the next-token logit
         assert np.all(ig.raw[1, 4:] == 0.0)
 
