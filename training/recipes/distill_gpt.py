@@ -30,7 +30,6 @@ import os
 import keras
 
 import kzoo.presets
-from training import data as D
 from training.loop import make_optimizer, set_seed
 from training.recipes import _text
 from training.recipes import demo
@@ -45,7 +44,6 @@ DEFAULTS = dict(
 )
 OPTION_DEFAULTS = dict(tokenizer="bpe", bpe_vocab=1024, seq_len=128, prose_only=True)
 TEXT_OPTIONS = ("text", "tokenizer", "bpe_vocab", "seq_len", "max_chars", "prose_only")
-VALIDATION_WINDOWS = 128
 
 
 def add_arguments(parser):
@@ -90,14 +88,7 @@ def check_options(options):
 
 def build_task(cfg):
     """(tokenizer, task): the text windows of `gpt_text`, validation on the held-out text."""
-    tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
-    seq_len = int(cfg.options.get("seq_len", 128))
-    validation = D.causal_lm_batch(
-        D.tile_windows(val_ids, seq_len + 1, max_windows=VALIDATION_WINDOWS))
-    task = D.WindowTask(train_ids, seq_len + 1, cfg.batch_size, cfg.seed,
-                        transform=lambda windows, rng: D.causal_lm_batch(windows),
-                        validation=validation)
-    task.info.update(info)
+    tokenizer, _, task = gpt_text.text_task(cfg)
     return tokenizer, task
 
 

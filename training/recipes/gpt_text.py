@@ -42,8 +42,9 @@ def add_arguments(parser):
                         help="tokens to generate for the printed sample (default 200)")
 
 
-def build(cfg):
-    set_seed(cfg.seed)
+def text_task(cfg):
+    """`(tokenizer, val_ids, task)`: random next-token windows of the training text, and
+    validation windows of the held-out text (the task of `gpt_text`, `demo`, `distill_gpt`)."""
     tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     seq_len = int(cfg.options.get("seq_len", 128))
     validation = D.causal_lm_batch(
@@ -52,6 +53,13 @@ def build(cfg):
                         transform=lambda windows, rng: D.causal_lm_batch(windows),
                         validation=validation)
     task.info.update(info)
+    return tokenizer, val_ids, task
+
+
+def build(cfg):
+    set_seed(cfg.seed)
+    tokenizer, val_ids, task = text_task(cfg)
+    seq_len = int(cfg.options.get("seq_len", 128))
     task.info["tokenizer_object"] = tokenizer
     task.info["val_ids"] = val_ids
     overrides = _text.model_overrides(cfg, tokenizer, seq_len,
