@@ -51,8 +51,10 @@ test: $(STAMP)
 test-browser: $(STAMP)
 	KERAS_BACKEND=$(DEMO_BACKEND) $(PY) -m pytest -q -m browser tests/test_interpret_views.py
 
-test-%: $(STAMP)
-	KERAS_BACKEND=$* $(PY) -m pytest -q $(PYTEST_ARGS)
+# One backend. Explicit targets: make applies no pattern rule to a .PHONY target, so a
+# `test-%` rule made `make test-torch` say "Nothing to be done".
+test-jax test-torch test-tensorflow: $(STAMP)
+	KERAS_BACKEND=$(@:test-%=%) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	@set -e; for b in $(BACKENDS); do \
