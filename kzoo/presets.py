@@ -96,10 +96,13 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
             directory.
         dtype: dtype policy name (e.g. "float32", "bfloat16", "mixed_bfloat16").
         **overrides: backbone configuration fields or task arguments (e.g. `num_classes`),
-            validated against the family's constructor.
+            validated against the family's constructor. The attention type of BERT, GPT and
+            ViT is one of them, with its options by name: `attention="sliding_window",
+            window=256` (see `kzoo.layers.efficient_attention`).
 
     Example:
     >>> model = kzoo.presets.load("vit_tiny_patch16_224", num_classes=10, image_size=32)
+    >>> long = kzoo.presets.load("gpt_mini", attention="sliding_window", window=64)
     """
     path = os.fspath(name_or_path)
     if path.endswith(KERAS_SUFFIX) and os.path.isfile(path):
@@ -138,10 +141,34 @@ def _build(family, config, source_task, source_task_config, *, task, dtype, over
     The stored task config applies only when the caller keeps the stored task.
     """
     task = source_task if task is None else task
+    overrides = _fold_attention_options(family, config, overrides)
     config_over, task_over = family.split_overrides(task, overrides)
     task_config = {**source_task_config, **task_over} if task == source_task else task_over
     return family.build({**config, **config_over}, task=task, task_config=task_config,
                         dtype=dtype, source=source)
+
+
+def _fold_attention_options(family, config, overrides):
+    """`load(..., attention="sliding_window", window=256)`: the attention options given by
+    name (`window`, `block_size`, `num_features`, ...; see
+    `kzoo.layers.efficient_attention`) become the `attention_options` field. A new
+    `attention` type starts from no options; the same type updates the stored ones."""
+    from kzoo.layers.efficient_attention import OPTION_NAMES
+
+    named = {key: overrides[key] for key in OPTION_NAMES if key in overrides}
+    if not named or "attention_options" not in family.config_fields:
+        return overrides
+    if "attention_options" in overrides:
+        raise ValueError(
+            f"Give the attention options either as `attention_options` or by name; got both "
+            f"attention_options={overrides['attention_options']!r} and {named}."
+        )
+    rest = {key: value for key, value in overrides.items() if key not in named}
+    stored_type = config.get("attention", "full")
+    same_type = rest.get("attention", stored_type) == stored_type
+    base = dict(config.get("attention_options") or {}) if same_type else {}
+    rest["attention_options"] = {**base, **named}
+    return rest
 
 
 def _load_weights_into(model, weights):

@@ -226,7 +226,7 @@ _FAMILIES = (
         tasks={"causal_lm": gpt.GPTCausalLM},
         default_task="causal_lm",
         # GPT-2, and the modern configuration (RMSNorm, RoPE, SwiGLU, GQA; Mixtral: with MoE).
-        model_types=("gpt2", "llama", "mixtral"), converter="kzoo.convert.gpt",
+        model_types=("gpt2", "llama", "mixtral", "mistral"), converter="kzoo.convert.gpt",
     ),
     Family(
         "t5", t5.T5Backbone,

@@ -237,7 +237,8 @@ def test_get_config_is_exactly_the_arguments():
     backbone = tiny_backbone(dropout=0.2)
     config = backbone.get_config()
     expected = {**TINY, "dropout": 0.2, "attention_dropout": None, "layer_norm_epsilon": 1e-12,
-                "activation": "gelu", "initializer_range": 0.02}
+                "activation": "gelu", "initializer_range": 0.02, "attention": "full",
+                "attention_options": None}
     assert {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")} \
         == expected
     clone = BertBackbone.from_config(config)

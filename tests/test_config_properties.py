@@ -51,6 +51,12 @@ KERNELS = ("auto", "reference", "fused", "chunked")
 # "bool" | "int_or_pair", allow_none) or ("choice", allowed values).
 POS_INT, NONNEG_INT, RATE, POS_FLOAT, NUMBER, BOOL, PAIR = (
     "pos_int", "nonneg_int", "rate", "pos_float", "number", "bool", "int_or_pair")
+# The efficient attention types (kzoo.layers.efficient_attention's table) and their options:
+# a dict, None for "full" (the valid configs here keep "full").
+ATTENTION_TYPES = ("full", "sliding_window", "strided", "longformer", "block_sparse",
+                   "bigbird", "linear", "performer")
+OPTIONS = "attention_options"
+ATTENTION_FIELDS = dict(attention=("choice", ATTENTION_TYPES), attention_options=(OPTIONS, True))
 
 KINDS = {
     "gpt": dict(
@@ -65,6 +71,7 @@ KINDS = {
         num_experts=(POS_INT, True), top_k=(POS_INT, False), capacity_factor=(POS_FLOAT, True),
         expert_type=("choice", ("plain", "gated")), tie_embeddings=(BOOL, False),
         attention_scale=(POS_FLOAT, True), initializer_range=(POS_FLOAT, False),
+        **ATTENTION_FIELDS,
     ),
     "bert": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -72,7 +79,7 @@ KINDS = {
         intermediate_dim=(POS_INT, False), max_sequence_length=(POS_INT, False),
         num_segments=(POS_INT, False), dropout=(RATE, False), attention_dropout=(RATE, True),
         layer_norm_epsilon=(POS_FLOAT, False), activation=("choice", ACTIVATIONS),
-        initializer_range=(POS_FLOAT, False),
+        initializer_range=(POS_FLOAT, False), **ATTENTION_FIELDS,
     ),
     "t5": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -90,7 +97,7 @@ KINDS = {
         intermediate_dim=(POS_INT, False), dropout=(RATE, False),
         attention_dropout=(RATE, False), layer_norm_epsilon=(POS_FLOAT, False),
         activation=("choice", ACTIVATIONS), use_class_token=(BOOL, False),
-        qkv_bias=(BOOL, False),
+        qkv_bias=(BOOL, False), **ATTENTION_FIELDS,
     ),
     "graphormer": dict(
         num_atoms=(POS_INT, False), num_in_degree=(POS_INT, False),
@@ -385,6 +392,12 @@ def invalid_values(kind, allow_none):
             st.tuples(st.integers(max_value=0), st.integers(1, 8)),
             st.tuples(st.integers(1, 8), st.floats()),
             st.tuples(st.integers(1, 8), _BOOLS),
+        )
+    if kind == OPTIONS:  # with attention="full", which takes no option
+        return st.one_of(
+            st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=2), _BOOLS,
+            st.dictionaries(st.sampled_from(["window", "block_size", "num_features", "x"]),
+                            st.integers(-3, 8), min_size=1, max_size=2),
         )
     allowed = allow_none  # ("choice", allowed)
     return st.one_of(

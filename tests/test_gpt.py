@@ -850,7 +850,8 @@ def test_hf_llama_greedy_generation_left_padding(tmp_path):
     ("llama", "head_dim", 32),
     ("llama", "mlp_bias", True),
     ("llama", "hidden_act", "gelu_10"),
-    ("mixtral", "sliding_window", 16),
+    ("mixtral", "sliding_window", 0),
+    ("mistral", "sliding_window", 2.5),
 ])
 def test_hf_modern_config_errors(model_type, field, value):
     from kzoo.convert import gpt as convert_gpt

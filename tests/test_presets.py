@@ -22,6 +22,7 @@ REQUIRED = [
     "bert_tiny_uncased", "bert_mini_uncased", "bert_small_uncased", "bert_medium_uncased",
     "bert_base_uncased", "bert_large_uncased",
     "gpt_mini", "gpt2", "gpt2_medium", "gpt2_large", "gpt2_xl", "gpt_modern_mini", "gpt_moe_mini",
+    "gpt_long_mini",
     "t5_small", "t5_base", "t5_large", "t5_v1_1_small", "t5_v1_1_base",
     "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
     "vit_large_patch16_224",
@@ -88,7 +89,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_every_file_of_the_presets_directory_is_a_listed_preset():
     names = kzoo.presets.list()
-    assert len(names) == 24 and sorted(REQUIRED) == names
+    assert len(names) == 25 and sorted(REQUIRED) == names
     files = sorted(p.name for p in (ROOT / "presets").iterdir())
     assert files == [n + ".json" for n in names]
     for name in names:  # each file parses to the preset of its name

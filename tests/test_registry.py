@@ -22,7 +22,7 @@ EXPECTED = {
     "bert": (bert.BertBackbone, {"masked_lm": bert.BertMaskedLM,
                                  "classifier": bert.BertClassifier}, "masked_lm", {"bert"}),
     "gpt": (gpt.GPTBackbone, {"causal_lm": gpt.GPTCausalLM}, "causal_lm",
-            {"gpt2", "llama", "mixtral"}),
+            {"gpt2", "llama", "mixtral", "mistral"}),
     "t5": (t5.T5Backbone, {"seq2seq_lm": t5.T5Seq2SeqLM}, "seq2seq_lm", {"t5"}),
     "vit": (vit.ViTBackbone, {"classifier": vit.ViTClassifier}, "classifier", {"vit"}),
     "graphormer": (graphormer.GraphormerBackbone,

@@ -52,6 +52,7 @@ ARCHITECTURES = {"GPT2LMHeadModel": "causal_lm", "GPT2Model": "backbone"}
 MODERN_ARCHITECTURES = {
     "llama": {"LlamaForCausalLM": "causal_lm", "LlamaModel": "backbone"},
     "mixtral": {"MixtralForCausalLM": "causal_lm", "MixtralModel": "backbone"},
+    "mistral": {"MistralForCausalLM": "causal_lm", "MistralModel": "backbone"},
 }
 
 # Hugging Face `activation_function` -> kzoo activation name. "gelu_fast" is the same tanh
@@ -219,6 +220,13 @@ _MODERN_DEFAULTS = {
         attention_dropout=0.0, num_experts_per_tok=2, num_local_experts=8,
         router_jitter_noise=0.0, rope_scaling=None,
     ),
+    "mistral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+        max_position_embeddings=4096 * 32, initializer_range=0.02, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=10000.0, sliding_window=4096,
+        attention_dropout=0.0, rope_scaling=None,
+    ),
 }
 
 
@@ -268,14 +276,16 @@ def _modern_config_from_hf(hf_config, source):
             "matrix products; the result is the same.", stacklevel=2,
         )
     window, positions = cfg.get("sliding_window"), cfg["max_position_embeddings"]
-    if window is not None and not (
-        isinstance(window, (int, float)) and isinstance(positions, (int, float))
-        and window >= positions
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
         raise ValueError(
-            f"{model_type} config field `sliding_window`={window} is not supported (only None "
-            f"or >= max_position_embeddings={cfg['max_position_embeddings']})."
+            f"{model_type} config field `sliding_window`={window!r} must be None or a "
+            "positive integer."
         )
+    # Query i sees keys j with 0 <= i - j < sliding_window (transformers'
+    # `sliding_window_overlay`): kzoo's causal sliding window of the same size.
+    sliding = window is not None and window < positions
     heads = cfg["num_attention_heads"]
     config = dict(
         vocabulary_size=cfg["vocab_size"],
@@ -299,7 +309,9 @@ def _modern_config_from_hf(hf_config, source):
     if model_type == "mixtral":
         config.update(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                       capacity_factor=None, expert_type="gated")
-    names = dict(_MODERN_HF_NAMES)
+    if sliding:
+        config.update(attention="sliding_window", attention_options={"window": window})
+    names = dict(_MODERN_HF_NAMES, attention_options="sliding_window")
     if not cfg["num_key_value_heads"]:
         names["num_kv_heads"] = "num_attention_heads"
     config = _validated(config, source, names)
@@ -479,6 +491,8 @@ def to_hf(model):
         problems.append(f"activation={backbone.activation!r}")
     if backbone.attention_scale not in (None, 1.0):
         problems.append(f"attention_scale={backbone.attention_scale} (GPT-2: None or 1.0)")
+    if backbone.attention != "full":
+        problems.append(f"attention={backbone.attention!r} (GPT-2: 'full')")
     if problems:
         raise ValueError(
             "Only GPT-2-configured models (or rotary LLaMA / Mixtral configurations) can be "
@@ -561,6 +575,12 @@ def _modern_to_hf(backbone, task):
     if backbone.activation not in _HF_ACTIVATIONS:
         problems.append(f"activation={backbone.activation!r}")
     moe = backbone.feedforward == "moe"
+    sliding = backbone.attention == "sliding_window"
+    if backbone.attention not in ("full", "sliding_window"):
+        problems.append(f"attention={backbone.attention!r} (LLaMA / Mixtral: 'full'; "
+                        "Mistral / Mixtral: 'sliding_window')")
+    if sliding and not moe and backbone.use_bias:
+        problems.append("use_bias=True (Mistral has no biases)")
     if moe:
         if backbone.use_bias:
             problems.append("use_bias=True (Mixtral has no biases)")
@@ -575,8 +595,9 @@ def _modern_to_hf(backbone, task):
         )
     act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh"}.get(
         backbone.activation, _HF_ACTIVATIONS[backbone.activation])
-    model_type = "mixtral" if moe else "llama"
-    name = {"llama": "Llama", "mixtral": "Mixtral"}[model_type]
+    model_type = "mixtral" if moe else ("mistral" if sliding else "llama")
+    name = {"llama": "Llama", "mixtral": "Mixtral", "mistral": "Mistral"}[model_type]
+    window = backbone.attention_options["window"] if sliding else None
     hf_config = {
         "model_type": model_type,
         "architectures": [f"{name}ForCausalLM" if task == "causal_lm" else f"{name}Model"],
@@ -600,8 +621,10 @@ def _modern_to_hf(backbone, task):
     }
     if moe:
         hf_config.update(num_local_experts=backbone.num_experts,
-                         num_experts_per_tok=backbone.top_k, sliding_window=None,
+                         num_experts_per_tok=backbone.top_k, sliding_window=window,
                          router_jitter_noise=0.0)
+    elif sliding:
+        hf_config.update(sliding_window=window)
     else:
         hf_config.update(attention_bias=backbone.use_bias, mlp_bias=backbone.use_bias)
     prefix = "model." if task is not None else ""

@@ -9,6 +9,7 @@ from kzoo.layers.kernels import (
     dot_product_attention,
     reference_attention,
 )
+from kzoo.layers import efficient_attention as efficient
 from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
@@ -52,6 +53,11 @@ class MultiHeadAttention(keras.layers.Layer):
             base are applied to queries and keys (after projection, before attention).
         rope_scaling_factor: linear position-interpolation factor for the rotary embedding.
         kernel: attention kernel ("auto", "reference", "fused", "chunked").
+        attention: the attention type of self-attention: "full" (softmax over every key, on
+            `kernel`) or an efficient variant, "sliding_window", "strided", "longformer",
+            "block_sparse", "bigbird", "linear" or "performer" (see
+            `kzoo.layers.efficient_attention` for each one's pattern, cost and options).
+        attention_options: the options of `attention` as a dict (e.g. `{"window": 256}`).
         kernel_initializer, bias_initializer: initialisers of the projections.
         query_initializer: initialiser of the query kernel (None: `kernel_initializer`;
             T5 draws it with std `(hidden * head_dim)^-1/2`).
@@ -77,11 +83,17 @@ class MultiHeadAttention(keras.layers.Layer):
             `cache_index` (self-attention decoding) the new keys/values are written at
             `cache_index` and the queries attend to the whole cache, query i sitting at
             position `cache_index + i`. Without `cache_index` the cache holds precomputed
-            keys/values (cross-attention) and `value` is ignored.
+            keys/values (cross-attention) and `value` is ignored. Efficient types decode on
+            their own caches (see `init_cache`): "sliding_window" on a rolling cache of
+            `window` slots (slot `position % window`), "linear"/"performer" on the recurrent
+            state `(S, z)`; both take a prompt of several tokens only at `cache_index=0`.
         cache_index: int or scalar tensor, position of the first query.
         position_index: first position for the rotary embedding (defaults to `cache_index`
             or 0).
-        return_attention_weights: also return `(batch, heads, q_len, k_len)` probabilities.
+        return_attention_weights: also return `(batch, heads, q_len, k_len)` probabilities
+            (efficient types: computed by the explicit quadratic formula of their pattern).
+        global_attention_mask: "longformer" only: `(batch, seq)`, True/1 for global tokens
+            (replaces the `global_tokens` option; Hugging Face's `global_attention_mask`).
 
     Returns:
         `output`, followed by the weights if asked, followed by the updated cache if a
@@ -107,6 +119,8 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
         kernel="auto",
+        attention="full",
+        attention_options=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         query_initializer=None,
@@ -134,6 +148,8 @@ class MultiHeadAttention(keras.layers.Layer):
             check_positive_float("rope_max_wavelength", rope_max_wavelength)
         check_positive_float("rope_scaling_factor", rope_scaling_factor)
         check_choice("kernel", kernel, KERNELS)
+        self.attention, self.attention_options = efficient.check_attention(
+            attention, attention_options)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -205,6 +221,10 @@ class MultiHeadAttention(keras.layers.Layer):
         self.key_dense.build(value_shape)
         self.value_dense.build(value_shape)
         self.output_dense.build(tuple(query_shape[:-1]) + (self.num_heads * self._head_dim,))
+        self._projection = None
+        if self.attention in efficient.LINEAR_TYPES:
+            self._projection = efficient.projection(self.attention, self.attention_options,
+                                                    self._head_dim)
         self.built = True
 
     def _split(self, x, heads):
@@ -244,6 +264,7 @@ class MultiHeadAttention(keras.layers.Layer):
         cache_index=None,
         position_index=None,
         return_attention_weights=False,
+        global_attention_mask=None,
         training=None,
     ):
         cross = value is not None
@@ -258,6 +279,15 @@ class MultiHeadAttention(keras.layers.Layer):
         else:
             start = cache_index if cache_index is not None else 0
 
+        if self.attention != "full" and not cross:
+            return self._efficient_call(
+                q, query, q_len, start, attention_mask, attention_bias, use_causal_mask, cache,
+                cache_index, return_attention_weights, global_attention_mask, training)
+        if global_attention_mask is not None:
+            raise ValueError(
+                "`global_attention_mask` is for attention='longformer' self-attention; this "
+                f"layer has attention={self.attention!r}"
+                + (" and is called as cross-attention." if cross else "."))
         if cache is not None and cache_index is None:
             # Precomputed keys/values (cross-attention decoding).
             k, v = self.cached_key_value(cache)
@@ -307,6 +337,9 @@ class MultiHeadAttention(keras.layers.Layer):
             out, weights = result
         else:
             out, weights = result, None
+        return self._finish(out, weights, q_len, return_attention_weights, cache, new_cache)
+
+    def _finish(self, out, weights, q_len, return_attention_weights, cache, new_cache):
         out = ops.reshape(out, (-1, q_len, self.num_heads * self._head_dim))
         out = self.output_dense(out)
         outputs = (out,)
@@ -315,6 +348,213 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache is not None:
             outputs += (new_cache,)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    # === Efficient attention types ===
+
+    def _efficient_call(self, q, query, q_len, start, attention_mask, attention_bias,
+                        use_causal_mask, cache, cache_index, return_weights, global_mask,
+                        training):
+        kind = self.attention
+        if attention_bias is not None:
+            raise ValueError(
+                f"attention={kind!r} takes no `attention_bias` (ALiBi, relative or graph "
+                "biases need attention='full')."
+            )
+        if global_mask is not None and kind != "longformer":
+            raise ValueError(
+                f"`global_attention_mask` is for attention='longformer'; this layer has "
+                f"attention={kind!r}."
+            )
+        k, v = self.project_key_value(query)
+        if self.rotary is not None:
+            q = self.rotary(q, start_index=start)
+            k = self.rotary(k, start_index=start)
+        mask = normalize_mask(attention_mask, "attention_mask")
+        if mask is not None and (mask.shape[1] != 1 or mask.shape[2] != 1):
+            raise ValueError(
+                f"attention={kind!r} takes a key padding mask only ((batch, seq) or (batch, 1, "
+                f"1, seq)); got attention_mask of shape {tuple(attention_mask.shape)}."
+            )
+        tap = active_tap()
+        need_weights = return_weights or tap is not None
+        new_cache = None
+        if cache is not None:
+            if cache_index is None or not use_causal_mask:
+                raise ValueError(
+                    f"attention={kind!r} caches are for causal self-attention decoding: pass "
+                    "`cache_index` and use_causal_mask=True."
+                )
+            out, weights, values, new_cache = self._efficient_decode(
+                q, k, v, mask, cache, cache_index, q_len, need_weights)
+        elif need_weights:
+            weights, values = self._explicit_weights(q, k, mask, use_causal_mask,
+                                                     global_mask), v
+            out = _grouped_output(weights, values, q.dtype)
+        else:
+            weights = None
+            out = efficient.efficient_attention(
+                q, k, v, kind, self.attention_options, causal=use_causal_mask, mask=mask,
+                scale=self.scale, global_mask=global_mask, projection_matrix=self._projection)
+        if tap is not None:
+            out, weights = self._tap_weights(tap, weights, values, training)
+        return self._finish(out, weights, q_len, return_weights, cache, new_cache)
+
+    def _tap_weights(self, tap, weights, v, training):
+        """(output, weights) after the tap saw/replaced the weights (as `_tapped_attention`)."""
+        weights = tap._on_attention(self, weights)
+        head_scale = tap._head_scale(self)
+        if head_scale is not None:
+            head_scale = ops.reshape(ops.cast(head_scale, weights.dtype), (1, -1, 1, 1))
+            weights = weights * head_scale
+        if training and self.dropout > 0:
+            weights = keras.random.dropout(weights, self.dropout, seed=self.seed_generator)
+        return _grouped_output(weights, v, v.dtype), weights
+
+    def _explicit_weights(self, q, k, mask, causal, global_mask, offset=0):
+        """`(batch, heads, q, k)` weights of this layer's type by the explicit quadratic
+        formula (sparse: softmax under the pattern as a dense mask; linear: the normalised
+        feature products)."""
+        kind = self.attention
+        n, k_len = q.shape[1], k.shape[1]
+        if kind not in efficient.LINEAR_TYPES:
+            pattern = efficient.dense_pattern(kind, self.attention_options, n, causal=causal,
+                                              global_mask=global_mask, offset=offset,
+                                              k_len=k_len)
+            _, weights = reference_attention(q, k, k, mask=merge_masks(mask, pattern),
+                                             scale=self.scale, return_weights=True)
+            return weights
+        from kzoo.layers.linear_attention import feature_map_features
+
+        fmap = "favor" if kind == "performer" else self.attention_options["feature_map"]
+        proj = None if self._projection is None else ops.convert_to_tensor(self._projection)
+        fq = feature_map_features(q, fmap, proj, self.scale, is_query=None)
+        fk = feature_map_features(k, fmap, proj, self.scale, is_query=None)
+        fk = ops.repeat(fk, self.num_heads // self._kv_heads, axis=2)
+        scores = ops.einsum("bqhm,bkhm->bhqk", fq, fk)
+        allowed = None if mask is None else mask
+        if causal:
+            allowed = merge_masks(allowed, causal_mask(n, k_len, offset=offset))
+        if allowed is not None:
+            scores = ops.where(allowed, scores, 0.0)
+        total = ops.sum(scores, axis=-1, keepdims=True)
+        weights = ops.where(total > 0, scores / ops.where(total > 0, total, 1.0), 0.0)
+        return ops.cast(weights, q.dtype)
+
+    def init_cache(self, batch_size, max_length, dtype=None):
+        """A fresh decoding cache of this layer for `max_length` positions: full attention
+        and the sparse types, `(batch, 2, kv_heads, max_length, head_dim)` zeros;
+        "sliding_window", `(batch, 2, kv_heads, min(window, max_length), head_dim)` (a
+        rolling cache); "linear"/"performer", the recurrent state `(S, z)`.
+
+        Example:
+        >>> cache = layer.init_cache(2, 64)
+        """
+        dtype = dtype or self.compute_dtype
+        head_dim = self._head_dim if self.built else self.head_dim
+        if head_dim is None:
+            raise ValueError("init_cache needs a built layer or an explicit head_dim.")
+        if self.attention in efficient.LINEAR_TYPES:
+            from kzoo.layers.linear_attention import linear_attention_state
+
+            features = efficient.feature_count(self.attention, self.attention_options,
+                                               head_dim)
+            return linear_attention_state(batch_size, self._kv_heads, features, head_dim)
+        slots = max_length
+        if self.attention == "sliding_window":
+            slots = efficient.rolling_cache_length(self.attention_options, max_length)
+        return ops.zeros((batch_size, 2, self._kv_heads, slots, head_dim), dtype=dtype)
+
+    def _efficient_decode(self, q, k, v, mask, cache, cache_index, q_len, need_weights):
+        """(output, weights or None, the values the weights apply to, new cache) of a
+        decoding call on this type's cache."""
+        kind = self.attention
+        padding = None if mask is None else mask[:, 0, 0, :]  # (batch, max_length)
+        multi = not (isinstance(q_len, int) and q_len == 1)
+        if multi and not (isinstance(cache_index, int) and cache_index == 0):
+            raise ValueError(
+                f"attention={kind!r} decodes a prompt of several tokens only at cache_index=0, "
+                f"then one token a call; got {q_len} tokens at cache_index={cache_index!r}."
+            )
+        index = ops.convert_to_tensor(cache_index, "int32")
+        if kind in efficient.LINEAR_TYPES:
+            return self._linear_decode(q, k, v, padding, cache, index, q_len, need_weights)
+        if kind == "sliding_window":
+            return self._rolling_decode(q, k, v, padding, cache, index, q_len, multi,
+                                        need_weights)
+        # Other sparse types: a full cache, the pattern as a dense mask over the cache.
+        zero = ops.zeros((), "int32")
+        new_cache = ops.slice_update(cache, [zero, zero, zero, index, zero],
+                                     ops.cast(self.key_value_cache(k, v), cache.dtype))
+        keys, values = self.cached_key_value(new_cache)
+        pattern = efficient.dense_pattern(kind, self.attention_options, q_len, causal=True,
+                                          offset=index, k_len=keys.shape[1])
+        full_mask = merge_masks(None if padding is None else padding[:, None, None, :],
+                                pattern)
+        out, weights = reference_attention(q, keys, values, mask=full_mask, scale=self.scale,
+                                           return_weights=True)
+        return out, weights, values, new_cache
+
+    def _rolling_decode(self, q, k, v, padding, cache, index, q_len, multi, need_weights):
+        window = self.attention_options["window"]
+        slots = cache.shape[3]
+        if multi:
+            # The prompt: banded attention over it, then its last `slots` keys/values
+            # into the slots `position % slots`.
+            prompt_mask = None if padding is None else padding[:, :q_len]
+            if need_weights:
+                weights = self._explicit_weights(q, k, None if prompt_mask is None
+                                                 else prompt_mask[:, None, None, :],
+                                                 True, None)
+                out = _grouped_output(weights, v, q.dtype)
+            else:
+                weights = None
+                out = efficient.efficient_attention(
+                    q, k, v, "sliding_window", self.attention_options, causal=True,
+                    mask=prompt_mask, scale=self.scale)
+            update = self.key_value_cache(k, v)  # (b, 2, kv, q_len, d)
+            if q_len >= slots:
+                update = ops.roll(update[:, :, :, q_len - slots:], q_len % slots, axis=3)
+            else:
+                update = ops.pad(update, [[0, 0], [0, 0], [0, 0], [0, slots - q_len],
+                                          [0, 0]])
+            return out, weights, v, ops.cast(update, cache.dtype)
+        zero = ops.zeros((), "int32")
+        slot = index % slots
+        new_cache = ops.slice_update(cache, [zero, zero, zero, slot, zero],
+                                     ops.cast(self.key_value_cache(k, v), cache.dtype))
+        keys, values = self.cached_key_value(new_cache)
+        # Slot s holds position index - ((index - s) mod slots): the last `slots` positions.
+        held = index - (index - ops.arange(slots, dtype="int32")) % slots
+        valid = ops.logical_and(held >= 0, index - held < window)[None, :]
+        if padding is not None:
+            seen = ops.take(ops.cast(padding, "bool"), ops.maximum(held, 0), axis=1)
+            valid = ops.logical_and(valid, seen)
+        valid = valid[:, None, None, :]
+        if need_weights:
+            out, weights = reference_attention(q, keys, values, mask=valid, scale=self.scale,
+                                               return_weights=True)
+            return out, weights, values, new_cache
+        out = dot_product_attention(q, keys, values, mask=valid, scale=self.scale,
+                                    kernel=self.kernel)
+        return out, None, values, new_cache
+
+    def _linear_decode(self, q, k, v, padding, cache, index, q_len, need_weights):
+        from kzoo.layers.linear_attention import linear_attention
+
+        if padding is not None:
+            padding = ops.slice(padding, [0, index], [ops.shape(padding)[0], q_len])
+        fmap = "favor" if self.attention == "performer" else self.attention_options[
+            "feature_map"]
+        out, state = linear_attention(
+            q, k, v, feature_map=fmap, causal=True, mask=padding, projection=self._projection,
+            scale=self.scale, initial_state=tuple(cache), return_state=True)
+        if need_weights:
+            raise ValueError(
+                f"attention={self.attention!r} keeps no keys while decoding (an O(1) state), "
+                "so it has no attention weights to return or tap there; run the whole "
+                "sequence without a cache instead."
+            )
+        return out, None, v, state
 
     def _tapped_attention(self, tap, q, k, v, mask, bias, is_causal, training):
         """The exact formula with the probabilities handed to `tap` (see `kzoo.layers.taps`):
@@ -349,6 +589,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 "rope_max_wavelength": self.rope_max_wavelength,
                 "rope_scaling_factor": self.rope_scaling_factor,
                 "kernel": self.kernel,
+                "attention": self.attention,
+                "attention_options": self.attention_options,
                 "kernel_initializer": self.kernel_initializer,
                 "bias_initializer": self.bias_initializer,
                 "query_initializer": self.query_initializer,

@@ -28,6 +28,7 @@ import re
 import keras
 
 from kzoo.layers.attention import MultiHeadAttention
+from kzoo.layers.efficient_attention import check_attention
 from kzoo.layers.feedforward import FeedForward, GatedFeedForward
 from kzoo.layers.kernels import KERNELS
 from kzoo.layers.masks import merge_masks
@@ -107,6 +108,9 @@ class TransformerBlock(keras.layers.Layer):
         rope_max_wavelength, rope_scaling_factor: rotary embeddings in self-attention.
         num_experts, top_k, capacity_factor, expert_type: mixture-of-experts options.
         kernel: attention kernel.
+        attention, attention_options: the self-attention type ("full" or an efficient
+            variant) and its options (see `kzoo.layers.efficient_attention`); cross-attention
+            is always full.
         kernel_initializer: initialiser of every kernel whose own argument below is None.
         query_initializer: query kernels (self and cross-attention).
         key_value_initializer: key and value kernels.
@@ -126,6 +130,7 @@ class TransformerBlock(keras.layers.Layer):
         encoder_outputs, encoder_padding_mask, cross_attention_bias: cross-attention inputs.
         cache, cache_index: self-attention key/value cache (see `MultiHeadAttention`).
         cross_cache: precomputed cross-attention keys/values.
+        global_attention_mask: `(batch, seq)` global tokens of attention="longformer".
 
     Returns:
         The block output; with a cache, `(output, cache)`; with a cross cache too,
@@ -165,6 +170,8 @@ class TransformerBlock(keras.layers.Layer):
         capacity_factor=None,
         expert_type="gated",
         kernel="auto",
+        attention="full",
+        attention_options=None,
         kernel_initializer="glorot_uniform",
         query_initializer=None,
         key_value_initializer=None,
@@ -219,6 +226,7 @@ class TransformerBlock(keras.layers.Layer):
         self.capacity_factor = capacity_factor
         self.expert_type = expert_type
         self.kernel = kernel
+        self.attention, self.attention_options = check_attention(attention, attention_options)
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self.query_initializer = _optional(query_initializer)
         self.key_value_initializer = _optional(key_value_initializer)
@@ -228,11 +236,11 @@ class TransformerBlock(keras.layers.Layer):
         self.router_initializer = _optional(router_initializer)
 
         # === Layers ===
-        self.self_attention = self._attention("self_attention", rope=True)
+        self.self_attention = self._attention("self_attention", is_self=True)
         self.self_attention_norm = self._norm("self_attention_norm")
         self.self_attention_dropout = self._dropout("self_attention_dropout")
         if cross_attention:
-            self.cross_attention_layer = self._attention("cross_attention", rope=False)
+            self.cross_attention_layer = self._attention("cross_attention", is_self=False)
             self.cross_attention_norm = self._norm("cross_attention_norm")
             self.cross_attention_dropout = self._dropout("cross_attention_dropout")
         self.feedforward_layer = self._feedforward()
@@ -247,7 +255,7 @@ class TransformerBlock(keras.layers.Layer):
         Each sub-layer deserialises it afresh, so every kernel gets its own random draw."""
         return getattr(self, name) or self.kernel_initializer
 
-    def _attention(self, name, rope):
+    def _attention(self, name, is_self):
         return MultiHeadAttention(
             num_heads=self.num_heads,
             head_dim=self.head_dim,
@@ -256,9 +264,11 @@ class TransformerBlock(keras.layers.Layer):
             qkv_bias=self.qkv_bias,
             dropout=self.attention_dropout,
             scale=self.attention_scale,
-            rope_max_wavelength=self.rope_max_wavelength if rope else None,
+            rope_max_wavelength=self.rope_max_wavelength if is_self else None,
             rope_scaling_factor=self.rope_scaling_factor,
             kernel=self.kernel,
+            attention=self.attention if is_self else "full",
+            attention_options=self.attention_options if is_self else None,
             kernel_initializer=self.kernel_initializer,
             query_initializer=self._initializer("query_initializer"),
             key_value_initializer=self._initializer("key_value_initializer"),
@@ -329,6 +339,7 @@ class TransformerBlock(keras.layers.Layer):
         cache=None,
         cache_index=None,
         cross_cache=None,
+        global_attention_mask=None,
         training=None,
     ):
         if self.cross_attention and encoder_outputs is None and cross_cache is None:
@@ -349,6 +360,7 @@ class TransformerBlock(keras.layers.Layer):
             use_causal_mask=self.causal,
             cache=cache,
             cache_index=cache_index,
+            global_attention_mask=global_attention_mask,
             training=training,
         )
         if cache is not None:
@@ -440,6 +452,8 @@ class TransformerBlock(keras.layers.Layer):
                 "capacity_factor": self.capacity_factor,
                 "expert_type": self.expert_type,
                 "kernel": self.kernel,
+                "attention": self.attention,
+                "attention_options": self.attention_options,
                 "kernel_initializer": self.kernel_initializer,
                 **{name: getattr(self, name) for name in _INITIALIZERS},
             }

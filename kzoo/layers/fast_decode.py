@@ -63,7 +63,8 @@ def enabled(training=False):
 
 def decode_block(block, x, training=False, **kwargs):
     """`block(x, training=training, **kwargs)`, through `block_step` when `enabled()`."""
-    if kwargs.get("cache") is not None and enabled(training):
+    if (kwargs.get("cache") is not None and enabled(training)
+            and block.self_attention.attention == "full"):
         return block_step(block, x, **kwargs)
     return block(x, training=training, **kwargs)
 

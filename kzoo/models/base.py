@@ -62,6 +62,25 @@ class FamilyConfig:
         """`validator(name, value, *args, **kwargs)` on field `name`; store what it returns."""
         object.__setattr__(self, name, validator(name, getattr(self, name), *args, **kwargs))
 
+    def _check_attention_fields(self):
+        """Validate the `attention` / `attention_options` pair (see
+        `kzoo.layers.efficient_attention`); options are stored with their defaults filled
+        in (None for "full"), so equal settings give equal configs."""
+        from kzoo.layers.efficient_attention import check_attention
+
+        try:
+            attention, options = check_attention(self.attention, self.attention_options)
+        except FieldError:
+            raise
+        except ValueError as error:
+            message = str(error)
+            field = "attention" if "`attention`" in message else "attention_options"
+            if field == "attention_options" and "`attention_options`" not in message:
+                message = f"`attention_options` of attention={self.attention!r}: {message}"
+            raise FieldError(message, field) from error
+        object.__setattr__(self, "attention", attention)
+        object.__setattr__(self, "attention_options", options or None)
+
     @classmethod
     def field_names(cls):
         return [field.name for field in dataclasses.fields(cls)]

@@ -126,6 +126,8 @@ class BertConfig(FamilyConfig):
     layer_norm_epsilon: float = 1e-12
     activation: str = "gelu"
     initializer_range: float = 0.02
+    attention: str = "full"
+    attention_options: Optional[dict] = None
 
     def __post_init__(self):
         check = self._check
@@ -142,6 +144,7 @@ class BertConfig(FamilyConfig):
         check("layer_norm_epsilon", check_positive_float)
         check("activation", check_choice, ACTIVATION_NAMES)
         check("initializer_range", check_positive_float)
+        self._check_attention_fields()
 
 
 # === Backbone ===
@@ -171,6 +174,10 @@ class BertBackbone(Backbone):
         activation: feed-forward activation ("gelu" = exact erf, "gelu_new", "relu", ...; see
             `kzoo.layers.get_activation`).
         initializer_range: standard deviation of the normal initialiser.
+        attention: the self-attention type: "full", or an efficient variant
+            ("sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
+            "performer"; see `kzoo.layers.efficient_attention`).
+        attention_options: the options of `attention` (e.g. `{"window": 128}`).
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
     The arguments (all but `dtype` and Keras' own) are the fields of `BertConfig`, which
@@ -211,6 +218,8 @@ class BertBackbone(Backbone):
         layer_norm_epsilon=1e-12,
         activation="gelu",
         initializer_range=0.02,
+        attention="full",
+        attention_options=None,
         dtype=None,
         **kwargs,
     ):
@@ -228,6 +237,8 @@ class BertBackbone(Backbone):
             layer_norm_epsilon=layer_norm_epsilon,
             activation=activation,
             initializer_range=initializer_range,
+            attention=attention,
+            attention_options=attention_options,
         )
         policy = _dtype_policy(dtype)
         init = bert_kernel_initializer(initializer_range)
@@ -263,6 +274,8 @@ class BertBackbone(Backbone):
                 dropout=dropout,
                 attention_dropout=dropout if attention_dropout is None else attention_dropout,
                 activation_dropout=0.0,
+                attention=config.attention,
+                attention_options=config.attention_options,
                 kernel_initializer=init,
                 dtype=policy,
                 name=f"transformer_layer_{i}",

@@ -112,6 +112,8 @@ class GPTConfig(FamilyConfig):
     tie_embeddings: bool = True
     attention_scale: Optional[float] = None
     initializer_range: float = 0.02
+    attention: str = "full"
+    attention_options: Optional[dict] = None
 
     def __post_init__(self):
         check = self._check
@@ -162,6 +164,7 @@ class GPTConfig(FamilyConfig):
         check("tie_embeddings", check_bool)
         check("attention_scale", check_positive_float, allow_none=True)
         check("initializer_range", check_positive_float)
+        self._check_attention_fields()
 
 
 # === Backbone ===
@@ -207,6 +210,12 @@ class GPTBackbone(Backbone):
             (`token_embedding.reverse_embeddings`).
         attention_scale: attention score scale (None = `head_dim ** -0.5`).
         initializer_range: standard deviation of the normal initialiser.
+        attention: the self-attention type: "full", or an efficient variant
+            ("sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
+            "performer"; see `kzoo.layers.efficient_attention`). Decoding keeps a rolling
+            cache of `window` slots for "sliding_window" and an O(1) recurrent state for
+            "linear"/"performer".
+        attention_options: the options of `attention` (e.g. `{"window": 256}`).
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
@@ -254,6 +263,8 @@ class GPTBackbone(Backbone):
         tie_embeddings=True,
         attention_scale=None,
         initializer_range=0.02,
+        attention="full",
+        attention_options=None,
         dtype=None,
         **kwargs,
     ):
@@ -281,6 +292,8 @@ class GPTBackbone(Backbone):
             tie_embeddings=tie_embeddings,
             attention_scale=attention_scale,
             initializer_range=initializer_range,
+            attention=attention,
+            attention_options=attention_options,
         )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
@@ -326,6 +339,8 @@ class GPTBackbone(Backbone):
                 top_k=top_k,
                 capacity_factor=capacity_factor,
                 expert_type=expert_type,
+                attention=config.attention,
+                attention_options=config.attention_options,
                 kernel_initializer=init,
                 attention_output_initializer=residual_init,
                 feedforward_output_initializer=residual_init,
@@ -378,13 +393,25 @@ class GPTBackbone(Backbone):
     def init_cache(self, batch_size, max_length, per_layer=False):
         """An all-zero key/value cache `(batch, num_layers, 2, kv_heads, max_length, head_dim)`.
 
-        With `per_layer=True`, a list of `num_layers` caches `(batch, 2, max_length,
-        kv_heads, head_dim)` instead: what the decode loop of `kzoo.generation` carries, so
+        With `per_layer=True`, a list of `num_layers` caches `(batch, 2, kv_heads,
+        max_length, head_dim)` instead: what the decode loop of `kzoo.generation` carries, so
         that each layer's keys/values are written in place and never re-stacked.
+
+        Efficient attention types keep their own caches (`MultiHeadAttention.init_cache`):
+        "sliding_window" `min(window, max_length)` rolling slots instead of `max_length`;
+        "linear"/"performer" the recurrent state `(S, z)` (stacked: `(S, z)` with a layer
+        axis after the batch).
 
         Example:
         >>> cache = backbone.init_cache(2, 32)
         """
+        if self.attention != "full":
+            caches = [block.self_attention.init_cache(batch_size, max_length,
+                                                      dtype=self.compute_dtype)
+                      for block in self.transformer_layers]
+            if per_layer:
+                return caches
+            return keras.tree.map_structure(lambda *xs: ops.stack(xs, axis=1), *caches)
         shape = (batch_size, 2, self.num_kv_heads or self.num_heads, max_length,
                  self.head_dim)
         if per_layer:
@@ -405,7 +432,8 @@ class GPTBackbone(Backbone):
         Args:
             token_ids: int `(batch, q_len)`.
             cache: `(batch, num_layers, 2, kv_heads, max_length, head_dim)`, or a list of
-                per-layer caches (see `init_cache`); returned updated in the same form.
+                per-layer caches (see `init_cache`, also for the efficient attention types'
+                caches); returned updated in the same form.
             cache_index: int or scalar int tensor, the cache slot of the first token.
             padding_mask: `(batch, max_length)` over the cache slots, 1 = may be attended
                 (prompt padding 0; slots not yet written may be 1: the causal mask hides
@@ -439,20 +467,23 @@ class GPTBackbone(Backbone):
                 x = x + ops.take(table, positions, axis=0)
         if not fast_decode.enabled(training):  # (dropout is the identity there)
             x = self.embeddings_dropout(x, training=training)
-        per_layer = isinstance(cache, (list, tuple))
+        per_layer = isinstance(cache, list)
         new_caches = []
         for i, block in enumerate(self.transformer_layers):
             x, layer_cache = decode_block(
                 block,
                 x,
                 padding_mask=padding_mask,
-                cache=cache[i] if per_layer else cache[:, i],
+                cache=cache[i] if per_layer else keras.tree.map_structure(
+                    lambda c: c[:, i], cache),
                 cache_index=cache_index,
                 training=training,
             )
             new_caches.append(layer_cache)
         x = fast_decode.norm(self.final_norm, x)
-        return x, new_caches if per_layer else ops.stack(new_caches, axis=1)
+        if per_layer:
+            return x, new_caches
+        return x, keras.tree.map_structure(lambda *xs: ops.stack(xs, axis=1), *new_caches)
 
 
 # === Task model ===

@@ -18,7 +18,7 @@ higher resolution.
 
 import dataclasses
 import math
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import keras
 import numpy as np
@@ -334,6 +334,8 @@ class ViTConfig(FamilyConfig):
     activation: str = "gelu"
     use_class_token: bool = True
     qkv_bias: bool = True
+    attention: str = "full"
+    attention_options: Optional[dict] = None
 
     def __post_init__(self):
         check = self._check
@@ -361,6 +363,7 @@ class ViTConfig(FamilyConfig):
         check("activation", check_choice, ACTIVATION_NAMES)
         check("use_class_token", check_bool)
         check("qkv_bias", check_bool)
+        self._check_attention_fields()
 
 
 # === Functional Model ===
@@ -395,6 +398,10 @@ class ViTBackbone(Backbone):
         activation: MLP activation name (see `kzoo.layers.feedforward.get_activation`).
         use_class_token: prepend a learned class token.
         qkv_bias: biases in the query/key/value projections.
+        attention: the self-attention type: "full", or an efficient variant
+            ("sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
+            "performer"; see `kzoo.layers.efficient_attention`).
+        attention_options: the options of `attention` (e.g. `{"window": 128}`).
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `ViTConfig`, which
@@ -434,6 +441,8 @@ class ViTBackbone(Backbone):
         activation="gelu",
         use_class_token=True,
         qkv_bias=True,
+        attention="full",
+        attention_options=None,
         dtype=None,
         **kwargs,
     ):
@@ -452,6 +461,8 @@ class ViTBackbone(Backbone):
             activation=activation,
             use_class_token=use_class_token,
             qkv_bias=qkv_bias,
+            attention=attention,
+            attention_options=attention_options,
         )
 
         # === Layers ===
@@ -476,6 +487,8 @@ class ViTBackbone(Backbone):
                 dropout=dropout,
                 attention_dropout=attention_dropout,
                 activation_dropout=dropout,
+                attention=config.attention,
+                attention_options=config.attention_options,
                 kernel_initializer="glorot_uniform",
                 dtype=dtype,
                 name=f"transformer_layer_{i}",

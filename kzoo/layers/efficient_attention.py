@@ -1,0 +1,381 @@
+"""The attention *type* of a layer: full softmax attention or one of the efficient variants.
+
+`MultiHeadAttention(attention=..., attention_options={...})`, `TransformerBlock` and the
+BERT, GPT and ViT configs (`attention`, `attention_options` fields; `kzoo.presets.load(name,
+attention="sliding_window", window=256)`) all take the same two values, checked here once:
+
+| `attention`      | options (required in bold)                                   | cost            |
+|------------------|--------------------------------------------------------------|-----------------|
+| "full"           | —                                                            | O(n^2)          |
+| "sliding_window" | **window**, block_size                                       | O(n * window)   |
+| "strided"        | **stride**                                                   | O(n * (stride + n / stride)) |
+| "longformer"     | **window**, global_tokens (default 1: the first token), block_size | O(n * (window + G)) |
+| "block_sparse"   | **block_size**, **layout** (`(heads or 1, n_blocks, n_blocks)` booleans) | O(n * active blocks * block_size) |
+| "bigbird"        | **block_size**, window_blocks=3, global_blocks=1, random_blocks=2, seed=0 | O(n * blocks * block_size) |
+| "linear"         | feature_map="elu" ("elu", "fourier", "favor"), num_features, seed=0 | O(n * features) |
+| "performer"      | num_features=128, seed=0 (linear attention with FAVOR+ features) | O(n * features) |
+
+The kernels are those of `kzoo.layers.sparse_attention` and `kzoo.layers.linear_attention`
+(their docstrings give the exact patterns; `window` follows `kzoo.layers.sliding_window_mask`:
+query `i` sees key `j` when `|i - j| < window`, causal `0 <= i - j < window`). Every variant is
+self-attention with at most a key padding mask; additive biases (ALiBi, T5's relative bias,
+Graphormer's) and general `(q, k)` masks need "full". The efficient variants never build the
+probability matrix, so attention-probability dropout does not apply to them (residual and
+feed-forward dropout still do).
+
+Decoding (see `MultiHeadAttention`): "sliding_window" keeps a rolling cache of `window` key /
+value slots (`rolling_cache_length`), so a cache's memory does not grow with the length;
+"linear" and "performer" keep the O(1) recurrent state `(S, z)` of
+`kzoo.layers.linear_attention_state`. The other sparse variants decode on a full key/value
+cache with their pattern as a dense mask of the cached keys (`dense_pattern`).
+
+Example:
+>>> check_attention("sliding_window", {"window": 128})
+('sliding_window', {'window': 128})
+>>> check_attention("sliding_window", {"window": 0})
+ValueError: `window` must be a positive integer; got window=0.
+"""
+
+import numpy as np
+from keras import ops
+
+from kzoo.layers import linear_attention as linear_mod
+from kzoo.layers import sparse_attention as sparse_mod
+from kzoo.layers.utils import (
+    check_choice,
+    check_non_negative_int,
+    check_positive_int,
+)
+
+ATTENTION_TYPES = (
+    "full", "sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
+    "performer",
+)
+# Option -> default (a `_REQUIRED` default must be given) for each type.
+_REQUIRED = object()
+ATTENTION_OPTIONS = {
+    "full": {},
+    "sliding_window": {"window": _REQUIRED, "block_size": None},
+    "strided": {"stride": _REQUIRED},
+    "longformer": {"window": _REQUIRED, "global_tokens": 1, "block_size": None},
+    "block_sparse": {"block_size": _REQUIRED, "layout": _REQUIRED},
+    "bigbird": {"block_size": _REQUIRED, "window_blocks": 3, "global_blocks": 1,
+                "random_blocks": 2, "seed": 0},
+    "linear": {"feature_map": "elu", "num_features": None, "seed": 0},
+    "performer": {"num_features": linear_mod.DEFAULT_NUM_FEATURES, "seed": 0},
+}
+# Every option name any type takes (what `kzoo.presets.load` folds into `attention_options`).
+OPTION_NAMES = tuple(sorted({name for opts in ATTENTION_OPTIONS.values() for name in opts}))
+LINEAR_TYPES = ("linear", "performer")
+
+
+def _check_global_tokens(value):
+    """A count of leading global tokens (int >= 0) or a list of positions -> int or tuple."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        positions = tuple(check_non_negative_int("global_tokens", int(p))
+                          if isinstance(p, (int, np.integer)) and not isinstance(p, bool)
+                          else _bad_global(value) for p in value)
+        return positions
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        _bad_global(value)
+    return check_non_negative_int("global_tokens", int(value))
+
+
+def _bad_global(value):
+    raise ValueError(
+        "`global_tokens` must be a count of leading global tokens (an int >= 0) or a list of "
+        f"token positions; got global_tokens={value!r}."
+    )
+
+
+def _check_layout(value):
+    try:
+        layout = np.asarray(value)
+    except Exception as error:  # ragged lists
+        raise ValueError(
+            "`layout` must be a boolean array (heads or 1, n_blocks, n_blocks); got "
+            f"layout={value!r}."
+        ) from error
+    if layout.ndim == 2:
+        layout = layout[None]
+    if (layout.ndim != 3 or layout.shape[1] != layout.shape[2] or layout.shape[1] == 0
+            or layout.dtype.kind not in "bi"):
+        raise ValueError(
+            "`layout` must be a boolean array (heads or 1, n_blocks, n_blocks); got an array "
+            f"of shape {layout.shape} and dtype {layout.dtype}."
+        )
+    return layout.astype(bool).tolist()
+
+
+_OPTION_CHECKS = {
+    "window": lambda v: check_positive_int("window", v),
+    "stride": lambda v: check_positive_int("stride", v),
+    "block_size": lambda v: None if v is None else check_positive_int("block_size", v),
+    "global_tokens": _check_global_tokens,
+    "layout": _check_layout,
+    "window_blocks": lambda v: check_positive_int("window_blocks", v),
+    "global_blocks": lambda v: check_non_negative_int("global_blocks", v),
+    "random_blocks": lambda v: check_non_negative_int("random_blocks", v),
+    "seed": lambda v: check_non_negative_int("seed", v),
+    "feature_map": lambda v: check_choice("feature_map", v, linear_mod.FEATURE_MAPS),
+    "num_features": lambda v: None if v is None else check_positive_int("num_features", v),
+}
+
+
+class AttentionOptions(dict):
+    """The checked options of an attention type: a plain dict (JSON, `get_config`) that is
+    read-only and hashable, so the frozen family configs holding one stay values."""
+
+    def __hash__(self):
+        return hash(repr(sorted(self.items())))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("attention options are read-only; build new ones with "
+                        "check_attention(attention, {**options, ...}).")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
+
+    def __reduce__(self):
+        return (AttentionOptions, (dict(self),))
+
+
+def check_attention(attention, options=None):
+    """Validate an attention type and its options -> `(attention, options with defaults)`.
+
+    Raises `ValueError` naming the type or option, its value and what is allowed: an unknown
+    type, an option the type does not take, a missing required option, or a bad value
+    (`window <= 0`, `num_features <= 0`, ...).
+
+    Example:
+    >>> check_attention("performer")
+    ('performer', {'num_features': 128, 'seed': 0})
+    """
+    check_choice("attention", attention, ATTENTION_TYPES)
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"`attention_options` must be a dict of option values or None; got "
+            f"attention_options={options!r}."
+        )
+    allowed = ATTENTION_OPTIONS[attention]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"attention={attention!r} takes the options {sorted(allowed) or 'none'}; got "
+            f"unknown option(s) {unknown} in attention_options={options!r}."
+        )
+    checked = {}
+    for name, default in allowed.items():
+        if name not in options or options[name] is None and default is _REQUIRED:
+            if default is _REQUIRED:
+                raise ValueError(
+                    f"attention={attention!r} needs the option `{name}` (e.g. "
+                    f"kzoo.presets.load(..., attention={attention!r}, {name}=...)); got "
+                    f"attention_options={options!r}."
+                )
+            value = default
+        else:
+            value = options[name]
+        checked[name] = _OPTION_CHECKS[name](value) if value is not None else None
+    if attention == "linear" and checked["feature_map"] == "elu" and checked["num_features"]:
+        raise ValueError(
+            "`num_features` applies to the random feature maps ('fourier', 'favor') only; got "
+            f"feature_map='elu' with num_features={checked['num_features']}."
+        )
+    if attention == "sliding_window" or attention == "longformer":
+        block = checked["block_size"]
+        if block is not None and block < checked["window"]:
+            raise ValueError(
+                f"`block_size` must be >= window={checked['window']}; got "
+                f"block_size={block}."
+            )
+    return attention, AttentionOptions(checked)
+
+
+def feature_count(attention, options, head_dim):
+    """The number of features `F` of a linear type's recurrent state `(S, z)`."""
+    if attention == "performer":
+        return options["num_features"]
+    fmap = options["feature_map"]
+    if fmap == "elu":
+        return head_dim
+    m = options["num_features"] or linear_mod.DEFAULT_NUM_FEATURES
+    return 2 * m if fmap == "fourier" else m
+
+
+def projection(attention, options, head_dim):
+    """The fixed random matrix `(num_features, head_dim)` of a random feature map (NumPy), or
+    None for "elu". Drawn once from `seed`, so a layer uses the same features every call."""
+    fmap = "favor" if attention == "performer" else options["feature_map"]
+    if fmap == "elu":
+        return None
+    m = options["num_features"] or linear_mod.DEFAULT_NUM_FEATURES
+    return linear_mod.random_projection(m, head_dim, fmap, options["seed"])
+
+
+def _global_arg(options, n, global_mask):
+    if global_mask is not None:
+        return global_mask
+    g = options["global_tokens"]
+    if isinstance(g, tuple):
+        return list(g)
+    if g > n:
+        raise ValueError(
+            f"`global_tokens`={g} asks for more global tokens than the sequence has "
+            f"({n} tokens)."
+        )
+    return list(range(g))
+
+
+def _layout_for(options, n):
+    """The layout cut to the blocks a sequence of `n` tokens has (a model's layout covers
+    its longest input; shorter inputs use its leading blocks)."""
+    layout = np.asarray(options["layout"], bool)
+    blocks = -(-n // options["block_size"])
+    if blocks > layout.shape[1]:
+        raise ValueError(
+            f"`layout` covers {layout.shape[1]} blocks of block_size={options['block_size']} "
+            f"({layout.shape[1] * options['block_size']} tokens); got a sequence of {n} "
+            f"tokens ({blocks} blocks)."
+        )
+    return layout[:, :blocks, :blocks]
+
+
+def efficient_attention(query, key, value, attention, options, *, causal=False, mask=None,
+                        scale=None, global_mask=None, projection_matrix=None):
+    """Self-attention of type `attention` (not "full") on `(batch, seq, heads, head_dim)`.
+
+    Args:
+        query, key, value: as `kzoo.layers.dot_product_attention` (GQA allowed).
+        attention, options: a checked pair from `check_attention`.
+        causal: causal self-attention.
+        mask: key padding mask `(batch, seq)` or `(batch, 1, 1, seq)`, True = real token.
+        scale: score scale (None: `head_dim ** -0.5`).
+        global_mask: "longformer" only: `(batch, seq)` booleans marking global tokens,
+            replacing the `global_tokens` option (Hugging Face's `global_attention_mask`).
+        projection_matrix: linear types: the fixed random matrix (see `projection`).
+
+    Example:
+    >>> x = keras.random.normal((1, 64, 2, 8))
+    >>> efficient_attention(x, x, x, *check_attention("sliding_window", {"window": 8}),
+    ...                     causal=True).shape
+    (1, 64, 2, 8)
+    """
+    n = query.shape[1]
+    if attention == "sliding_window":
+        return sparse_mod.sliding_window_attention(
+            query, key, value, options["window"], causal=causal, mask=mask, scale=scale,
+            block_size=options["block_size"])
+    if attention == "strided":
+        return sparse_mod.strided_attention(query, key, value, options["stride"],
+                                            causal=causal, mask=mask, scale=scale)
+    if attention == "longformer":
+        return sparse_mod.longformer_attention(
+            query, key, value, options["window"], _global_arg(options, n, global_mask),
+            causal=causal, mask=mask, scale=scale, block_size=options["block_size"],
+            max_global=None if global_mask is None else _max_global(global_mask, n))
+    if attention == "block_sparse":
+        return sparse_mod.block_sparse_attention(
+            query, key, value, _layout_for(options, n), options["block_size"], causal=causal,
+            mask=mask, scale=scale)
+    if attention == "bigbird":
+        return sparse_mod.bigbird_attention(
+            query, key, value, options["block_size"], window_blocks=options["window_blocks"],
+            global_blocks=options["global_blocks"], random_blocks=options["random_blocks"],
+            seed=options["seed"], causal=causal, mask=mask, scale=scale)
+    if attention in LINEAR_TYPES:
+        fmap = "favor" if attention == "performer" else options["feature_map"]
+        return linear_mod.linear_attention(
+            query, key, value, feature_map=fmap, causal=causal, mask=_key_mask(mask),
+            projection=projection_matrix, scale=scale)
+    raise ValueError(f"efficient_attention got attention={attention!r}; use the full kernels.")
+
+
+def _max_global(global_mask, n):
+    """The static bound on global tokens per row for a mask: its count when concrete, else
+    every position (the kernel then pads)."""
+    try:
+        return int(np.max(np.sum(np.asarray(ops.convert_to_numpy(global_mask)).astype(bool),
+                                 axis=1)))
+    except Exception:  # traced
+        return n
+
+
+def _key_mask(mask):
+    if mask is None:
+        return None
+    if len(mask.shape) == 4:
+        if mask.shape[1] != 1 or mask.shape[2] != 1:
+            raise ValueError(
+                "linear attention takes a key padding mask (batch, seq) or (batch, 1, 1, seq); "
+                f"got a mask of shape {tuple(mask.shape)}."
+            )
+        mask = ops.reshape(mask, (-1, mask.shape[3]))
+    return mask
+
+
+def dense_pattern(attention, options, n, *, causal=False, global_mask=None, heads=1,
+                  offset=0, k_len=None):
+    """The boolean `(batch|1, heads|1, q, k)` mask equal to a sparse type's pattern, for the
+    exact formula (taps, decoding on a full cache): query `i` sits at position `offset + i`,
+    key `j` at position `j`. Not for the linear types (they are not a mask).
+
+    Example:
+    >>> dense_pattern("sliding_window", {"window": 2, "block_size": None}, 3, causal=True)[0, 0]
+    [[True, False, False], [True, True, False], [False, True, True]]
+    """
+    k_len = n if k_len is None else k_len
+    qpos = ops.arange(n, dtype="int32")[:, None] + ops.cast(offset, "int32")
+    kpos = ops.arange(k_len, dtype="int32")[None, :]
+    diff = qpos - kpos
+    if attention == "sliding_window":
+        allowed = ops.abs(diff) < options["window"]
+    elif attention == "strided":
+        stride = options["stride"]
+        allowed = ops.logical_or(ops.abs(diff) < stride, ops.equal(diff % stride, 0))
+    elif attention == "longformer":
+        band = ops.abs(diff) < options["window"]
+        if global_mask is not None:
+            flags = ops.cast(ops.convert_to_tensor(global_mask), "bool")  # (b, k_len)
+        else:
+            g = options["global_tokens"]
+            positions = list(g) if isinstance(g, tuple) else list(range(g))
+            flags_np = np.zeros((1, k_len), bool)
+            flags_np[0, [p for p in positions if p < k_len]] = True
+            flags = ops.convert_to_tensor(flags_np)
+        q_flags = ops.take(flags, ops.clip(qpos[:, 0], 0, k_len - 1), axis=1)  # (b, n)
+        allowed = ops.logical_or(band[None], flags[:, None, :])
+        allowed = ops.logical_or(allowed, q_flags[:, :, None])
+        allowed = allowed[:, None]
+        if causal:
+            allowed = ops.logical_and(allowed, (diff >= 0)[None, None])
+        return allowed
+    elif attention in ("block_sparse", "bigbird"):
+        block = options["block_size"]
+        blocks = -(-max(k_len, n) // block)
+        if attention == "bigbird":
+            layout = sparse_mod.bigbird_layout(
+                blocks, window_blocks=options["window_blocks"],
+                global_blocks=options["global_blocks"], random_blocks=options["random_blocks"],
+                num_heads=1, seed=options["seed"], causal=causal)
+        else:
+            layout = _layout_for(options, max(k_len, n))
+        layout = ops.convert_to_tensor(np.asarray(layout, bool))
+        qb = ops.clip(qpos[:, 0] // block, 0, blocks - 1)
+        kb = kpos[0] // block
+        allowed = ops.take(ops.take(layout, qb, axis=1), kb, axis=2)  # (h, n, k)
+        allowed = allowed[None]
+        if causal:
+            allowed = ops.logical_and(allowed, (diff >= 0)[None, None])
+        return allowed
+    else:
+        raise ValueError(f"dense_pattern has no mask for attention={attention!r}.")
+    if causal:
+        allowed = ops.logical_and(allowed, diff >= 0)
+    return allowed[None, None]
+
+
+def rolling_cache_length(options, max_length):
+    """The slots of a sliding-window decoding cache: `min(window, max_length)`."""
+    return min(options["window"], max_length)
