@@ -156,7 +156,13 @@ def _fold_attention_options(family, config, overrides):
     from kzoo.layers.efficient_attention import OPTION_NAMES
 
     named = {key: overrides[key] for key in OPTION_NAMES if key in overrides}
-    if not named or "attention_options" not in family.config_fields:
+    if "attention_options" not in family.config_fields:
+        return overrides
+    stored_type = config.get("attention", "full")
+    new_type = overrides.get("attention", stored_type) != stored_type
+    if not named:
+        if new_type and "attention_options" not in overrides:  # drop the old type's options
+            return {**overrides, "attention_options": None}
         return overrides
     if "attention_options" in overrides:
         raise ValueError(
@@ -164,9 +170,7 @@ def _fold_attention_options(family, config, overrides):
             f"attention_options={overrides['attention_options']!r} and {named}."
         )
     rest = {key: value for key, value in overrides.items() if key not in named}
-    stored_type = config.get("attention", "full")
-    same_type = rest.get("attention", stored_type) == stored_type
-    base = dict(config.get("attention_options") or {}) if same_type else {}
+    base = {} if new_type else dict(config.get("attention_options") or {})
     rest["attention_options"] = {**base, **named}
     return rest
 

@@ -767,6 +767,8 @@ def _hf_modern(path, model_type="llama", **overrides):
     if model_type == "mixtral":
         config.update(num_local_experts=4, num_experts_per_tok=2)
         cls, cfg_cls = transformers.MixtralForCausalLM, transformers.MixtralConfig
+    elif model_type == "mistral":
+        cls, cfg_cls = transformers.MistralForCausalLM, transformers.MistralConfig
     else:
         cls, cfg_cls = transformers.LlamaForCausalLM, transformers.LlamaConfig
     config.update(overrides)

@@ -131,6 +131,8 @@ class TransformerBlock(keras.layers.Layer):
         cache, cache_index: self-attention key/value cache (see `MultiHeadAttention`).
         cross_cache: precomputed cross-attention keys/values.
         global_attention_mask: `(batch, seq)` global tokens of attention="longformer".
+        position_index: first rotary position (int, or `(batch,)` one a row; default
+            `cache_index` or 0), see `MultiHeadAttention`.
 
     Returns:
         The block output; with a cache, `(output, cache)`; with a cross cache too,
@@ -340,6 +342,7 @@ class TransformerBlock(keras.layers.Layer):
         cache_index=None,
         cross_cache=None,
         global_attention_mask=None,
+        position_index=None,
         training=None,
     ):
         if self.cross_attention and encoder_outputs is None and cross_cache is None:
@@ -361,6 +364,7 @@ class TransformerBlock(keras.layers.Layer):
             cache=cache,
             cache_index=cache_index,
             global_attention_mask=global_attention_mask,
+            position_index=position_index,
             training=training,
         )
         if cache is not None:

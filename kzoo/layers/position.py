@@ -296,7 +296,10 @@ class RotaryEmbedding(keras.layers.Layer):
     Call arguments:
         inputs: tensor of shape `(batch, seq, heads, head_dim)` (rank 3
             `(batch, seq, head_dim)` is accepted too); `head_dim` must be even.
-        start_index: int or scalar integer tensor, the position of the first token.
+        start_index: int or scalar integer tensor, the position of the first token; or an
+            integer tensor `(batch,)`, one first position a row (decoding left-padded rows
+            whose positions must not shift, e.g. under linear attention, where rotated
+            feature maps are not a function of relative positions alone).
 
     Returns:
         Tensor with the shape and dtype of `inputs`.
@@ -335,7 +338,10 @@ class RotaryEmbedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, start_index=0):
-        start_index = _check_start_index(start_index)
+        per_row = getattr(start_index, "shape", None) is not None and len(
+            start_index.shape) == 1
+        if not per_row:
+            start_index = _check_start_index(start_index)
         head_dim = self._check_head_dim(inputs.shape)
         rank = len(inputs.shape)
         half = head_dim // 2
@@ -343,12 +349,16 @@ class RotaryEmbedding(keras.layers.Layer):
 
         inv_freq = float(self.max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)
         inv_freq = ops.convert_to_tensor(inv_freq.astype("float32"))
-        positions = _positions(seq_len, start_index, "float32")
+        if per_row:  # (batch, seq)
+            positions = ops.cast(ops.arange(seq_len, dtype="int32")[None, :]
+                                 + ops.cast(start_index, "int32")[:, None], "float32")
+        else:
+            positions = _positions(seq_len, start_index, "float32")[None, :]
         if float(self.scaling_factor) != 1.0:
             positions = positions / float(self.scaling_factor)
-        angles = positions[:, None] * inv_freq[None, :]  # (seq, half)
-        # Broadcast over (batch, [heads]): (1, seq, [1,] half).
-        angles = ops.reshape(angles, (1, -1) + (1,) * (rank - 3) + (half,))
+        angles = positions[..., None] * inv_freq  # (batch|1, seq, half)
+        # Broadcast over [heads]: (batch|1, seq, [1,] half).
+        angles = ops.reshape(angles, (ops.shape(angles)[0], -1) + (1,) * (rank - 3) + (half,))
         cos, sin = ops.cos(angles), ops.sin(angles)
 
         x = ops.cast(inputs, "float32")

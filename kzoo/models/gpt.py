@@ -441,8 +441,9 @@ class GPTBackbone(Backbone):
             position_offset: optional int `(batch,)`: the position of the token in slot `s`
                 of row `b` is `s - position_offset[b]` (left padding: the number of pad
                 slots in front of the row), so a left-padded row sees the same learned
-                positions as it would alone. Rotary attention depends only on relative
-                positions, which a common shift leaves unchanged.
+                positions as it would alone. Softmax attention with rotary positions depends
+                only on relative positions, which a common shift leaves unchanged; linear
+                attention types get the per-row rotary positions too.
             training: dropout.
 
         Returns:
@@ -469,11 +470,20 @@ class GPTBackbone(Backbone):
             x = self.embeddings_dropout(x, training=training)
         per_layer = isinstance(cache, list)
         new_caches = []
+        extra = {}
+        if (self.position == "rotary" and self.attention in ("linear", "performer")
+                and position_offset is not None):
+            # Rotated feature maps are not functions of relative positions alone: keep each
+            # left-padded row's positions where they would be without its padding.
+            # (Pad slots get negative positions; they are never attended.)
+            extra["position_index"] = (ops.cast(cache_index, "int32")
+                                       - ops.cast(position_offset, "int32"))
         for i, block in enumerate(self.transformer_layers):
             x, layer_cache = decode_block(
                 block,
                 x,
                 padding_mask=padding_mask,
+                **extra,
                 cache=cache[i] if per_layer else keras.tree.map_structure(
                     lambda c: c[:, i], cache),
                 cache_index=cache_index,

@@ -1,0 +1,370 @@
+"""Efficient attention inside the models (issue #16, item 3): the `attention` /
+`attention_options` fields of BERT, GPT and ViT, `presets.load(..., attention=..., window=...)`,
+the rolling sliding-window cache and the recurrent linear state in decoding.
+
+References: transformers' Mistral and Mixtral (sliding-window attention, eager), full attention
+under an explicit NumPy mask of each pattern, and NumPy formulas of linear attention written
+here. The kernels themselves are checked in test_sparse_attention.py / test_linear_attention.py.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo
+from kzoo.interpret import attention_maps
+from kzoo.layers import MultiHeadAttention, bigbird_layout
+from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+from tests.harness import assert_same_hf_tensors
+from tests.helpers import assert_close, to_numpy
+from tests.test_gpt import _assert_gpt_matches, _hf_modern, _right_padded
+
+N, DIM, HEADS, KV_HEADS = 13, 16, 4, 2
+
+
+# === NumPy references ===
+
+
+def _np_projections(layer, x):
+    """q (b, n, h, d), k and v (b, n, kv, d) of a built layer, in NumPy."""
+    w = {name: to_numpy(getattr(layer, name).kernel) for name in
+         ("query_dense", "key_dense", "value_dense")}
+    b = {name: to_numpy(getattr(layer, name).bias) for name in w}
+    d = layer._head_dim
+    q = (x @ w["query_dense"] + b["query_dense"]).reshape(x.shape[0], x.shape[1], -1, d)
+    k = (x @ w["key_dense"] + b["key_dense"]).reshape(x.shape[0], x.shape[1], -1, d)
+    v = (x @ w["value_dense"] + b["value_dense"]).reshape(x.shape[0], x.shape[1], -1, d)
+    rep = q.shape[2] // k.shape[2]
+    return q, np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+
+
+def _np_output(layer, out):
+    b, n = out.shape[:2]
+    return (out.reshape(b, n, -1) @ to_numpy(layer.output_dense.kernel)
+            + to_numpy(layer.output_dense.bias))
+
+
+def _np_linear_mha(layer, x, padding, feature):
+    """Causal normalised linear attention, the explicit quadratic form:
+    out_i = sum_{j<=i, j real} (f(q_i).f(k_j)) v_j / sum_{j<=i, j real} f(q_i).f(k_j)."""
+    q, k, v = _np_projections(layer, x)
+    fq, fk = feature(q), feature(k)
+    a = np.einsum("bqhm,bkhm->bhqk", fq, fk)
+    allowed = np.tril(np.ones((x.shape[1], x.shape[1]), bool))[None, None] & \
+        padding[:, None, None, :]
+    a = np.where(allowed, a, 0.0)
+    den = a.sum(-1, keepdims=True)
+    w = np.where(den > 0, a / np.where(den > 0, den, 1.0), 0.0)
+    return _np_output(layer, np.einsum("bhqk,bkhd->bqhd", w, v))
+
+
+def _elu_feature(x):
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _favor_feature(projection, scale):
+    def feature(x):  # Choromanski et al. 2021: exp(w.x - |x|^2 / 2) / sqrt(m), x scaled
+        xs = x * np.sqrt(scale)
+        return np.exp(xs @ projection.T - 0.5 * (xs ** 2).sum(-1, keepdims=True)) / np.sqrt(
+            projection.shape[0])
+    return feature
+
+
+def _np_pattern(kind, n, causal, **options):
+    """The boolean (n, n) pattern of a sparse type, written out from the papers."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    if kind == "sliding_window":
+        allowed = np.abs(i - j) < options["window"]
+    elif kind == "strided":
+        s = options["stride"]
+        allowed = (np.abs(i - j) < s) | ((i - j) % s == 0)
+    elif kind == "longformer":
+        g = np.zeros(n, bool)
+        g[:options["global_tokens"]] = True
+        allowed = (np.abs(i - j) < options["window"]) | g[None, :] | g[:, None]
+    else:  # block layouts
+        layout, block = options["layout"], options["block_size"]
+        allowed = layout[i // block, j // block]
+    return allowed & (j <= i) if causal else allowed
+
+
+def _padding(batch=2, n=N, pad=3):
+    mask = np.ones((batch, n), bool)
+    mask[1, -pad:] = False
+    return mask
+
+
+def _copy_weights(dst, src):
+    for a, b in zip(dst.weights, src.weights):
+        a.assign(b.value)
+
+
+# === Layer level: every type against full attention under its pattern ===
+
+
+BLOCK_LAYOUT = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 1], [0, 1, 0, 1]], bool)
+SPARSE_CASES = [
+    ("sliding_window", {"window": 3}),
+    ("strided", {"stride": 4}),
+    ("longformer", {"window": 2, "global_tokens": 2}),
+    ("block_sparse", {"block_size": 4, "layout": BLOCK_LAYOUT.tolist()}),
+    ("bigbird", {"block_size": 4, "window_blocks": 3, "global_blocks": 1, "random_blocks": 1,
+                 "seed": 5}),
+]
+
+
+@pytest.mark.parametrize("kind, options", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_sparse_layer_equals_full_attention_under_its_pattern(kind, options, causal):
+    x = np.random.default_rng(1).normal(size=(2, N, DIM)).astype("float32")
+    padding = _padding()
+    layer = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, attention=kind,
+                               attention_options=options)
+    full = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS)
+    layer.build(x.shape)
+    full.build(x.shape)
+    _copy_weights(full, layer)
+    if kind == "bigbird":
+        pattern_options = {"layout": bigbird_layout(
+            4, window_blocks=3, global_blocks=1, random_blocks=1, seed=5, causal=causal)[0],
+            "block_size": 4}
+    elif kind == "block_sparse":
+        pattern_options = {"layout": BLOCK_LAYOUT, "block_size": 4}
+    else:
+        pattern_options = options
+    pattern = _np_pattern(kind, N, causal, **pattern_options)
+    dense = pattern[None, None] & padding[:, None, None, :]
+    expected = full(x, attention_mask=dense)
+    got = layer(x, attention_mask=padding, use_causal_mask=causal)
+    rows = padding  # rows of padded queries differ (no key) only where nothing is visible
+    assert_close(to_numpy(got)[rows], to_numpy(expected)[rows], atol=2e-5)
+    # Gradients flow through the efficient path to every projection.
+    assert all(np.isfinite(to_numpy(w)).all() for w in layer.weights)
+
+
+@pytest.mark.parametrize("kind", ["linear", "performer"])
+def test_linear_layer_equals_numpy_and_decodes_with_a_constant_state(kind):
+    x = np.random.default_rng(2).normal(size=(2, N, DIM)).astype("float32")
+    padding = _padding()
+    options = {} if kind == "linear" else {"num_features": 32, "seed": 3}
+    layer = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, attention=kind,
+                               attention_options=options)
+    got = layer(x, attention_mask=padding, use_causal_mask=True)
+    if kind == "linear":
+        feature = _elu_feature
+    else:
+        feature = _favor_feature(layer._projection, layer._head_dim ** -0.5)
+    expected = _np_linear_mha(layer, x, padding, feature)
+    assert_close(got, expected, atol=2e-5)
+    # Decoding: a 5-token prompt, then one token a step, on the O(1) state (S, z).
+    state = layer.init_cache(2, 10_000)
+    features = 4 if kind == "linear" else 32  # elu: head_dim; FAVOR+: num_features
+    assert [tuple(t.shape) for t in state] == [(2, KV_HEADS, features, 4), (2, KV_HEADS,
+                                                                            features)]
+    out, state = layer(x[:, :5], attention_mask=padding, use_causal_mask=True, cache=state,
+                       cache_index=0)
+    steps = [out]
+    for t in range(5, N):
+        out, state = layer(x[:, t:t + 1], attention_mask=padding, use_causal_mask=True,
+                           cache=state, cache_index=t)
+        steps.append(out)
+        assert tuple(state[0].shape) == (2, KV_HEADS, features, 4)
+    assert_close(np.concatenate([to_numpy(s) for s in steps], axis=1), expected, atol=2e-5)
+
+
+def test_rolling_cache_holds_window_slots_and_equals_the_band():
+    window = 4
+    x = np.random.default_rng(3).normal(size=(2, N, DIM)).astype("float32")
+    padding = np.ones((2, N), bool)
+    padding[1, :3] = False  # left padding, as generate lays prompts out
+    layer = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, attention="sliding_window",
+                               attention_options={"window": window}, rope_max_wavelength=100)
+    full = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, rope_max_wavelength=100)
+    layer.build(x.shape)
+    full.build(x.shape)
+    _copy_weights(full, layer)
+    dense = _np_pattern("sliding_window", N, True, window=window)[None, None] & \
+        padding[:, None, None, :]
+    expected = to_numpy(full(x, attention_mask=dense))
+    for prompt in (3, 6):  # shorter and longer than the window
+        cache = layer.init_cache(2, 10_000)
+        assert tuple(cache.shape) == (2, 2, KV_HEADS, window, 4)  # not 10_000
+        out, cache = layer(x[:, :prompt], attention_mask=padding, use_causal_mask=True,
+                           cache=cache, cache_index=0)
+        steps = [to_numpy(out)]
+        for t in range(prompt, N):
+            out, cache = layer(x[:, t:t + 1], attention_mask=padding, use_causal_mask=True,
+                               cache=cache, cache_index=t)
+            steps.append(to_numpy(out))
+        got = np.concatenate(steps, axis=1)
+        assert_close(got[1, 3:], expected[1, 3:], atol=2e-5)
+        assert_close(got[0], expected[0], atol=2e-5)
+
+
+# === GPT: Mistral / Mixtral sliding windows against transformers ===
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "mixtral"])
+def test_hf_sliding_window_parity_and_round_trip(model_type, tmp_path):
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    hf = _hf_modern(src, model_type, sliding_window=3)
+    model = kzoo.presets.load(src)
+    backbone = model.backbone
+    assert backbone.attention == "sliding_window"
+    assert backbone.attention_options["window"] == 3
+    ids, mask = _right_padded()
+    _assert_gpt_matches(model, hf, ids, mask, f"{model_type} sliding_window=3")
+    kzoo.presets.save(model, out, format="hf")
+    assert_same_hf_tensors(src, out)
+    with open(os.path.join(out, "config.json")) as f:
+        assert '"sliding_window": 3' in f.read()
+
+
+def test_mistral_greedy_generation_on_the_rolling_cache(tmp_path):
+    import torch
+
+    hf = _hf_modern(tmp_path, "mistral", sliding_window=4, initializer_range=0.3)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
+    alone = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=16,
+                pad_token_id=0)
+        alone.append(out[0, len(prompt):].tolist())
+    ours = model.generate(prompts, max_new_tokens=16, stop_token_ids=[96])
+    assert ours == alone
+    assert len({tuple(o) for o in ours}) == 3
+    caches = model.backbone.init_cache(3, 5000, per_layer=True)
+    assert all(tuple(c.shape) == (3, 2, 2, 4, 8) for c in caches)
+
+
+def test_linear_gpt_generation_equals_the_forward_pass():
+    backbone = GPTBackbone(vocabulary_size=50, num_layers=2, num_heads=4, hidden_dim=16,
+                           intermediate_dim=32, max_sequence_length=64, dropout=0.0,
+                           position="rotary", num_kv_heads=2, initializer_range=0.5,
+                           attention="performer", attention_options={"num_features": 16})
+    lm = GPTCausalLM(backbone)
+    prompt = [5, 6, 7, 8, 9, 10]
+    tokens = lm.generate([prompt], max_new_tokens=8)[0]
+    ids = np.array([prompt + tokens], "int32")
+    logits = to_numpy(lm({"token_ids": ids, "padding_mask": np.ones_like(ids)}))
+    # Each generated token is the argmax of the full (non-cached) forward pass there.
+    assert tokens == [int(t) for t in np.argmax(logits[0, len(prompt) - 1:-1], axis=-1)]
+    state = backbone.init_cache(1, 100_000, per_layer=True)
+    assert all(tuple(s.shape) == (1, 2, 16, 4) and tuple(z.shape) == (1, 2, 16)
+               for s, z in state)
+
+
+# === BERT, GPT and ViT through presets.load ===
+
+
+def test_presets_load_attention_overrides_and_errors():
+    lm = kzoo.presets.load("gpt_mini", attention="sliding_window", window=8, num_layers=1)
+    assert lm.backbone.config.attention == "sliding_window"
+    assert lm.backbone.config.attention_options == {"window": 8, "block_size": None}
+    same = kzoo.presets.load("gpt_long_mini", window=64, num_layers=1)  # updates the options
+    assert same.backbone.attention_options["window"] == 64
+    switched = kzoo.presets.load("gpt_long_mini", attention="linear", num_layers=1)
+    assert switched.backbone.attention_options == {"feature_map": "elu", "num_features": None,
+                                                   "seed": 0}
+    bad = [
+        (dict(attention="sliding_window", window=0), "`window`"),
+        (dict(attention="sliding_window"), "`window`"),
+        (dict(attention="performer", num_features=0), "`num_features`"),
+        (dict(attention="linear", window=4), "window"),
+        (dict(attention="flash"), "`attention`"),
+        (dict(attention="sliding_window", window=8, block_size=4), "`block_size`"),
+        (dict(attention="block_sparse", block_size=4, layout=[[1, 0]]), "`layout`"),
+    ]
+    for overrides, named in bad:
+        with pytest.raises(ValueError, match=named.replace("`", "`?")):
+            kzoo.presets.load("gpt_mini", num_layers=1, **overrides)
+    for family, name in (("bert", "bert_tiny_uncased"),
+                         ("vit", "vit_tiny_patch16_224")):
+        with pytest.raises(ValueError, match="window"):
+            kzoo.presets.load(name, attention="sliding_window", window=-2)
+
+
+def test_call_time_errors_name_the_problem():
+    layer = MultiHeadAttention(2, attention="longformer",
+                               attention_options={"window": 2, "global_tokens": 9})
+    x = np.zeros((1, 6, 8), "float32")
+    with pytest.raises(ValueError, match="global_tokens"):
+        layer(x)
+    sliding = MultiHeadAttention(2, attention="sliding_window",
+                                 attention_options={"window": 2})
+    with pytest.raises(ValueError, match="attention_bias"):
+        sliding(x, attention_bias=np.zeros((1, 2, 6, 6), "float32"))
+    with pytest.raises(ValueError, match="key padding mask"):
+        sliding(x, attention_mask=np.ones((1, 6, 6), bool))
+    block = MultiHeadAttention(2, attention="block_sparse", attention_options={
+        "block_size": 2, "layout": np.eye(2, dtype=bool).tolist()})
+    with pytest.raises(ValueError, match="layout"):
+        block(x)  # 6 tokens are 3 blocks; the layout has 2
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt", "vit"])
+@pytest.mark.parametrize("kind, options", [
+    ("sliding_window", {"window": 64}),  # wider than the sequence: every key is seen
+    ("longformer", {"window": 1, "global_tokens": list(range(17))}),  # every token global
+    ("block_sparse", {"block_size": 8, "layout": np.ones((1, 3, 3), bool).tolist()}),
+], ids=["sliding", "longformer", "block_sparse"])
+def test_patterns_that_cover_every_key_equal_full_attention(family, kind, options):
+    """Through each family's whole model: an efficient type whose pattern hides nothing
+    gives the full model's outputs (padding and causality still applied)."""
+    rng = np.random.default_rng(4)
+    if family == "vit":
+        name, extra = "vit_tiny_patch16_224", dict(image_size=16, patch_size=4, num_layers=1,
+                                                   hidden_dim=16, num_heads=2,
+                                                   intermediate_dim=32)
+        inputs = rng.normal(size=(2, 16, 16, 3)).astype("float32")  # 17 tokens
+    else:
+        name = "bert_tiny_uncased" if family == "bert" else "gpt_mini"
+        extra = dict(num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32,
+                     vocabulary_size=40, max_sequence_length=32)
+        ids = rng.integers(1, 40, (2, 17)).astype("int32")
+        mask = np.ones_like(ids)
+        mask[1, 12:] = 0
+        inputs = {"token_ids": ids, "padding_mask": mask}
+        if family == "bert":
+            inputs["segment_ids"] = np.zeros_like(ids)
+    full = kzoo.presets.load(name, task="backbone", **extra)
+    sparse = kzoo.presets.load(name, task="backbone", attention=kind,
+                               attention_options=options, **extra)
+    _copy_weights(sparse, full)
+    a, b = full(inputs), sparse(inputs)
+    if isinstance(a, dict):
+        a, b = a["sequence_output"], b["sequence_output"]
+    a, b = to_numpy(a), to_numpy(b)
+    if family != "vit":
+        real = inputs["padding_mask"].astype(bool)
+        a, b = a[real], b[real]
+    assert_close(b, a, atol=2e-5)
+
+
+def test_sliding_window_gpt_saves_taps_and_fits(tmp_path):
+    lm = kzoo.presets.load("gpt_long_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                           num_kv_heads=1, intermediate_dim=32, window=3)
+    ids = np.random.default_rng(5).integers(0, 260, (2, 12)).astype("int32")
+    inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    before = to_numpy(lm(inputs))
+    lm.save(os.path.join(tmp_path, "m.keras"))
+    again = kzoo.presets.load(os.path.join(tmp_path, "m.keras"))
+    assert again.backbone.attention_options["window"] == 3
+    assert_close(again(inputs), before)
+    kzoo.presets.save(lm, os.path.join(tmp_path, "dir"))
+    assert_close(kzoo.presets.load(os.path.join(tmp_path, "dir"))(inputs), before)
+    # The maps a tap records are the band: nothing outside it, rows summing to one.
+    maps = to_numpy(attention_maps(lm, inputs)["self"][0])
+    i, j = np.arange(12)[:, None], np.arange(12)[None, :]
+    outside = ~((j <= i) & (i - j < 3))
+    assert np.all(maps[..., outside] == 0)
+    assert_close(maps.sum(-1), np.ones(maps.shape[:-1]))
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2), loss="auto")
+    x, y, w = lm.lm_batch(ids)
+    losses = [lm.train_on_batch(x, y, sample_weight=w) for _ in range(3)]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
