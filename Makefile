@@ -16,6 +16,8 @@ BACKENDS := jax torch tensorflow
 # Two pytest-xdist workers: JAX and TensorFlow spend much of a test compiling on one core.
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?= -n $(PYTEST_WORKERS)
+# Extra arguments of `make test` (e.g. TEST_ARGS="--workers jax=2,torch=1,tensorflow=1 -x").
+TEST_ARGS ?=
 BENCH_ARGS ?=
 
 .PHONY: demo test test-all test-browser test-jax test-torch test-tensorflow bench bench-attention install clean
@@ -40,11 +42,10 @@ install: $(STAMP)
 demo: $(DEMO_STAMP)
 	KERAS_BACKEND=$(DEMO_BACKEND) $(PY) -m training demo
 
+# The three backends at the same time (tests/run_backends.py: JAX with two workers, logs in
+# .test-logs/); `make test-jax` etc. run one backend with PYTEST_ARGS.
 test: $(STAMP)
-	@set -e; for b in $(BACKENDS); do \
-	  echo "=== KERAS_BACKEND=$$b"; \
-	  KERAS_BACKEND=$$b $(PY) -m pytest -q $(PYTEST_ARGS) || exit $$?; \
-	done
+	$(PY) tests/run_backends.py $(TEST_ARGS)
 
 # The head view in a real headless chromium (also part of test-all); needs Debian's chromium:
 # `apt-get install -y chromium`. The test fails, with that hint, when it is missing.

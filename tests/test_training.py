@@ -252,7 +252,12 @@ RESUME_ARGS = ["vit_digits", "--steps", "70", "--max-epoch-steps", "20", "--save
                    "--override", "dropout=0.2"]
 
 
+@pytest.mark.slow
 def test_sigkill_then_restart_ends_like_an_uninterrupted_run(tmp_path):
+    """One SIGKILL in the second epoch, then a restart. The default suite covers this with
+    tests/test_crash_safety.py (the same recipe with dropout, killed at random and inside
+    checkpoint writes, resumed to the same metrics, CSV log and weights); this longer run
+    stays for `make test-all`."""
     reference = str(tmp_path / "reference")
     assert main(RESUME_ARGS + ["--out", reference]) == 0
 

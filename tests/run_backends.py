@@ -1,0 +1,123 @@
+"""`make test`: the suite on JAX, PyTorch and TensorFlow at the same time.
+
+Run one after another, the three backends left a core idle for much of the time: each pytest
+run starts by importing three frameworks, waits on the subprocesses of its training and
+crash-safety tests, and ends on its slowest worker. Here the three runs start together, each in
+its own `pytest` process with its own pytest-xdist workers (JAX, whose tests compile the most,
+gets two) and its own temporary directory, so the machine's cores stay busy until the last one
+ends. Each run's output goes to `.test-logs/<backend>.log`; a line every minute says how far
+each has got, and at the end each run's summary (and, for a failed run, its failures) is
+printed. The exit status is non-zero if any run failed.
+
+Usage: python tests/run_backends.py [--workers jax=2,torch=1,tensorflow=2] [pytest args...]
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("jax", "tensorflow", "torch")
+DEFAULT_WORKERS = {"jax": 2, "tensorflow": 2, "torch": 1}
+LOG_DIR = os.path.join(ROOT, ".test-logs")
+HEARTBEAT_S = 60
+PROGRESS = re.compile(r"\[\s*(\d+)%\]")
+
+
+def parse_workers(text):
+    """`"jax=2,torch=1"` -> {"jax": 2, "torch": 1} (backends left out keep their default)."""
+    workers = dict(DEFAULT_WORKERS)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, count = item.partition("=")
+        if name not in BACKENDS or not count.isdigit() or int(count) < 1:
+            raise SystemExit(
+                f"--workers: each item must be BACKEND=N with BACKEND in {list(BACKENDS)} and "
+                f"N >= 1; got {item!r}.")
+        workers[name] = int(count)
+    return workers
+
+
+def progress(log_path):
+    """The last `[ NN%]` pytest -q printed to a log, or None."""
+    try:
+        with open(log_path, errors="replace") as f:
+            found = PROGRESS.findall(f.read()[-4000:])
+    except OSError:
+        return None
+    return int(found[-1]) if found else None
+
+
+def summary(log_path, failed):
+    """The lines to print for one finished run: its failures (when it failed) and summary."""
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    if failed:
+        start = text.find("= FAILURES =")
+        start = text.rfind("\n", 0, start) + 1 if start >= 0 else max(0, len(text) - 6000)
+        return text[start:].rstrip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(lines[-1:])
+
+
+def prebuild_graphormer_extension():
+    """Build transformers' Graphormer Cython module once, before three pytest runs could
+    compile it into ~/.pyxbld at the same time (see tests/conftest.py)."""
+    subprocess.run([sys.executable, "-c",
+                    "import transformers.models.deprecated.graphormer.collating_graphormer"],
+                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    workers = dict(DEFAULT_WORKERS)
+    if argv[:1] == ["--workers"]:
+        workers = parse_workers(argv[1])
+        argv = argv[2:]
+    os.makedirs(LOG_DIR, exist_ok=True)
+    prebuild_graphormer_extension()
+    runs = {}
+    started = time.time()
+    for backend in BACKENDS:
+        log_path = os.path.join(LOG_DIR, f"{backend}.log")
+        command = [sys.executable, "-m", "pytest", "-q", "-n", str(workers[backend]),
+                   "--basetemp", os.path.join(LOG_DIR, f"tmp-{backend}"), *argv]
+        env = dict(os.environ, KERAS_BACKEND=backend)
+        log = open(log_path, "w")
+        runs[backend] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT), log, log_path)
+        print(f"=== KERAS_BACKEND={backend}: pytest -n {workers[backend]} -> {log_path}",
+              flush=True)
+    codes, ended = {}, {}
+    last_beat = time.time()
+    while len(codes) < len(runs):
+        time.sleep(1)
+        for backend, (proc, log, log_path) in runs.items():
+            if backend not in codes and proc.poll() is not None:
+                codes[backend], ended[backend] = proc.returncode, time.time() - started
+                log.close()
+                state = "passed" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
+                print(f"=== KERAS_BACKEND={backend} {state} after {ended[backend]:.0f} s",
+                      flush=True)
+        if time.time() - last_beat >= HEARTBEAT_S and len(codes) < len(runs):
+            last_beat = time.time()
+            parts = []
+            for backend, (_, _, log_path) in runs.items():
+                if backend in codes:
+                    parts.append(f"{backend} done")
+                else:
+                    done = progress(log_path)
+                    parts.append(f"{backend} {'starting' if done is None else f'{done}%'}")
+            print(f"... {time.time() - started:.0f} s: " + ", ".join(parts), flush=True)
+    for backend, (_, _, log_path) in runs.items():
+        print(f"\n=== KERAS_BACKEND={backend} ({ended[backend]:.0f} s)")
+        print(summary(log_path, codes[backend] != 0))
+    failed = [b for b, code in codes.items() if code != 0]
+    print(f"\n=== all three backends in {time.time() - started:.0f} s: "
+          + ("passed" if not failed else f"FAILED on {', '.join(failed)}"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
