@@ -258,16 +258,22 @@ def guard(method, length, history, *, time_budget_s, memory_limit_mib, kernel=No
 
 
 def measure_lengths(method, lengths, window, causal, backward, *, time_budget_s,
-                    memory_limit_mib, emit=None):
+                    memory_limit_mib, emit=None, runs=None):
     """Measure one method at each length, upward, in this process: one row per length (a
     `skipped` reason instead of numbers where the guard says so). `emit(row)` sees each row as
-    soon as it is measured."""
+    soon as it is measured. With a dict `runs` (in-process use), the compiled calls are kept
+    there, keyed by (method, length), and the fresh-process warm-up is left out."""
     import keras
 
     rows, history, stop = [], [], None
     first_call = keras.backend.backend() == "tensorflow"
-    # The process' one-time start-up (thread pools, the compiler's first use) is not counted.
-    build(method, WARM_UP_LENGTH, min(window, 32), causal, backward)[0]()
+    # A full collection is cheap in a fresh process, seconds in a test process full of
+    # objects: in-process (memory only indicative there) it is left out.
+    collect = gc.collect if runs is None else (lambda: None)
+    if runs is None:
+        # The process' one-time start-up (thread pools, the compiler's first use) is not
+        # counted.
+        build(method, WARM_UP_LENGTH, min(window, 32), causal, backward)[0]()
     for length in lengths:
         row = {"method": method, "length": length, "pass": "fwd+bwd" if backward else "fwd",
                "causal": causal, "window": window}
@@ -286,14 +292,14 @@ def measure_lengths(method, lengths, window, causal, backward, *, time_budget_s,
             run, label = build(method, length, window, causal, backward)
             row["label"] = label
             if first_call:
-                gc.collect()
+                collect()
                 _reset_peak()
                 before, _ = _rss_kib()
                 run()
                 _, first_peak = _rss_kib()
             else:
                 run()  # warm-up: compilation and first allocations
-            gc.collect()
+            collect()
             _reset_peak()
             if not first_call:
                 before, _ = _rss_kib()
@@ -307,8 +313,10 @@ def measure_lengths(method, lengths, window, causal, backward, *, time_budget_s,
             row["extra_mib"] = max(peak - before, 0) / 1024
             row["timing"] = "single"
             history.append((length, seconds, row["extra_mib"]))
+            if runs is not None:
+                runs[(method, length)] = run
             del run
-            gc.collect()
+            collect()
         rows.append(row)
         if emit is not None:
             emit(row)
@@ -323,9 +331,11 @@ def rounds_for(seconds_per_call):
     return int(min(max(ROUND_BUDGET_S / total, MIN_ROUNDS), MAX_ROUNDS))
 
 
-def interleaved_times(length, methods, window, causal, backward, rounds):
-    """Median ms of each method at one length, calls interleaved method by method."""
-    runs = {m: build(m, length, window, causal, backward)[0] for m in methods}
+def interleaved_times(length, methods, window, causal, backward, rounds, runs=None):
+    """Median ms of each method at one length, calls interleaved method by method (compiled
+    here, or taken from `runs` keyed by (method, length))."""
+    runs = {m: (runs or {}).get((m, length)) or build(m, length, window, causal, backward)[0]
+            for m in methods}
     for run in runs.values():
         run()  # warm-up: compilation and first allocations
     times = {m: [] for m in methods}
@@ -453,17 +463,17 @@ def run_in_process(args, passes):
     backend = keras.backend.backend()
     rows = []
     for backward in passes:
-        pass_rows = []
+        pass_rows, runs = [], {}
         for method in METHODS:
             for r in measure_lengths(method, args.lengths, args.window, not args.bidirectional,
                                      backward, time_budget_s=args.time_budget,
-                                     memory_limit_mib=args.memory_limit):
+                                     memory_limit_mib=args.memory_limit, runs=runs):
                 r["backend"] = backend
                 pass_rows.append(r)
         for length, (methods, rounds) in interleave_plan(pass_rows).items():
             apply_times(pass_rows, length, interleaved_times(
                 length, methods, args.window, not args.bidirectional, backward,
-                1 if args.quick else rounds))
+                1 if args.quick else rounds, runs=runs))
         rows += pass_rows
     return rows
 
@@ -518,15 +528,25 @@ def _value(row, field):
 
 
 def full_reference(rows, field):
-    """{length: value of full attention}; infinite where a guard skipped it (full attention
-    too slow or too large there), missing where it failed otherwise."""
+    """{length: value of full attention}. Where a guard skipped it, infinite time (too slow or
+    too large to run) and, when the guard was its memory, infinite memory; missing where it
+    failed otherwise.
+
+    Example:
+    >>> full_reference([{"method": "full", "length": 8, "skipped": "predicted 9 s per call"}],
+    ...                "ms")
+    {8: inf}
+    """
     out = {}
     for r in rows:
         if r["method"] != "full":
             continue
+        reason = r.get("skipped", "")
+        too_large = "MiB" in reason
+        too_slow = reason.startswith("predicted") and " s per call" in reason
         if field in r:
             out[r["length"]] = r[field]
-        elif r.get("skipped", "").startswith(("predicted", "the (n, n)")):
+        elif too_large or (too_slow and field == "ms"):
             out[r["length"]] = math.inf
     return out
 
@@ -681,6 +701,9 @@ def main(argv=None):
         rows = []
         for backend in backends:
             rows += run_backend(backend, args, passes)
+            if args.json:  # what is measured so far survives an interrupted run
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
