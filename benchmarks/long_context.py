@@ -154,7 +154,8 @@ def _inputs(length):
 
 def compile_call(attend, q, k, v, backward):
     """A no-argument function that runs `attend(q, k, v)` (or its gradient with respect to q,
-    k and v of the output's sum) compiled for the backend and waits for the result."""
+    k and v of the output's sum) compiled for the backend, waits for it and returns it (a
+    tensor, or a tuple/list of three)."""
     import keras
 
     backend = keras.backend.backend()
@@ -182,6 +183,7 @@ def compile_call(attend, q, k, v, backward):
         def run():
             out = fn(q, k, v)
             (out[0] if isinstance(out, list) else out).numpy()
+            return out
 
         return run
     import torch
@@ -193,9 +195,9 @@ def compile_call(attend, q, k, v, backward):
             for t in (qs, ks, vs):
                 t.grad = None
             attend(qs, ks, vs).sum().backward()
-        else:
-            with torch.no_grad():
-                attend(qs, ks, vs)
+            return qs.grad, ks.grad, vs.grad
+        with torch.no_grad():
+            return attend(qs, ks, vs)
 
     return run
 
@@ -455,25 +457,28 @@ def run_backend(backend, args, passes):
     return rows
 
 
-def run_in_process(args, passes):
+def run_in_process(args, passes, runs=None):
     """Everything in this process (the backend already imported): memory is then only
-    indicative, as earlier methods' buffers and compiled code stay around. For `--quick`."""
+    indicative, as earlier methods' buffers and compiled code stay around. For `--quick`.
+    The compiled calls are left in `runs`, keyed by (method, length, backward)."""
     import keras
 
     backend = keras.backend.backend()
     rows = []
     for backward in passes:
-        pass_rows, runs = [], {}
+        pass_rows, pass_runs = [], {}
         for method in METHODS:
             for r in measure_lengths(method, args.lengths, args.window, not args.bidirectional,
                                      backward, time_budget_s=args.time_budget,
-                                     memory_limit_mib=args.memory_limit, runs=runs):
+                                     memory_limit_mib=args.memory_limit, runs=pass_runs):
                 r["backend"] = backend
                 pass_rows.append(r)
         for length, (methods, rounds) in interleave_plan(pass_rows).items():
             apply_times(pass_rows, length, interleaved_times(
                 length, methods, args.window, not args.bidirectional, backward,
-                1 if args.quick else rounds, runs=runs))
+                1 if args.quick else rounds, runs=pass_runs))
+        if runs is not None:
+            runs.update({(m, n, backward): run for (m, n), run in pass_runs.items()})
         rows += pass_rows
     return rows
 
@@ -642,7 +647,8 @@ def _lengths(text):
     return lengths
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line (see the module docstring), checked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all-backends", action="store_true")
     parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths")
@@ -672,15 +678,21 @@ def main(argv=None):
     if args.lengths is None:
         args.lengths = ",".join(map(str, QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
     args.lengths = _lengths(args.lengths)
-    if args.child_memory:
-        return _child_memory(args)
-    if args.child_times:
-        return _child_times(args)
     names = [p.strip() for p in args.passes.split(",") if p.strip()]
     if not names or any(p not in ("fwd", "fwd+bwd") for p in names):
         raise ValueError(f"`--passes` must list 'fwd' and/or 'fwd+bwd'; got "
                          f"--passes={args.passes!r}.")
-    passes = [p == "fwd+bwd" for p in names]
+    args.pass_list = [p == "fwd+bwd" for p in names]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child_memory:
+        return _child_memory(args)
+    if args.child_times:
+        return _child_times(args)
+    passes = args.pass_list
     if args.from_json:
         with open(args.from_json) as f:
             rows = json.load(f)
