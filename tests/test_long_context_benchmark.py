@@ -182,6 +182,10 @@ def tiny_run():
     return lc.report(rows, [rows[0]["backend"]], [False], True, 16), rows, runs
 
 
+# Compiling all ten methods once took 30-170 s a backend on this machine: these two run with
+# `make test-all` (the kernels themselves are checked in test_sparse_attention.py and
+# test_linear_attention.py, the bookkeeping above).
+@pytest.mark.slow
 def test_tiny_real_run_has_every_method_and_finite_numbers(tiny_run):
     text, rows, _ = tiny_run
     assert [r["method"] for r in rows] == list(lc.METHODS)
@@ -198,6 +202,7 @@ def test_tiny_real_run_has_every_method_and_finite_numbers(tiny_run):
         2 * (len(lc.METHODS) - 1))
 
 
+@pytest.mark.slow
 def test_tiny_real_run_outputs_are_finite(tiny_run):
     _, _, runs = tiny_run
     assert {m for m, _, _ in runs} >= set(lc.METHODS) - {"full_chunked"}
