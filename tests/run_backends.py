@@ -24,6 +24,7 @@ DEFAULT_WORKERS = {"jax": 2, "tensorflow": 2, "torch": 1}
 LOG_DIR = os.path.join(ROOT, ".test-logs")
 HEARTBEAT_S = 60
 PROGRESS = re.compile(r"\[\s*(\d+)%\]")
+RESULT = re.compile(r"\d+ (passed|failed|error)")
 
 
 def parse_workers(text):
@@ -57,8 +58,12 @@ def summary(log_path, failed):
         start = text.find("= FAILURES =")
         start = text.rfind("\n", 0, start) + 1 if start >= 0 else max(0, len(text) - 6000)
         return text[start:].rstrip()
+    # pytest's last line ("N passed ... in T s"); TensorFlow may log after it.
+    results = [line for line in text.splitlines() if RESULT.search(line)]
+    if results:
+        return results[-1]
     lines = [line for line in text.splitlines() if line.strip()]
-    return "\n".join(lines[-1:])
+    return lines[-1] if lines else "(no output)"
 
 
 def prebuild_graphormer_extension():
