@@ -146,8 +146,8 @@ def test_global_rows_use_the_global_projections(checkpoints):
         for att in attentions:
             for name in ("query", "key", "value"):
                 normal, glob = getattr(att, name + "_dense"), getattr(att, name + "_global_dense")
-                glob.kernel.assign(normal.kernel)
-                glob.bias.assign(normal.bias)
+                glob.kernel.assign(keras.ops.convert_to_numpy(normal.kernel))
+                glob.bias.assign(keras.ops.convert_to_numpy(normal.bias))
         with pytest.raises(AssertionError, match="max .diff"):
             assert_matches_transformers(model, reference, inputs, hf_kwargs(inputs),
                                         atol=1e-2, mask=inputs["padding_mask"],
@@ -207,9 +207,12 @@ def test_kzoo_save_load_and_fit(checkpoints, tmp_path):
     loaded = kzoo.presets.load(str(tmp_path))
     np.testing.assert_allclose(to_numpy(forward(loaded, inputs)),
                                to_numpy(forward(model, inputs)), atol=1e-6)
+    plain = {k: v for k, v in inputs.items() if k != "global_attention_mask"}
+    # Dropout (hidden_dropout_prob=0.1) in training only, with the global mask left out too.
+    drop = to_numpy(loaded(plain, training=True)) - to_numpy(loaded(plain))
+    assert np.abs(drop).max() > 1e-3
     loaded.compile(optimizer=keras.optimizers.SGD(0.01))
     labels = inputs["token_ids"]
-    plain = {k: v for k, v in inputs.items() if k != "global_attention_mask"}
     for x in (inputs, plain):
         history = loaded.fit(x, labels, epochs=1, batch_size=2, verbose=0)
         assert np.isfinite(history.history["loss"][0])

@@ -121,8 +121,10 @@ class _OptionalGlobalMask:
                 kwargs["inputs"] = self._with_global_mask(kwargs["inputs"])
         return super().__call__(*args, **kwargs)
 
-    def call(self, inputs, *args, **kwargs):
-        return super().call(self._with_global_mask(inputs), *args, **kwargs)
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        # Functional.call's own signature: Keras passes `training` only to a `call` naming it.
+        return super().call(self._with_global_mask(inputs), training=training, mask=mask,
+                            **kwargs)
 
 
 # === Config ===
