@@ -339,8 +339,8 @@ def longformer_global_rows(query_global, key_global, value_global, slots, out, *
         causal, scale: as `efficient_attention`.
 
     Example:
-    >>> slots = longformer_slots(options, 64, 2)
-    >>> out = longformer_global_rows(gather(slots, qg), kg, vg, slots, out)
+    >>> slots = longformer_slots(options, n, batch, global_mask)   # G slots
+    >>> out = longformer_global_rows(q_global, k_global, v_global, slots, out, mask=padding)
     """
     flags, onehot, slot_valid, positions = slots
     n = key_global.shape[1]
