@@ -53,8 +53,12 @@ class Family:
         tasks: task name -> task model class (`Cls(backbone=..., **task_config)`); the task
             "backbone" (the backbone alone) is always available besides these.
         default_task: the task `build` makes when none is given.
-        model_types: the Hugging Face `model_type` values its converter reads.
+        model_types: the Hugging Face `model_type` values its converters read.
         converter: the module holding `config_from_hf`, `load_weights` and `to_hf`.
+        converters: model_type -> module, for the model types another module than
+            `converter` reads (BERT's "longformer": `kzoo.convert.longformer`). Such a module
+            also defines `handles(model) -> bool`, True for the models it converts: those go
+            to it in `load_hf_weights` and `to_hf`, every other model to `converter`.
     """
 
     name: str
@@ -63,10 +67,14 @@ class Family:
     default_task: str
     model_types: tuple = ()
     converter: str | None = None
+    converters: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "tasks", MappingProxyType(dict(self.tasks)))
         object.__setattr__(self, "model_types", tuple(self.model_types))
+        object.__setattr__(self, "converters", MappingProxyType(dict(self.converters)))
+        if not set(self.converters) <= set(self.model_types):
+            raise ValueError(f"converters of {self.name} name model types it does not list.")
         # The classes say which family and task they are; the table must agree with them.
         if getattr(self.backbone, "family", None) != self.name:
             raise ValueError(f"{self.backbone.__name__}.family must be {self.name!r}.")
@@ -181,7 +189,9 @@ class Family:
 
     # -- Hugging Face import / export ---------------------------------------------------------
 
-    def _converter_module(self):
+    def _converter_module(self, model_type=None):
+        if model_type in self.converters:
+            return importlib.import_module(self.converters[model_type])
         if self.converter is None:
             raise ValueError(
                 f"No Hugging Face converter for family={self.name!r}; families with one: "
@@ -189,15 +199,25 @@ class Family:
             )
         return importlib.import_module(self.converter)
 
+    def _converter_for(self, model):
+        """The converter module of `model`: the first of `converters` that handles it, else
+        `converter`."""
+        for module_name in self.converters.values():
+            module = importlib.import_module(module_name)
+            if module.handles(model):
+                return module
+        return self._converter_module()
+
     def config_from_hf(self, hf_config, **kwargs):
         """(family, backbone config, task, task config) for a Hugging Face config dict
-        (`kwargs` go to the converter's `config_from_hf`)."""
-        return self._converter_module().config_from_hf(hf_config, **kwargs)
+        (`kwargs` go to the `config_from_hf` of its model_type's converter)."""
+        return self._converter_module(hf_config.get("model_type")).config_from_hf(
+            hf_config, **kwargs)
 
     def load_hf_weights(self, model, state, strict=True):
         """Assign a Hugging Face state dict (name -> array) to `model`; with `strict`, a
         missing or left-over tensor raises ValueError."""
-        module = self._converter_module()
+        module = self._converter_for(model)
         reader = checkpoints.WeightReader(state, ignore=getattr(module, "IGNORED_WEIGHTS", ()))
         module.load_weights(model, reader)
         if strict:
@@ -205,7 +225,7 @@ class Family:
 
     def to_hf(self, model):
         """(Hugging Face config dict, state dict) of `model`."""
-        return self._converter_module().to_hf(model)
+        return self._converter_for(model).to_hf(model)
 
 
 def _keywords(cls, exclude):
@@ -219,7 +239,10 @@ _FAMILIES = (
     Family(
         "bert", bert.BertBackbone,
         tasks={"masked_lm": bert.BertMaskedLM, "classifier": bert.BertClassifier},
-        default_task="masked_lm", model_types=("bert",), converter="kzoo.convert.bert",
+        default_task="masked_lm", model_types=("bert", "longformer"),
+        converter="kzoo.convert.bert",
+        # Hugging Face Longformer: BERT with attention="longformer" and global projections.
+        converters={"longformer": "kzoo.convert.longformer"},
     ),
     Family(
         "gpt", gpt.GPTBackbone,

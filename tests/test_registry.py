@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What each family is, written out here independently of the registry's table.
 EXPECTED = {
     "bert": (bert.BertBackbone, {"masked_lm": bert.BertMaskedLM,
-                                 "classifier": bert.BertClassifier}, "masked_lm", {"bert"}),
+                                 "classifier": bert.BertClassifier}, "masked_lm",
+             {"bert", "longformer"}),
     "gpt": (gpt.GPTBackbone, {"causal_lm": gpt.GPTCausalLM}, "causal_lm",
             {"gpt2", "llama", "mixtral", "mistral"}),
     "t5": (t5.T5Backbone, {"seq2seq_lm": t5.T5Seq2SeqLM}, "seq2seq_lm", {"t5"}),
@@ -55,6 +56,14 @@ def test_every_family_is_registered_once_with_its_classes():
         conv = importlib.import_module(f"kzoo.convert.{name}")
         assert set(conv.MODEL_TYPES) == model_types
         assert all(callable(getattr(conv, f)) for f in ("config_from_hf", "load_weights", "to_hf"))
+        # Model types read by a module of their own (BERT's "longformer").
+        for model_type, module in fam.converters.items():
+            assert model_type in model_types and module == f"kzoo.convert.{model_type}"
+            conv = importlib.import_module(module)
+            assert conv.MODEL_TYPES == (model_type,)
+            assert all(callable(getattr(conv, f))
+                       for f in ("config_from_hf", "load_weights", "to_hf", "handles"))
+    assert dict(registry.family("bert").converters) == {"longformer": "kzoo.convert.longformer"}
     with pytest.raises(TypeError):
         registry.family("gpt").tasks["x"] = None  # the table cannot be edited in place
 

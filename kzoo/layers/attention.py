@@ -58,6 +58,11 @@ class MultiHeadAttention(keras.layers.Layer):
             "block_sparse", "bigbird", "linear" or "performer" (see
             `kzoo.layers.efficient_attention` for each one's pattern, cost and options).
         attention_options: the options of `attention` as a dict (e.g. `{"window": 256}`).
+            "longformer" with `global_projections=True` (Hugging Face's Longformer) gives the
+            layer three more projections, `query_global_dense`, `key_global_dense` and
+            `value_global_dense`: the rows of the global tokens attend to every key with
+            them (computed densely in O(G * n)); every other row attends its window and
+            the global keys with the normal projections.
         kernel_initializer, bias_initializer: initialisers of the projections.
         query_initializer: initialiser of the query kernel (None: `kernel_initializer`;
             T5 draws it with std `(hidden * head_dim)^-1/2`).
@@ -94,6 +99,8 @@ class MultiHeadAttention(keras.layers.Layer):
             (efficient types: computed by the explicit quadratic formula of their pattern).
         global_attention_mask: "longformer" only: `(batch, seq)`, True/1 for global tokens
             (replaces the `global_tokens` option; Hugging Face's `global_attention_mask`).
+            Under `jax.jit` / `tf.function` its count of global tokens is not known, so the
+            kernel reserves a slot for every position (see `efficient_attention`).
 
     Returns:
         `output`, followed by the weights if asked, followed by the updated cache if a
@@ -150,6 +157,12 @@ class MultiHeadAttention(keras.layers.Layer):
         check_choice("kernel", kernel, KERNELS)
         self.attention, self.attention_options = efficient.check_attention(
             attention, attention_options)
+        self._global_projections = bool(self.attention_options.get("global_projections"))
+        if self._global_projections and rope_max_wavelength is not None:
+            raise ValueError(
+                "attention_options global_projections=True (Hugging Face Longformer) takes no "
+                f"rotary embedding; got rope_max_wavelength={rope_max_wavelength}."
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -221,6 +234,17 @@ class MultiHeadAttention(keras.layers.Layer):
         self.key_dense.build(value_shape)
         self.value_dense.build(value_shape)
         self.output_dense.build(tuple(query_shape[:-1]) + (self.num_heads * self._head_dim,))
+        if self._global_projections:
+            # Hugging Face Longformer's query_global / key_global / value_global.
+            self.query_global_dense = self._dense(q_units, "query_global_dense", qkv_bias,
+                                                  self.query_initializer)
+            self.key_global_dense = self._dense(kv_units, "key_global_dense", qkv_bias,
+                                                self.key_value_initializer)
+            self.value_global_dense = self._dense(kv_units, "value_global_dense", qkv_bias,
+                                                  self.key_value_initializer)
+            self.query_global_dense.build(query_shape)
+            self.key_global_dense.build(query_shape)
+            self.value_global_dense.build(query_shape)
         self._projection = None
         if self.attention in efficient.LINEAR_TYPES:
             self._projection = efficient.projection(self.attention, self.attention_options,
@@ -365,6 +389,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"`global_attention_mask` is for attention='longformer'; this layer has "
                 f"attention={kind!r}."
             )
+        if global_mask is not None:
+            global_mask = self._check_global_mask(global_mask, query)
         k, v = self.project_key_value(query)
         if self.rotary is not None:
             q = self.rotary(q, start_index=start)
@@ -378,6 +404,11 @@ class MultiHeadAttention(keras.layers.Layer):
         tap = active_tap()
         need_weights = return_weights or tap is not None
         new_cache = None
+        if cache is not None and self._global_projections:
+            raise ValueError(
+                "attention_options global_projections=True (Hugging Face Longformer, an "
+                "encoder) has no decoding cache; call the layer on the whole sequence."
+            )
         if cache is not None:
             if cache_index is None or not use_causal_mask:
                 raise ValueError(
@@ -387,17 +418,74 @@ class MultiHeadAttention(keras.layers.Layer):
             out, weights, values, new_cache = self._efficient_decode(
                 q, k, v, mask, cache, cache_index, q_len, need_weights)
         elif need_weights:
-            weights, values = self._explicit_weights(q, k, mask, use_causal_mask,
-                                                     global_mask), v
-            out = _grouped_output(weights, values, q.dtype)
+            global_rows = None
+            values = v
+            if self._global_projections:
+                flags = self._global_slots(query, global_mask)[0]
+                kg, vg = self._project_global_key_value(query)
+                qg = self._split(self.query_global_dense(query), self.num_heads)
+                global_rows = (qg, kg, flags)
+                values = (v, vg, flags)
+            weights = self._explicit_weights(q, k, mask, use_causal_mask, global_mask,
+                                             global_rows=global_rows)
+            out = self._weighted_values(weights, values, q.dtype)
         else:
             weights = None
             out = efficient.efficient_attention(
                 q, k, v, kind, self.attention_options, causal=use_causal_mask, mask=mask,
                 scale=self.scale, global_mask=global_mask, projection_matrix=self._projection)
+            if self._global_projections:
+                out = self._global_projection_rows(query, out, mask, use_causal_mask,
+                                                   global_mask)
         if tap is not None:
             out, weights = self._tap_weights(tap, weights, values, training)
         return self._finish(out, weights, q_len, return_weights, cache, new_cache)
+
+    def _check_global_mask(self, global_mask, query):
+        global_mask = ops.convert_to_tensor(global_mask)
+        shape = tuple(global_mask.shape)
+        want = tuple(query.shape[:2])
+        if len(shape) != 2 or any(a is not None and b is not None and a != b
+                                  for a, b in zip(shape, want)):
+            raise ValueError(
+                "`global_attention_mask` must have shape (batch, seq) = "
+                f"{want}, the query's; got global_attention_mask of shape {shape}."
+            )
+        return global_mask
+
+    def _global_slots(self, query, global_mask):
+        return efficient.longformer_slots(self.attention_options, query.shape[1],
+                                          query.shape[0], global_mask)
+
+    def _project_global_key_value(self, query):
+        return (self._split(self.key_global_dense(query), self._kv_heads),
+                self._split(self.value_global_dense(query), self._kv_heads))
+
+    def _global_projection_rows(self, query, out, mask, causal, global_mask):
+        """`out` with the global tokens' rows recomputed under the global projections
+        (O(G * n): only the G global queries are projected and scored)."""
+        slots = self._global_slots(query, global_mask)
+        if slots[1].shape[1] == 0:  # no global token
+            return out
+        onehot = ops.cast(slots[1], query.dtype)
+        if onehot.shape[0] == 1:
+            hidden = ops.einsum("gn,bnc->bgc", onehot[0], query)
+        else:
+            hidden = ops.einsum("bgn,bnc->bgc", onehot, query)
+        qg = self._split(self.query_global_dense(hidden), self.num_heads)
+        kg, vg = self._project_global_key_value(query)
+        return efficient.longformer_global_rows(qg, kg, vg, slots, out, mask=mask,
+                                                causal=causal, scale=self.scale)
+
+    @staticmethod
+    def _weighted_values(weights, values, dtype):
+        """`weights @ values`; `values` may be `(v, v_global, flags)` (global projections):
+        the rows `flags` marks apply their weights to `v_global`."""
+        if not isinstance(values, tuple):
+            return _grouped_output(weights, values, dtype)
+        v, vg, flags = values
+        return ops.where(ops.cast(flags, "bool")[:, :, None, None],
+                         _grouped_output(weights, vg, dtype), _grouped_output(weights, v, dtype))
 
     def _tap_weights(self, tap, weights, v, training):
         """(output, weights) after the tap saw/replaced the weights (as `_tapped_attention`)."""
@@ -408,12 +496,14 @@ class MultiHeadAttention(keras.layers.Layer):
             weights = weights * head_scale
         if training and self.dropout > 0:
             weights = keras.random.dropout(weights, self.dropout, seed=self.seed_generator)
-        return _grouped_output(weights, v, v.dtype), weights
+        dtype = v[0].dtype if isinstance(v, tuple) else v.dtype
+        return self._weighted_values(weights, v, dtype), weights
 
-    def _explicit_weights(self, q, k, mask, causal, global_mask, offset=0):
+    def _explicit_weights(self, q, k, mask, causal, global_mask, offset=0, global_rows=None):
         """`(batch, heads, q, k)` weights of this layer's type by the explicit quadratic
         formula (sparse: softmax under the pattern as a dense mask; linear: the normalised
-        feature products)."""
+        feature products). `global_rows=(q_global, k_global, flags)` (global projections):
+        the rows `flags` marks are the softmax of `q_global k_global^T` over every key."""
         kind = self.attention
         n, k_len = q.shape[1], k.shape[1]
         if kind not in efficient.LINEAR_TYPES:
@@ -422,6 +512,13 @@ class MultiHeadAttention(keras.layers.Layer):
                                               k_len=k_len)
             _, weights = reference_attention(q, k, k, mask=merge_masks(mask, pattern),
                                              scale=self.scale, return_weights=True)
+            if global_rows is not None:
+                qg, kg, flags = global_rows
+                _, global_weights = reference_attention(
+                    qg, kg, kg, mask=mask, is_causal=causal, scale=self.scale,
+                    return_weights=True)
+                weights = ops.where(ops.cast(flags, "bool")[:, None, :, None],
+                                    global_weights, weights)
             return weights
         from kzoo.layers.linear_attention import feature_map_features
 

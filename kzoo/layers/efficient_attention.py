@@ -9,7 +9,7 @@ attention="sliding_window", window=256)`) all take the same two values, checked 
 | "full"           | —                                                            | O(n^2)          |
 | "sliding_window" | **window**, block_size                                       | O(n * window)   |
 | "strided"        | **stride**                                                   | O(n * (stride + n / stride)) |
-| "longformer"     | **window**, global_tokens (default 1: the first token), block_size | O(n * (window + G)) |
+| "longformer"     | **window**, global_tokens (default 1: the first token), block_size, global_projections=False | O(n * (window + G)) |
 | "block_sparse"   | **block_size**, **layout** (`(heads or 1, n_blocks, n_blocks)` booleans) | O(n * active blocks * block_size) |
 | "bigbird"        | **block_size**, window_blocks=3, global_blocks=1, random_blocks=2, seed=0 | O(n * blocks * block_size) |
 | "linear"         | feature_map="elu" ("elu", "fourier", "favor"), num_features, seed=0 | O(n * features) |
@@ -22,6 +22,12 @@ self-attention with at most a key padding mask; additive biases (ALiBi, T5's rel
 Graphormer's) and general `(q, k)` masks need "full". The efficient variants never build the
 probability matrix, so attention-probability dropout does not apply to them (residual and
 feed-forward dropout still do).
+
+"longformer" with `global_projections=True` is Hugging Face's Longformer (Beltagy et al. 2020):
+the rows of the global tokens use their own query / key / value projections
+(`MultiHeadAttention`'s `query_global_dense`, `key_global_dense`, `value_global_dense`) and
+attend to every key with them, recomputed densely in O(G * n) (`longformer_global_rows`);
+every other row attends its window and the global keys with the normal projections.
 
 Decoding (see `MultiHeadAttention`): "sliding_window" keeps a rolling cache of `window` key /
 value slots (`rolling_cache_length`), so a cache's memory does not grow with the length;
@@ -41,7 +47,9 @@ from keras import ops
 
 from kzoo.layers import linear_attention as linear_mod
 from kzoo.layers import sparse_attention as sparse_mod
+from kzoo.layers.kernels import reference_attention
 from kzoo.layers.utils import (
+    check_bool,
     check_choice,
     check_non_negative_int,
     check_positive_int,
@@ -57,7 +65,8 @@ ATTENTION_OPTIONS = {
     "full": {},
     "sliding_window": {"window": _REQUIRED, "block_size": None},
     "strided": {"stride": _REQUIRED},
-    "longformer": {"window": _REQUIRED, "global_tokens": 1, "block_size": None},
+    "longformer": {"window": _REQUIRED, "global_tokens": 1, "block_size": None,
+                   "global_projections": False},
     "block_sparse": {"block_size": _REQUIRED, "layout": _REQUIRED},
     "bigbird": {"block_size": _REQUIRED, "window_blocks": 3, "global_blocks": 1,
                 "random_blocks": 2, "seed": 0},
@@ -119,6 +128,7 @@ _OPTION_CHECKS = {
     "seed": lambda v: check_non_negative_int("seed", v),
     "feature_map": lambda v: check_choice("feature_map", v, linear_mod.FEATURE_MAPS),
     "num_features": lambda v: None if v is None else check_positive_int("num_features", v),
+    "global_projections": lambda v: check_bool("global_projections", v),
 }
 
 
@@ -219,13 +229,14 @@ def _global_arg(options, n, global_mask):
         return global_mask
     g = options["global_tokens"]
     if isinstance(g, tuple):
-        return list(g)
+        return np.asarray(g, dtype="int32")
     if g > n:
         raise ValueError(
             f"`global_tokens`={g} asks for more global tokens than the sequence has "
             f"({n} tokens)."
         )
-    return list(range(g))
+    # An int array, also when empty (`global_tokens=0`: no global token).
+    return np.arange(g, dtype="int32")
 
 
 def _layout_for(options, n):
@@ -290,6 +301,63 @@ def efficient_attention(query, key, value, attention, options, *, causal=False, 
             query, key, value, feature_map=fmap, causal=causal, mask=_key_mask(mask),
             projection=projection_matrix, scale=scale)
     raise ValueError(f"efficient_attention got attention={attention!r}; use the full kernels.")
+
+
+def longformer_slots(options, n, batch, global_mask=None):
+    """The global tokens of a "longformer" call: `(flags (b|1, n) bool, one_hot (b|1, G, n)
+    float32, slot_valid (b|1, G) bool, positions (b|1, G) int32)`, G the most global tokens
+    a row has (padded slots are not valid). `global_mask` `(batch, seq)` replaces the
+    `global_tokens` option, as in `efficient_attention`.
+
+    Example:
+    >>> flags, one_hot, valid, positions = longformer_slots(
+    ...     check_attention("longformer", {"window": 4})[1], 16, 2)
+    >>> positions
+    [[0]]
+    """
+    return sparse_mod._global_slots(
+        _global_arg(options, n, global_mask), n, batch,
+        None if global_mask is None else _max_global(global_mask, n))
+
+
+def longformer_global_rows(query_global, key_global, value_global, slots, out, *, mask=None,
+                           causal=False, scale=None):
+    """`out` `(batch, seq, heads, head_dim)` with the rows of the global tokens replaced by
+    their attention over every key under the global projections (Hugging Face Longformer).
+
+    Dense `(G, n)`: each global query attends to every key the padding `mask` leaves
+    (`causal`: and none after it), never an `n x n` product.
+
+    Args:
+        query_global: `(batch, G, heads, head_dim)`, the global queries of the G slots of
+            `slots` (see `longformer_slots`; rows of invalid slots are ignored).
+        key_global, value_global: `(batch, seq, kv_heads, head_dim)`, every token's key and
+            value under the global projections.
+        slots: `longformer_slots(...)` of the call.
+        out: the attention output of the call (every row), whose global rows are replaced.
+        mask: key padding mask `(batch, seq)` or `(batch, 1, 1, seq)`, True = real token.
+        causal, scale: as `efficient_attention`.
+
+    Example:
+    >>> slots = longformer_slots(options, n, batch, global_mask)   # G slots
+    >>> out = longformer_global_rows(q_global, k_global, v_global, slots, out, mask=padding)
+    """
+    flags, onehot, slot_valid, positions = slots
+    n = key_global.shape[1]
+    allowed = _key_mask(mask)
+    allowed = None if allowed is None else ops.cast(allowed, "bool")[:, None, None, :]
+    if causal:
+        before = (ops.arange(n, dtype="int32")[None, None, :]
+                  <= ops.cast(positions, "int32")[:, :, None])[:, None]
+        allowed = before if allowed is None else ops.logical_and(allowed, before)
+    rows = reference_attention(query_global, key_global, value_global, mask=allowed,
+                               scale=scale)  # (b, G, h, d)
+    scatter = ops.cast(onehot, rows.dtype) * ops.cast(slot_valid, rows.dtype)[:, :, None]
+    if scatter.shape[0] == 1:
+        rows = ops.einsum("gn,bghd->bnhd", scatter[0], rows)
+    else:
+        rows = ops.einsum("bgn,bghd->bnhd", scatter, rows)
+    return ops.where(flags[:, :, None, None], ops.cast(rows, out.dtype), out)
 
 
 def _max_global(global_mask, n):

@@ -9,7 +9,9 @@ Language Understanding", https://arxiv.org/abs/1810.04805).
 - `BertClassifier`: dropout + Dense on the pooled output.
 
 Inputs follow keras-hub: `{"token_ids", "segment_ids", "padding_mask"}`, each
-`(batch, seq)` int32 (`padding_mask` 1/True for real tokens).
+`(batch, seq)` int32 (`padding_mask` 1/True for real tokens). Models with
+`attention="longformer"` take one more, optional, input: `"global_attention_mask"` (Hugging
+Face's name; 1 for global tokens), which may be left out of the dict.
 
 Example:
 >>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
@@ -38,6 +40,8 @@ from kzoo.layers.utils import (
 from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, TaskModel
 
 FAMILY = "bert"
+# The optional input of attention="longformer" models: which tokens are global, per example.
+GLOBAL_MASK_INPUT = "global_attention_mask"
 
 
 def bert_kernel_initializer(stddev=0.02):
@@ -98,6 +102,31 @@ class OutputBias(keras.layers.Layer):
         return tuple(input_shape)
 
 
+class _OptionalGlobalMask:
+    """Lets the input dict of a model with a `global_attention_mask` input leave it out
+    (Keras' optional inputs must otherwise be given, as None): `model(x)`, `fit`,
+    `predict`, ... then run with None, i.e. the `global_tokens` option of the attention."""
+
+    def _with_global_mask(self, inputs):
+        if (isinstance(inputs, dict) and GLOBAL_MASK_INPUT not in inputs
+                and isinstance(self.input, dict) and GLOBAL_MASK_INPUT in self.input):
+            inputs = {**inputs, GLOBAL_MASK_INPUT: None}
+        return inputs
+
+    def __call__(self, *args, **kwargs):
+        if "_initialized" in self.__dict__:
+            if args:
+                args = (self._with_global_mask(args[0]),) + args[1:]
+            elif "inputs" in kwargs:
+                kwargs["inputs"] = self._with_global_mask(kwargs["inputs"])
+        return super().__call__(*args, **kwargs)
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        # Functional.call's own signature: Keras passes `training` only to a `call` naming it.
+        return super().call(self._with_global_mask(inputs), training=training, mask=mask,
+                            **kwargs)
+
+
 # === Config ===
 
 
@@ -151,7 +180,7 @@ class BertConfig(FamilyConfig):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class BertBackbone(Backbone):
+class BertBackbone(_OptionalGlobalMask, Backbone):
     """The BERT encoder (Devlin et al., 2019, arXiv:1810.04805).
 
     `embeddings = LayerNorm(token + position + segment)` then dropout; `num_layers` post-LN
@@ -185,7 +214,11 @@ class BertBackbone(Backbone):
     model, and `backbone.config` is that `BertConfig`.
 
     Inputs (a dict, each `(batch, seq)` int32):
-        token_ids; segment_ids; padding_mask (1 for real tokens, 0 for padding).
+        token_ids; segment_ids; padding_mask (1 for real tokens, 0 for padding);
+        with attention="longformer" only, global_attention_mask (1 for tokens with global
+        attention, replacing the `global_tokens` option per example; Hugging Face's
+        `global_attention_mask`): an optional input that may be left out of the dict (or
+        given as None), the `global_tokens` option then applies.
 
     Outputs (a dict):
         sequence_output: `(batch, seq, hidden_dim)`;
@@ -291,6 +324,13 @@ class BertBackbone(Backbone):
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
         segment_ids = keras.Input(shape=(None,), dtype="int32", name="segment_ids")
         padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask")
+        inputs = {"token_ids": token_ids, "segment_ids": segment_ids,
+                  "padding_mask": padding_mask}
+        global_mask = None
+        if config.attention == "longformer":
+            global_mask = keras.Input(shape=(None,), dtype="int32", name=GLOBAL_MASK_INPUT,
+                                      optional=True)
+            inputs[GLOBAL_MASK_INPUT] = global_mask
         tokens = self.token_embedding(token_ids)
         x = self.embeddings_add(
             [tokens, self.position_embedding(tokens), self.segment_embedding(segment_ids)]
@@ -298,11 +338,13 @@ class BertBackbone(Backbone):
         x = self.embeddings_layer_norm(x)
         x = self.embeddings_dropout(x)
         for block in self.transformer_layers:
-            x = block(x, padding_mask=padding_mask)
+            if global_mask is None:
+                x = block(x, padding_mask=padding_mask)
+            else:
+                x = block(x, padding_mask=padding_mask, global_attention_mask=global_mask)
         pooled = self.pooler_dense(x[:, 0, :])
         super().__init__(
-            inputs={"token_ids": token_ids, "segment_ids": segment_ids,
-                    "padding_mask": padding_mask},
+            inputs=inputs,
             outputs={"sequence_output": x, "pooled_output": pooled},
             **kwargs,
         )
@@ -325,7 +367,7 @@ class BertBackbone(Backbone):
 # === Task models ===
 
 
-class _BertTask(TaskModel):
+class _BertTask(_OptionalGlobalMask, TaskModel):
     """Shared plumbing of the BERT task models."""
 
     family = FAMILY
