@@ -1,0 +1,162 @@
+"""LoRA on every family (`model.enable_lora`, `kzoo.lora`).
+
+References: an adapted Dense against `x W + b + (alpha / r) x A B` in NumPy; the count of
+trainable scalars against `r (in + out)` summed over the targeted kernels' shapes; a merged
+model against the adapted one; a fresh model with loaded adapters against the original.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo
+from tests.harness import to_numpy
+from tests.test_quantize import FAMILIES, build_model, model_inputs, run
+
+ALL_BLOCK_TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out")
+
+
+def _perturb_adapters(model, seed=2):
+    """Non-zero B (it starts at zero) so the adapters change the outputs."""
+    r = np.random.default_rng(seed)
+    for layer in kzoo.lora.lora_layers(model):
+        layer.lora_kernel_b.assign(r.normal(0, 0.5, layer.lora_kernel_b.shape))
+
+
+@pytest.fixture(scope="module")
+def adapted():
+    """family -> (float outputs before LoRA, adapted model, inputs, adapted outputs)."""
+    out = {}
+    for family in FAMILIES:
+        model = build_model(family)
+        x = model_inputs(family)
+        before = run(model, x)
+        model.enable_lora(2, targets=ALL_BLOCK_TARGETS, alpha=4)
+        np.testing.assert_allclose(run(model, x), before, rtol=1e-5, atol=1e-5)  # B = 0
+        _perturb_adapters(model)
+        out[family] = (before, model, x, run(model, x))
+    return out
+
+
+# === Bad arguments ===
+
+
+def test_bad_arguments_are_refused():
+    model = build_model("vit")
+    for rank in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"`rank` must be a positive integer; got rank="):
+            model.enable_lora(rank)
+    with pytest.raises(ValueError, match=r"\['query', 'key', 'value'.*unknown \['qurey'\]"):
+        model.enable_lora(2, targets=("qurey", "value"))
+    with pytest.raises(ValueError, match="alpha"):
+        model.enable_lora(2, alpha=-1.0)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        model.merge_lora()
+    assert len(model.trainable_weights) > 10  # nothing was frozen by the refused calls
+    model.enable_lora(2)
+    with pytest.raises(ValueError, match="already enabled"):
+        model.enable_lora(2)
+
+
+# === Every family ===
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_the_adapters_train(adapted, family):
+    before, model, x, after = adapted[family]
+    found = kzoo.lora.target_layers(model)
+    layers = [layer for t in ALL_BLOCK_TARGETS for layer in found[t]]
+    expected = sum(2 * (layer.kernel.shape[0] + layer.kernel.shape[1]) for layer in layers)
+    trainable = model.trainable_weights
+    assert all(v.path.endswith(("lora_kernel_a", "lora_kernel_b")) for v in trainable)
+    assert kzoo.lora.count_params(trainable) == expected
+    assert len(trainable) == 2 * len(layers)
+    assert np.abs(after - before).max() > 1e-3  # the adapters act
+
+
+def test_adapted_dense_matches_the_formula(adapted):
+    _, model, _, _ = adapted["gpt"]
+    layer = kzoo.lora.target_layers(model)["value"][0]
+    w = to_numpy(layer._kernel).astype(np.float64)
+    a = to_numpy(layer.lora_kernel_a).astype(np.float64)
+    b = to_numpy(layer.lora_kernel_b).astype(np.float64)
+    x = np.random.default_rng(4).normal(size=(3, w.shape[0])).astype("float32")
+    reference = x.astype(np.float64) @ w + (4 / 2) * (x @ a @ b)
+    if layer.bias is not None:
+        reference = reference + to_numpy(layer.bias)
+    np.testing.assert_allclose(to_numpy(layer(x)), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_load_and_merge(adapted, family, tmp_path):
+    _, model, x, after = adapted[family]
+    path = str(tmp_path / "adapters.lora.npz")
+    model.save_lora_weights(path)
+    fresh = build_model(family)  # the same seeded base weights, no adapters
+    fresh.load_lora_weights(path)
+    assert kzoo.lora.lora_settings(fresh) == {"rank": 2, "alpha": 4.0,
+                                              "targets": list(ALL_BLOCK_TARGETS)}
+    np.testing.assert_array_equal(run(fresh, x), after)
+    n_weights = len(fresh.weights)
+    fresh.merge_lora()
+    assert not kzoo.lora.lora_layers(fresh)
+    assert len(fresh.weights) == n_weights - 2 * len(kzoo.lora.lora_layers(model))
+    assert len(fresh.trainable_weights) == len(build_model(family).trainable_weights)
+    np.testing.assert_allclose(run(fresh, x), after, atol=1e-5, rtol=1e-5)
+
+
+def test_load_refuses_other_settings(adapted, tmp_path):
+    _, model, _, _ = adapted["vit"]
+    path = str(tmp_path / "a.npz")
+    model.save_lora_weights(path)
+    other = build_model("vit")
+    other.enable_lora(3)
+    with pytest.raises(ValueError, match="saved with"):
+        other.load_lora_weights(path)
+    with pytest.raises(ValueError, match="npz"):
+        model.save_lora_weights(str(tmp_path / "a.h5"))
+
+
+def test_fit_changes_only_the_adapters():
+    model = build_model("gpt")
+    model.enable_lora(2, targets=("query", "value", "feedforward_in"))
+    frozen = {v.path: to_numpy(v) for v in model.weights if not v.trainable}
+    x = model_inputs("gpt")
+    y = np.roll(x["token_ids"], -1, axis=1)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    first = model.train_on_batch(x, y)
+    for _ in range(3):
+        last = model.train_on_batch(x, y)
+    assert float(np.ravel(last)[0]) < float(np.ravel(first)[0])
+    for v in model.weights:
+        if v.path in frozen:
+            np.testing.assert_array_equal(to_numpy(v), frozen[v.path])
+    assert any(np.abs(to_numpy(layer.lora_kernel_b)).max() > 0
+               for layer in kzoo.lora.lora_layers(model))
+
+
+def test_generate_with_adapters_equals_merged(adapted):
+    _, model, _, _ = adapted["gpt"]
+    prompt = np.array([[3, 4, 5], [7, 8, 9]], "int32")
+    with_adapters = np.asarray(model.generate(prompt, max_new_tokens=5))
+    merged = build_model("gpt")  # the same seeded base weights
+    layers = {lay.path: lay for lay in merged._flatten_layers()}
+    for layer in kzoo.lora.lora_layers(model):
+        a, b = to_numpy(layer.lora_kernel_a), to_numpy(layer.lora_kernel_b)
+        layers[layer.path].kernel.assign(to_numpy(layer._kernel) + (4 / 2) * a @ b)
+    np.testing.assert_array_equal(np.asarray(merged.generate(prompt, max_new_tokens=5)),
+                                  with_adapters)
+
+
+def test_lora_on_an_int8_model_and_merge():
+    model = build_model("bert")
+    x = model_inputs("bert")
+    model.quantize("int8")
+    model.enable_lora(2, targets=("query", "value"))
+    _perturb_adapters(model)
+    adapted_out = run(model, x)
+    model.merge_lora()
+    merged = run(model, x)
+    # The merge requantizes W + (alpha/r) A B to int8: close, not identical.
+    assert np.abs(merged - adapted_out).max() / np.abs(adapted_out).max() < 0.05
+    assert kzoo.quantize.quantization_map(model)
