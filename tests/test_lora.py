@@ -160,3 +160,43 @@ def test_lora_on_an_int8_model_and_merge():
     # The merge requantizes W + (alpha/r) A B to int8: close, not identical.
     assert np.abs(merged - adapted_out).max() / np.abs(adapted_out).max() < 0.05
     assert kzoo.quantize.quantization_map(model)
+
+
+# === Training CLI (--lora-rank, --lora-targets) ===
+
+
+def test_cli_refuses_bad_lora_arguments(capsys):
+    from training.cli import main
+
+    for argv, needle in ((["vit_digits", "--lora-rank", "0"], "'0'"),
+                         (["vit_digits", "--lora-targets", "query,qkv"], "'query,qkv'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_cli_lora_run_trains_the_adapters_only(tmp_path):
+    import json
+    import os
+
+    from training.cli import main
+
+    out = str(tmp_path / "run")
+    argv = ["vit_digits", "--steps", "2", "--max-epoch-steps", "2", "--out", out,
+            "--verbose", "0", "--batch-size", "16", "--lora-rank", "2",
+            "--lora-targets", "query,value,head",
+            "--override", "num_layers=1", "--override", "hidden_dim=16",
+            "--override", "intermediate_dim=32", "--override", "num_heads=2"]
+    assert main(argv) == 0
+    with open(os.path.join(out, "metrics.json")) as f:
+        record = json.load(f)
+    model = kzoo.presets.load(os.path.join(out, "model"))  # the merged model: plain Dense
+    assert not kzoo.lora.lora_layers(model)
+    found = kzoo.lora.target_layers(model)
+    layers = found["query"] + found["value"] + found["head"]
+    expected = sum(2 * (lay.kernel.shape[0] + lay.kernel.shape[1]) for lay in layers)
+    assert record["run"]["trainable_params"] == expected
+    assert record["run"]["lora"] == {"rank": 2, "targets": ["query", "value", "head"]}
+    model.load_lora_weights(os.path.join(out, "model", "adapters.lora.npz"))
+    assert kzoo.lora.count_params(model.trainable_weights) == expected
