@@ -47,7 +47,7 @@ def _build_model(family):
             vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=24,
             max_sequence_length=16, norm="rmsnorm", position="rotary", feedforward="plain",
             activation="silu", num_kv_heads=1, use_bias=False, tie_embeddings=False,
-            initializer_range=0.3))
+            initializer_range=0.3, dropout=0.0))
     if family == "bert":  # plain feed-forward, segment Embedding, pooler, MLM transform
         return BertMaskedLM(BertBackbone(
             vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=24,
