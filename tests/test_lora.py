@@ -11,7 +11,8 @@ import pytest
 
 import kzoo
 from tests.harness import to_numpy
-from tests.test_quantize import FAMILY_PARAMS, _Lazy, build_model, model_inputs, run
+from tests.test_quantize import (FAMILY_PARAMS, _Lazy, build_model, compiled_generation,
+                                 model_inputs, run)
 
 ALL_BLOCK_TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out")
 
@@ -139,13 +140,15 @@ def test_fit_changes_only_the_adapters():
 def test_generate_with_adapters_equals_merged(adapted):
     _, model, _, _ = adapted["gpt"]
     prompt = np.array([[3, 4, 5], [7, 8, 9]], "int32")
-    with_adapters = np.asarray(model.generate(prompt, max_new_tokens=5))
+    with_adapters = np.asarray(model.generate(prompt, max_new_tokens=5,
+                                              compile=compiled_generation()))
     merged = build_model("gpt")  # the same seeded base weights
     layers = {lay.path: lay for lay in merged._flatten_layers()}
     for layer in kzoo.lora.lora_layers(model):
         a, b = to_numpy(layer.lora_kernel_a), to_numpy(layer.lora_kernel_b)
         layers[layer.path].kernel.assign(to_numpy(layer._kernel) + (4 / 2) * a @ b)
-    np.testing.assert_array_equal(np.asarray(merged.generate(prompt, max_new_tokens=5)),
+    np.testing.assert_array_equal(np.asarray(merged.generate(
+        prompt, max_new_tokens=5, compile=compiled_generation())),
                                   with_adapters)
 
 
@@ -177,6 +180,7 @@ def test_cli_refuses_bad_lora_arguments(capsys):
         assert needle in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_lora_run_trains_the_adapters_only(tmp_path):
     import json
     import os
