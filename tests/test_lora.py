@@ -11,8 +11,11 @@ import pytest
 
 import kzoo
 from tests.harness import to_numpy
-from tests.test_quantize import (FAMILY_PARAMS, _Lazy, build_model, compiled_generation,
+from tests.test_quantize import (_Lazy, build_model, compiled_generation, family_params,
                                  model_inputs, run)
+
+# Per-family LoRA checks: T5 by default (GPT is in the other tests), the rest with -m slow.
+FAMILY_PARAMS = family_params(("t5",))
 
 ALL_BLOCK_TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out")
 
