@@ -2,8 +2,8 @@
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.checkpoints`,
 `kzoo.convert`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`,
-`kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.losses`, `kzoo.models`, `kzoo.presets`,
-`kzoo.schedules`. None of them imports a framework that the current backend does not use
+`kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.lora`, `kzoo.losses`, `kzoo.models`,
+`kzoo.presets`, `kzoo.quantize`, `kzoo.schedules`. None of them imports a framework that the current backend does not use
 (heavy optional packages are imported when first used; see `kzoo._lazy_tensorflow` for
 how Keras' own TensorFlow imports are kept off the JAX and torch backends).
 """
@@ -24,9 +24,11 @@ from kzoo import graphs  # noqa: E402
 from kzoo import inputs  # noqa: E402
 from kzoo import interpret  # noqa: E402
 from kzoo import layers  # noqa: E402
+from kzoo import lora  # noqa: E402
 from kzoo import losses  # noqa: E402
 from kzoo import models  # noqa: E402
 from kzoo import presets  # noqa: E402
+from kzoo import quantize  # noqa: E402
 from kzoo import registry  # noqa: E402
 from kzoo import schedules  # noqa: E402
 
@@ -34,9 +36,11 @@ from kzoo import schedules  # noqa: E402
 # that does not start with "_" is listed here and imported above).
 SUBMODULES = (
     "checkpoints", "convert", "data", "generation", "graphs", "inputs", "interpret", "layers",
+    "lora",
     "losses",
     "models",
     "presets",
+    "quantize",
     "registry",
     "schedules",
 )

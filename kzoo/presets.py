@@ -32,6 +32,7 @@ import zipfile
 import keras
 
 import kzoo
+import kzoo.quantize
 from kzoo import checkpoints, registry
 
 CONFIG_FILE = "kzoo_config.json"
@@ -304,6 +305,9 @@ def save(model, directory, format="kzoo", overwrite=True):  # noqa: A002
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "params": int(model.count_params()),
     }
+    quantized = kzoo.quantize.quantization_map(model)
+    if quantized:  # {layer path: quantized policy}; `load` quantizes these layers again
+        meta["quantization"] = quantized
     weights_tmp = os.path.join(directory, "tmp." + WEIGHTS_FILE)
     model.save_weights(weights_tmp, overwrite=True)
     os.replace(weights_tmp, os.path.join(directory, WEIGHTS_FILE))
@@ -326,11 +330,13 @@ def _read_saved_config(path):
     family = registry.check_spec(meta, repr(config_path))
     # Directories saved before the "weights" entry existed hold model.weights.h5.
     weights = checkpoints.file_in(path, meta.get("weights", WEIGHTS_FILE), "weights file")
-    return family, meta["task"], meta["config"], meta["task_config"], weights
+    return (family, meta["task"], meta["config"], meta["task_config"], weights,
+            meta.get("quantization") or {})
 
 
 def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
-    family, saved_task, config, saved_task_config, weights_path = _read_saved_config(path)
+    family, saved_task, config, saved_task_config, weights_path, quantized = \
+        _read_saved_config(path)
     if weights is not False:
         checkpoints.require_file(weights_path, f"weights file named in {CONFIG_FILE}")
     source = os.path.join(path, CONFIG_FILE)
@@ -340,11 +346,15 @@ def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
         return model
     task = family.task_of(model)
     if task == saved_task:
+        kzoo.quantize.apply_quantization(model, quantized, source)
         _read_keras_weights(model, weights_path)
     else:
         # Another head on the saved backbone: load the saved model, copy its backbone.
         saved = family.build(config, task=saved_task, task_config=saved_task_config,
                              dtype=dtype, source=source)
+        kzoo.quantize.apply_quantization(saved, quantized, source)
+        kzoo.quantize.apply_quantization(_backbone(model, task), quantized, source,
+                                         strict=False)
         _read_keras_weights(saved, weights_path)
         _backbone(model, task).set_weights(_backbone(saved, saved_task).get_weights())
     return model

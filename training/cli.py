@@ -82,6 +82,20 @@ def _preset(text):
         f"unknown preset {text!r}{hint}; choose one of {names} or a saved preset directory")
 
 
+_LORA_TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out",
+                 "head")  # kzoo.lora.TARGETS (not imported: the parser stays light)
+
+
+def _lora_targets(text):
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in targets if t not in _LORA_TARGETS]
+    if unknown or not targets:
+        raise argparse.ArgumentTypeError(
+            f"--lora-targets must be a comma-separated list of {list(_LORA_TARGETS)}; got "
+            f"{text!r}")
+    return targets
+
+
 def _common_arguments(parser, defaults):
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=_positive_int("--steps"),
@@ -121,6 +135,12 @@ def _common_arguments(parser, defaults):
                         help="preset config override, repeatable, e.g. --override num_layers=2")
     parser.add_argument("--fresh", action="store_true",
                         help="discard the checkpoints and outputs in --out and start over")
+    parser.add_argument("--lora-rank", type=_positive_int("--lora-rank"),
+                        help="fine-tune LoRA adapters of this rank only (kzoo.lora); the "
+                             "saved model has them merged in")
+    parser.add_argument("--lora-targets", type=_lora_targets, default=("query", "value"),
+                        help="comma-separated sub-layers that get adapters (default "
+                             "query,value; allowed: " + ",".join(_LORA_TARGETS) + ")")
     parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
                         help="0 silent, 1 progress bar (default), 2 one line per epoch")
 
@@ -147,7 +167,8 @@ def build_parser():
 
 COMMON = {"recipe", "steps", "epochs", "preset", "batch_size", "mixed_precision", "out",
           "seed", "learning_rate", "warmup_steps", "weight_decay", "clipnorm",
-          "label_smoothing", "save_every", "max_epoch_steps", "override", "fresh", "verbose"}
+          "label_smoothing", "save_every", "max_epoch_steps", "override", "fresh", "verbose",
+          "lora_rank", "lora_targets"}
 
 
 def config_from_args(args):
@@ -180,6 +201,8 @@ def config_from_args(args):
         options=options,
         fresh=args.fresh,
         verbose=args.verbose,
+        lora_rank=args.lora_rank,
+        lora_targets=tuple(args.lora_targets),
         **values,
     )
 

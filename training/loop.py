@@ -29,6 +29,7 @@ import time
 import keras
 import numpy as np
 
+import kzoo.lora
 import kzoo.presets
 from kzoo.schedules import WarmupInverseSqrt
 from training import callbacks as cb
@@ -63,6 +64,8 @@ class RunConfig:
     options: dict = dataclasses.field(default_factory=dict)
     fresh: bool = False
     verbose: int = 1
+    lora_rank: int = None  # LoRA fine-tuning: only rank-`lora_rank` adapters train
+    lora_targets: tuple = ("query", "value")
 
     def fingerprint(self):
         """What a checkpoint must agree on to be resumed (not the run length)."""
@@ -71,6 +74,8 @@ class RunConfig:
                 "max_epoch_steps", "overrides", "options")
         out = {k: getattr(self, k) for k in keys}
         out["backend"] = keras.backend.backend()
+        if self.lora_rank:
+            out["lora"] = {"rank": self.lora_rank, "targets": list(self.lora_targets)}
         return json.loads(json.dumps(out, sort_keys=True, default=str))
 
     @property
@@ -143,9 +148,17 @@ def _rewrite_csv(path, history):
     os.replace(tmp, path)
 
 
+def _count(variables):
+    return int(sum(np.prod(v.shape) for v in variables))
+
+
 def save_model(model, directory, extra_files=None):
-    """`kzoo.presets.save` plus the recipe's extra files (e.g. the tokenizer)."""
+    """`kzoo.presets.save` plus the recipe's extra files (e.g. the tokenizer). A LoRA model
+    is saved with its adapters merged into the kernels (Keras' Dense saves the merged
+    kernel), plus the adapters alone in `adapters.lora.npz`."""
     kzoo.presets.save(model, directory)
+    if kzoo.lora.lora_layers(model):
+        model.save_lora_weights(os.path.join(directory, "adapters.lora.npz"))
     for writer in extra_files or ():
         writer(directory)
     return directory
@@ -196,6 +209,13 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
         raise ValueError(f"The run needs at least one step; got {steps_total}.")
     epoch_steps = max(1, min(task.steps_per_epoch, int(cfg.max_epoch_steps)))
     num_epochs = math.ceil(steps_total / epoch_steps)
+
+    if cfg.lora_rank:  # before compile and restore: the adapters are the trained variables
+        model.enable_lora(int(cfg.lora_rank), targets=tuple(cfg.lora_targets))
+        if cfg.verbose:
+            print(f"LoRA rank {cfg.lora_rank} on {list(cfg.lora_targets)}: "
+                  f"{_count(model.trainable_weights):,} trainable of "
+                  f"{_count(model.weights):,} parameters.", flush=True)
 
     # `weighted_metrics`: the metrics count what the loss counts (Keras' plain `metrics`
     # ignore sample weights: BERT's accuracy would include the unmasked tokens).
@@ -310,6 +330,9 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
             "seed": cfg.seed,
             "dtype": cfg.dtype,
             "params": int(model.count_params()),
+            "trainable_params": _count(model.trainable_weights),
+            "lora": ({"rank": cfg.lora_rank, "targets": list(cfg.lora_targets)}
+                     if cfg.lora_rank else None),
             "wall_time_s": round(wall, 2),
             "resumed_from_step": resumed_from,
             "overrides": cfg.overrides,

@@ -187,6 +187,9 @@ class FunctionalModel(keras.Model):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # Keras wraps `quantize` per instance (checking the mode its own way); kzoo's
+        # `quantize` checks it and quantizes the sub-layers through their own wrappers.
+        self.__dict__.pop("quantize", None)
         self._initialized = True
         if keras.config.backend() == "torch" and "_torch_params" in self.__dict__:
             # Built while `__setattr__` bypassed torch: a plain attribute that
@@ -252,16 +255,103 @@ class FunctionalModel(keras.Model):
         return self._run_checked("predict_on_batch", args, kwargs, {"x": False})
 
     def _base_config(self):
-        """The `name`, `trainable` and `dtype` entries every kzoo model config starts with."""
+        """The `name`, `trainable` and `dtype` entries every kzoo model config starts with.
+
+        A quantized model's `dtype` is a `DTypePolicyMap` (float default, one quantized
+        policy per quantized layer path; see `kzoo.quantize`)."""
+        from kzoo import quantize as quantization
+
+        policy = quantization.policy_map(self) if self.built else None
         return {
             "name": self.name,
             "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "dtype": keras.dtype_policies.serialize(policy or self.dtype_policy),
         }
 
     @classmethod
     def from_config(cls, config):
-        return cls(**_deserialize_dtype(dict(config)))
+        config, quantized = _split_quantization(_deserialize_dtype(dict(config)))
+        return _quantized(cls(**config), quantized)
+
+    # === Fine-tuning and deployment (kzoo.lora, kzoo.quantize) ===
+
+    def enable_lora(self, rank, targets=("query", "value"), alpha=None):
+        """Add LoRA adapters to `targets` and freeze the rest (see `kzoo.lora.enable_lora`).
+
+        Example:
+        >>> model.enable_lora(4, targets=("query", "value"))
+        >>> sum(int(np.prod(v.shape)) for v in model.trainable_weights)  # adapters only
+        """
+        from kzoo import lora
+
+        return lora.enable_lora(self, rank, targets=targets, alpha=alpha)
+
+    def save_lora_weights(self, path):
+        """Write the LoRA adapters to an `.npz` file (see `kzoo.lora.save_lora_weights`).
+
+        Example:
+        >>> model.save_lora_weights("adapters.lora.npz")
+        """
+        from kzoo import lora
+
+        return lora.save_lora_weights(self, path)
+
+    def load_lora_weights(self, path):
+        """Load adapters written by `save_lora_weights` (see `kzoo.lora.load_lora_weights`).
+
+        Example:
+        >>> fresh.load_lora_weights("adapters.lora.npz")
+        """
+        from kzoo import lora
+
+        return lora.load_lora_weights(self, path)
+
+    def merge_lora(self):
+        """Fold the adapters into the kernels and remove them (see `kzoo.lora.merge_lora`).
+
+        Example:
+        >>> model.merge_lora()
+        """
+        from kzoo import lora
+
+        return lora.merge_lora(self)
+
+    def quantize(self, mode=None, config=None, filters=None, **kwargs):
+        """Quantize the weights to "int8", "int4" or "float8" (see `kzoo.quantize.quantize`:
+        which layers are quantized and which stay in float).
+
+        Example:
+        >>> model.quantize("int8")
+        """
+        from kzoo import quantize as quantization
+
+        given = {**kwargs, "config": config, "filters": filters}
+        given = sorted(key for key, value in given.items() if value is not None)
+        if given:
+            raise ValueError(
+                f"kzoo models take quantize(mode) only; got {given}. Use "
+                "keras.Model.quantize(model, ...) for Keras' other options."
+            )
+        return quantization.quantize(self, mode)
+
+
+def _split_quantization(config):
+    """`(config with a float dtype, {path: quantized policy name})` of a saved config whose
+    `dtype` may be a `DTypePolicyMap` (see `kzoo.quantize`)."""
+    from kzoo import quantize as quantization
+
+    dtype, quantized = quantization.split_dtype(config.get("dtype"))
+    if quantized:
+        config["dtype"] = dtype
+    return config, quantized
+
+
+def _quantized(model, quantized):
+    if quantized:
+        from kzoo import quantize as quantization
+
+        quantization.apply_quantization(model, quantized, f"the config of {model.name!r}")
+    return model
 
 
 _SIGNATURES = {}
@@ -382,9 +472,9 @@ class TaskModel(FunctionalModel):
 
     @classmethod
     def from_config(cls, config):
-        config = _deserialize_dtype(dict(config))
+        config, quantized = _split_quantization(_deserialize_dtype(dict(config)))
         config["backbone"] = keras.layers.deserialize(config["backbone"])
-        return cls(**config)
+        return _quantized(cls(**config), quantized)
 
 
 class HeadTransform(keras.layers.Layer):

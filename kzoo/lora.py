@@ -1,0 +1,317 @@
+"""LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") on kzoo models.
+
+`enable_lora(model, rank, targets=("query", "value"), alpha=None)` (also
+`model.enable_lora(...)` on every kzoo backbone and task model) adds to each targeted
+`keras.layers.Dense` (Keras' own `Dense.enable_lora`) two float32 matrices
+`A (in, rank)` (He-uniform) and `B (rank, out)` (zeros), so the layer computes
+`x @ (W + (alpha / rank) A B) + b` and starts out unchanged; then it freezes every other
+variable of the model, so `model.trainable_weights` is exactly the adapters.
+
+Targets (the names of the sub-layers of every `TransformerBlock`, on every family):
+
+- `"query"`, `"key"`, `"value"`, `"output"`: the attention projections `query_dense`,
+  `key_dense`, `value_dense`, `output_dense` of every `MultiHeadAttention` (self- and
+  cross-attention);
+- `"feedforward_in"`: the input projections of the feed-forward (`intermediate_dense` of a
+  `FeedForward`; `gate_dense` and `up_dense` of a `GatedFeedForward`);
+- `"feedforward_out"`: the output projection `output_dense` of a `FeedForward` /
+  `GatedFeedForward`;
+- `"head"`: the `Dense` layers of a task model outside its backbone (ViT's and BERT's
+  classifier, BERT's masked-LM transform, T5 v1.1's untied `lm_head`, Graphormer's head
+  transform) and BERT's pooler.
+
+Not adaptable: the mixture-of-experts experts (raw stacked kernels) and router, the token /
+position / patch embeddings, norms and biases (they stay frozen).
+
+`save_lora_weights(model, path)` writes the adapters (and rank, alpha, targets) to an
+`.npz` file keyed by layer path; `load_lora_weights(model, path)` enables LoRA with the
+stored settings when needed and assigns them. `merge_lora(model)` folds `(alpha/rank) A B`
+into each kernel (float or int8/int4-quantized) and removes the adapters, leaving a plain
+model whose weights are all trainable again.
+
+Example:
+
+```python
+model = kzoo.presets.load("gpt_mini")
+model.enable_lora(4, targets=("query", "value"))
+model.fit(...)                                  # trains the adapters only
+model.save_lora_weights("adapters.lora.npz")
+model.merge_lora()                              # plain Dense kernels again
+```
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+
+TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out", "head")
+
+
+def _block_targets(layer):
+    """(target, Dense) pairs of one kzoo layer of a TransformerBlock."""
+    from kzoo.layers.attention import MultiHeadAttention
+    from kzoo.layers.feedforward import FeedForward, GatedFeedForward
+
+    if isinstance(layer, MultiHeadAttention):
+        return [("query", layer.query_dense), ("key", layer.key_dense),
+                ("value", layer.value_dense), ("output", layer.output_dense)]
+    if isinstance(layer, FeedForward):
+        return [("feedforward_in", layer.intermediate_dense),
+                ("feedforward_out", layer.output_dense)]
+    if isinstance(layer, GatedFeedForward):
+        return [("feedforward_in", layer.gate_dense), ("feedforward_in", layer.up_dense),
+                ("feedforward_out", layer.output_dense)]
+    return []
+
+
+def target_layers(model):
+    """`{target: [Dense, ...]}` of `model` for every name of `TARGETS` (lists may be empty).
+
+    Example:
+    >>> [layer.path for layer in kzoo.lora.target_layers(model)["value"]]
+    ['transformer_layer_0/self_attention/value_dense', ...]
+    """
+    found = {name: [] for name in TARGETS}
+    claimed = set()
+    for layer in model._flatten_layers(include_self=False):
+        for name, dense in _block_targets(layer):
+            if dense is not None and id(dense) not in claimed:
+                found[name].append(dense)
+                claimed.add(id(dense))
+    # Whatever Dense is left outside the blocks: heads, the pooler (not the MoE router).
+    for layer in model._flatten_layers(include_self=False):
+        if (type(layer) is keras.layers.Dense and id(layer) not in claimed
+                and layer.name != "router"):
+            found["head"].append(layer)
+            claimed.add(id(layer))
+    return found
+
+
+def check_targets(targets):
+    """`targets` as a tuple of names of `TARGETS`; a ValueError names any other."""
+    if isinstance(targets, str):
+        targets = (targets,)
+    try:
+        targets = tuple(targets)
+    except TypeError:
+        raise ValueError(
+            f"`targets` must be a sequence of names from {list(TARGETS)}; got "
+            f"targets={targets!r}."
+        ) from None
+    unknown = [t for t in targets if not isinstance(t, str) or t not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(
+            f"`targets` must name sub-layers from {list(TARGETS)}; got unknown "
+            f"{unknown!r} in targets={targets!r}."
+            if unknown else
+            f"`targets` must name at least one of {list(TARGETS)}; got targets={targets!r}."
+        )
+    return tuple(dict.fromkeys(targets))
+
+
+def _check_rank(rank):
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank <= 0:
+        raise ValueError(f"`rank` must be a positive integer; got rank={rank!r}.")
+    return int(rank)
+
+
+def _check_alpha(alpha, rank):
+    if alpha is None:
+        return float(rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.number)) or \
+            not alpha > 0 or not np.isfinite(alpha):
+        raise ValueError(f"`alpha` must be None or a positive number; got alpha={alpha!r}.")
+    return float(alpha)
+
+
+def lora_layers(model):
+    """The Dense layers of `model` that carry adapters, in a stable order (by path)."""
+    layers = [layer for layer in model._flatten_layers(include_self=False)
+              if getattr(layer, "lora_enabled", False)]
+    return sorted(layers, key=lambda layer: layer.path)
+
+
+def enable_lora(model, rank, targets=("query", "value"), alpha=None):
+    """Add rank-`rank` adapters to the `targets` of `model` and freeze everything else.
+
+    Args:
+        model: a built kzoo backbone or task model.
+        rank: the adapters' rank (positive int).
+        targets: names from `TARGETS` (see the module docstring); default the attention
+            query and value projections, as in the LoRA paper.
+        alpha: the scale numerator: the update is `(alpha / rank) A B` (None: `rank`,
+            i.e. a scale of 1).
+
+    Returns:
+        The list of paths of the adapted layers.
+
+    Raises:
+        ValueError: `rank` <= 0, an unknown target (the message lists them), a target
+            with no layer in this model, adapters already enabled, or a float8-quantized
+            layer (Keras has no LoRA there).
+
+    Example:
+    >>> model.enable_lora(8, targets=("query", "key", "value", "output"), alpha=16)
+    """
+    rank = _check_rank(rank)
+    targets = check_targets(targets)
+    alpha = _check_alpha(alpha, rank)
+    if not model.built:
+        raise ValueError(f"Build {model.name!r} (call it once) before enabling LoRA.")
+    if lora_layers(model):
+        raise ValueError(
+            f"LoRA is already enabled on {model.name!r}; merge_lora() first to add new "
+            "adapters."
+        )
+    found = target_layers(model)
+    empty = [t for t in targets if not found[t]]
+    if empty:
+        present = [t for t in TARGETS if found[t]]
+        raise ValueError(
+            f"`targets` {empty} match no layer of {model.name!r}; this model has "
+            f"{present}."
+        )
+    layers = [layer for t in targets for layer in found[t]]
+    for layer in layers:
+        if layer.quantization_mode not in (None, "int8", "int4"):
+            raise ValueError(
+                f"LoRA on a {layer.quantization_mode!r}-quantized layer ({layer.path}) is not "
+                "supported; use a float, int8 or int4 model."
+            )
+    unfrozen = [v for v in model.weights if v.trainable]
+    for variable in unfrozen:
+        variable.trainable = False
+    for layer in layers:
+        layer.enable_lora(rank, lora_alpha=alpha)
+    # Plain attributes: Keras' tracker must not adopt these variables a second time.
+    object.__setattr__(model, "_kzoo_lora",
+                       {"rank": rank, "alpha": alpha, "targets": list(targets)})
+    object.__setattr__(model, "_kzoo_lora_frozen", tuple(unfrozen))
+    _after_change(model)
+    return [layer.path for layer in layers]
+
+
+def _after_change(model):
+    """Drop compiled step functions (their variable lists changed); on torch, track the new
+    variables as parameters."""
+    model.train_function = model.test_function = model.predict_function = None
+    if hasattr(model, "_jax_state"):
+        model._jax_state = None
+    if keras.config.backend() == "torch":
+        for layer in model._flatten_layers():
+            layer._track_variables()
+
+
+def lora_settings(model):
+    """`{"rank", "alpha", "targets"}` of the adapters of `model` (None when none)."""
+    if not lora_layers(model):
+        return None
+    return dict(getattr(model, "_kzoo_lora", None) or {})
+
+
+def save_lora_weights(model, path):
+    """Write the adapters of `model` to `path` (`.npz`, NumPy arrays only; no pickle).
+
+    Example:
+    >>> model.save_lora_weights("adapters.lora.npz")
+    """
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError(f"{model.name!r} has no LoRA adapters; call enable_lora() first.")
+    path = os.fspath(path)
+    if not path.endswith(".npz"):
+        raise ValueError(f"LoRA weights are written as .npz; got path={path!r}.")
+    settings = lora_settings(model)
+    arrays = {"__settings__": np.asarray(json.dumps(settings))}
+    for i, layer in enumerate(layers):
+        arrays[f"{i}/path"] = np.asarray(layer.path)
+        arrays[f"{i}/a"] = keras.ops.convert_to_numpy(layer.lora_kernel_a)
+        arrays[f"{i}/b"] = keras.ops.convert_to_numpy(layer.lora_kernel_b)
+    tmp = path[:-len(".npz")] + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def load_lora_weights(model, path):
+    """Load adapters written by `save_lora_weights` into `model`, enabling LoRA with the
+    stored rank, alpha and targets first if it has none.
+
+    Raises:
+        ValueError: the file is unreadable, or its settings or layer paths differ from the
+            model's adapters.
+
+    Example:
+    >>> fresh = kzoo.presets.load("gpt_mini")
+    >>> fresh.load_lora_weights("adapters.lora.npz")
+    """
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+        settings = json.loads(str(arrays.pop("__settings__")))
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"The LoRA weights file {path!r} cannot be read: {error}") from error
+    if not lora_layers(model):
+        enable_lora(model, settings["rank"], settings["targets"], settings["alpha"])
+    current = lora_settings(model)
+    if current != settings:
+        raise ValueError(
+            f"The LoRA weights in {path!r} were saved with {settings}; {model.name!r} has "
+            f"adapters {current}."
+        )
+    layers = {layer.path: layer for layer in lora_layers(model)}
+    count = len([key for key in arrays if key.endswith("/path")])
+    stored = [str(arrays[f"{i}/path"]) for i in range(count)]
+    if sorted(stored) != sorted(layers):
+        raise ValueError(
+            f"The LoRA weights in {path!r} are for layers {sorted(stored)}; {model.name!r} "
+            f"adapts {sorted(layers)}."
+        )
+    for i, name in enumerate(stored):
+        layers[name].lora_kernel_a.assign(arrays[f"{i}/a"])
+        layers[name].lora_kernel_b.assign(arrays[f"{i}/b"])
+    return model
+
+
+def merge_lora(model):
+    """Fold every adapter into its kernel (`W + (alpha / rank) A B`, requantized for an
+    int8/int4 layer) and remove the adapters; every variable is trainable again.
+
+    Example:
+    >>> model.merge_lora()
+    """
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError(f"{model.name!r} has no LoRA adapters to merge.")
+    for layer in layers:
+        if layer.quantization_mode in ("int8", "int4"):
+            kernel, scale, _ = layer._get_kernel_with_merged_lora()
+            layer._kernel.assign(kernel)
+            layer.kernel_scale.assign(scale)
+        else:
+            layer._kernel.assign(layer.kernel)  # the property adds (alpha / rank) A B
+        for name in ("lora_kernel_a", "lora_kernel_b"):
+            layer._untrack_variable(getattr(layer, name))
+            # Not `del layer.<name>`: Keras' `__delattr__` runs a full `gc.collect()` per
+            # variable (half a second each here).
+            super(keras.layers.Layer, layer).__delattr__(name)
+        layer.lora_enabled = False
+        layer.lora_rank = None
+    for variable in getattr(model, "_kzoo_lora_frozen", ()):
+        variable.trainable = True
+    object.__setattr__(model, "_kzoo_lora", None)
+    object.__setattr__(model, "_kzoo_lora_frozen", ())
+    _after_change(model)
+    return model
+
+
+def count_params(variables):
+    """The number of scalars in `variables`."""
+    return int(sum(np.prod(v.shape) for v in variables))
+
+
+__all__ = ["TARGETS", "enable_lora", "save_lora_weights", "load_lora_weights", "merge_lora",
+           "target_layers", "lora_layers", "lora_settings", "check_targets", "count_params"]

@@ -1,0 +1,210 @@
+"""LoRA on every family (`model.enable_lora`, `kzoo.lora`).
+
+References: an adapted Dense against `x W + b + (alpha / r) x A B` in NumPy; the count of
+trainable scalars against `r (in + out)` summed over the targeted kernels' shapes; a merged
+model against the adapted one; a fresh model with loaded adapters against the original.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kzoo
+from tests.harness import to_numpy
+from tests.test_quantize import (_Lazy, build_model, compiled_generation, family_params,
+                                 model_inputs, run)
+
+# Per-family LoRA checks: T5 by default (GPT is in the other tests), the rest with -m slow.
+FAMILY_PARAMS = family_params(("t5",))
+
+ALL_BLOCK_TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out")
+
+
+def _perturb_adapters(model, seed=2):
+    """Non-zero B (it starts at zero) so the adapters change the outputs."""
+    r = np.random.default_rng(seed)
+    for layer in kzoo.lora.lora_layers(model):
+        layer.lora_kernel_b.assign(r.normal(0, 0.5, layer.lora_kernel_b.shape))
+
+
+@pytest.fixture(scope="module")
+def adapted():
+    """family -> (float outputs before LoRA, adapted model, inputs, adapted outputs)."""
+    def make(family):
+        model = build_model(family)
+        x = model_inputs(family)
+        before = run(model, x)
+        model.enable_lora(2, targets=ALL_BLOCK_TARGETS, alpha=4)
+        np.testing.assert_allclose(run(model, x), before, rtol=1e-5, atol=1e-5)  # B = 0
+        _perturb_adapters(model)
+        return before, model, x, run(model, x)
+
+    return _Lazy(make)
+
+
+# === Bad arguments ===
+
+
+def test_bad_arguments_are_refused():
+    model = build_model("vit")
+    for rank in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"`rank` must be a positive integer; got rank="):
+            model.enable_lora(rank)
+    with pytest.raises(ValueError, match=r"\['query', 'key', 'value'.*unknown \['qurey'\]"):
+        model.enable_lora(2, targets=("qurey", "value"))
+    with pytest.raises(ValueError, match="alpha"):
+        model.enable_lora(2, alpha=-1.0)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        model.merge_lora()
+    assert len(model.trainable_weights) > 10  # nothing was frozen by the refused calls
+    model.enable_lora(2)
+    with pytest.raises(ValueError, match="already enabled"):
+        model.enable_lora(2)
+
+
+# === Every family ===
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_only_the_adapters_train(adapted, family):
+    before, model, x, after = adapted[family]
+    found = kzoo.lora.target_layers(model)
+    layers = [layer for t in ALL_BLOCK_TARGETS for layer in found[t]]
+    expected = sum(2 * (layer.kernel.shape[0] + layer.kernel.shape[1]) for layer in layers)
+    trainable = model.trainable_weights
+    assert all(v.path.endswith(("lora_kernel_a", "lora_kernel_b")) for v in trainable)
+    assert kzoo.lora.count_params(trainable) == expected
+    assert len(trainable) == 2 * len(layers)
+    assert np.abs(after - before).max() > 1e-3  # the adapters act
+
+
+def test_adapted_dense_matches_the_formula(adapted):
+    _, model, _, _ = adapted["gpt"]
+    layer = kzoo.lora.target_layers(model)["value"][0]
+    w = to_numpy(layer._kernel).astype(np.float64)
+    a = to_numpy(layer.lora_kernel_a).astype(np.float64)
+    b = to_numpy(layer.lora_kernel_b).astype(np.float64)
+    x = np.random.default_rng(4).normal(size=(3, w.shape[0])).astype("float32")
+    reference = x.astype(np.float64) @ w + (4 / 2) * (x @ a @ b)
+    if layer.bias is not None:
+        reference = reference + to_numpy(layer.bias)
+    np.testing.assert_allclose(to_numpy(layer(x)), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_save_load_and_merge(adapted, family, tmp_path):
+    _, model, x, after = adapted[family]
+    path = str(tmp_path / "adapters.lora.npz")
+    model.save_lora_weights(path)
+    fresh = build_model(family)  # the same seeded base weights, no adapters
+    fresh.load_lora_weights(path)
+    assert kzoo.lora.lora_settings(fresh) == {"rank": 2, "alpha": 4.0,
+                                              "targets": list(ALL_BLOCK_TARGETS)}
+    np.testing.assert_array_equal(run(fresh, x), after)
+    n_weights = len(fresh.weights)
+    fresh.merge_lora()
+    assert not kzoo.lora.lora_layers(fresh)
+    assert len(fresh.weights) == n_weights - 2 * len(kzoo.lora.lora_layers(model))
+    assert len(fresh.trainable_weights) == len(build_model(family).trainable_weights)
+    np.testing.assert_allclose(run(fresh, x), after, atol=1e-5, rtol=1e-5)
+
+
+def test_load_refuses_other_settings(adapted, tmp_path):
+    _, model, _, _ = adapted["gpt"]
+    path = str(tmp_path / "a.npz")
+    model.save_lora_weights(path)
+    other = build_model("gpt")
+    other.enable_lora(3)
+    with pytest.raises(ValueError, match="saved with"):
+        other.load_lora_weights(path)
+    with pytest.raises(ValueError, match="npz"):
+        model.save_lora_weights(str(tmp_path / "a.h5"))
+
+
+def test_fit_changes_only_the_adapters():
+    model = build_model("gpt")
+    model.enable_lora(2, targets=("query", "value", "feedforward_in"))
+    frozen = {v.path: to_numpy(v) for v in model.weights if not v.trainable}
+    x = model_inputs("gpt")
+    y = np.roll(x["token_ids"], -1, axis=1)
+    model.compile(optimizer=keras.optimizers.Adam(5e-3))
+    first = model.test_on_batch(x, y)
+    for _ in range(5):
+        model.train_on_batch(x, y)
+    last = model.test_on_batch(x, y)
+    assert float(np.ravel(last)[0]) < float(np.ravel(first)[0])
+    for v in model.weights:
+        if v.path in frozen:
+            np.testing.assert_array_equal(to_numpy(v), frozen[v.path])
+    assert any(np.abs(to_numpy(layer.lora_kernel_b)).max() > 0
+               for layer in kzoo.lora.lora_layers(model))
+
+
+def test_generate_with_adapters_equals_merged(adapted):
+    _, model, _, _ = adapted["gpt"]
+    prompt = np.array([[3, 4, 5], [7, 8, 9]], "int32")
+    with_adapters = np.asarray(model.generate(prompt, max_new_tokens=5,
+                                              compile=compiled_generation()))
+    merged = build_model("gpt")  # the same seeded base weights
+    layers = {lay.path: lay for lay in merged._flatten_layers()}
+    for layer in kzoo.lora.lora_layers(model):
+        a, b = to_numpy(layer.lora_kernel_a), to_numpy(layer.lora_kernel_b)
+        layers[layer.path].kernel.assign(to_numpy(layer._kernel) + (4 / 2) * a @ b)
+    np.testing.assert_array_equal(np.asarray(merged.generate(
+        prompt, max_new_tokens=5, compile=compiled_generation())),
+                                  with_adapters)
+
+
+def test_lora_on_an_int8_model_and_merge():
+    model = build_model("gpt")
+    x = model_inputs("gpt")
+    model.quantize("int8")
+    model.enable_lora(2, targets=("query", "value"))
+    _perturb_adapters(model)
+    adapted_out = run(model, x)
+    model.merge_lora()
+    merged = run(model, x)
+    # The merge requantizes W + (alpha/r) A B to int8: close, not identical.
+    assert np.abs(merged - adapted_out).max() / np.abs(adapted_out).max() < 0.05
+    assert kzoo.quantize.quantization_map(model)
+
+
+# === Training CLI (--lora-rank, --lora-targets) ===
+
+
+def test_cli_refuses_bad_lora_arguments(capsys):
+    from training.cli import main
+
+    for argv, needle in ((["vit_digits", "--lora-rank", "0"], "'0'"),
+                         (["vit_digits", "--lora-targets", "query,qkv"], "'query,qkv'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_lora_run_trains_the_adapters_only(tmp_path):
+    import json
+    import os
+
+    from training.cli import main
+
+    out = str(tmp_path / "run")
+    argv = ["vit_digits", "--steps", "2", "--max-epoch-steps", "2", "--out", out,
+            "--verbose", "0", "--batch-size", "16", "--lora-rank", "2",
+            "--lora-targets", "query,value,head",
+            "--override", "num_layers=1", "--override", "hidden_dim=16",
+            "--override", "intermediate_dim=32", "--override", "num_heads=2"]
+    assert main(argv) == 0
+    with open(os.path.join(out, "metrics.json")) as f:
+        record = json.load(f)
+    model = kzoo.presets.load(os.path.join(out, "model"))  # the merged model: plain Dense
+    assert not kzoo.lora.lora_layers(model)
+    found = kzoo.lora.target_layers(model)
+    layers = found["query"] + found["value"] + found["head"]
+    expected = sum(2 * (lay.kernel.shape[0] + lay.kernel.shape[1]) for lay in layers)
+    assert record["run"]["trainable_params"] == expected
+    assert record["run"]["lora"] == {"rank": 2, "targets": ["query", "value", "head"]}
+    model.load_lora_weights(os.path.join(out, "model", "adapters.lora.npz"))
+    assert kzoo.lora.count_params(model.trainable_weights) == expected
