@@ -488,7 +488,8 @@ class MultiHeadAttention(keras.layers.Layer):
                          _grouped_output(weights, vg, dtype), _grouped_output(weights, v, dtype))
 
     def _tap_weights(self, tap, weights, v, training):
-        """(output, weights) after the tap saw/replaced the weights (as `_tapped_attention`)."""
+        """(output, weights) after the tap saw/replaced the weights and scaled heads, with
+        attention dropout (training only) after the tap, as in the fused kernels."""
         weights = tap._on_attention(self, weights)
         head_scale = tap._head_scale(self)
         if head_scale is not None:
@@ -659,14 +660,8 @@ class MultiHeadAttention(keras.layers.Layer):
         after the tap, as in the fused kernels."""
         _, weights = reference_attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal,
                                          scale=self.scale, return_weights=True)
-        weights = tap._on_attention(self, weights)
-        head_scale = tap._head_scale(self)
-        if head_scale is not None:
-            head_scale = ops.reshape(ops.cast(head_scale, weights.dtype), (1, -1, 1, 1))
-            weights = weights * head_scale
-        if training and self.dropout > 0:
-            weights = keras.random.dropout(weights, self.dropout, seed=self.seed_generator)
-        return _grouped_output(weights, v, q.dtype), weights
+        out, weights = self._tap_weights(tap, weights, v, training)
+        return ops.cast(out, q.dtype), weights
 
     def compute_output_shape(self, query_shape, value_shape=None):
         return tuple(query_shape[:-1]) + (self.output_dim or query_shape[-1],)
