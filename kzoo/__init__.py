@@ -2,8 +2,8 @@
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.checkpoints`,
 `kzoo.convert`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`,
-`kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.losses`, `kzoo.models`, `kzoo.presets`,
-`kzoo.schedules`. None of them imports a framework that the current backend does not use
+`kzoo.data`, `kzoo.distribution`, `kzoo.graphs`, `kzoo.layers`, `kzoo.losses`, `kzoo.models`,
+`kzoo.presets`, `kzoo.schedules`. None of them imports a framework that the current backend does not use
 (heavy optional packages are imported when first used; see `kzoo._lazy_tensorflow` for
 how Keras' own TensorFlow imports are kept off the JAX and torch backends).
 """
@@ -19,6 +19,7 @@ _lazy_tensorflow.install(_keras.backend.backend())
 from kzoo import checkpoints  # noqa: E402
 from kzoo import convert  # noqa: E402
 from kzoo import data  # noqa: E402
+from kzoo import distribution  # noqa: E402
 from kzoo import generation  # noqa: E402
 from kzoo import graphs  # noqa: E402
 from kzoo import inputs  # noqa: E402
@@ -33,7 +34,8 @@ from kzoo import schedules  # noqa: E402
 # The public submodules (tests/test_import.py checks that every module of the package
 # that does not start with "_" is listed here and imported above).
 SUBMODULES = (
-    "checkpoints", "convert", "data", "generation", "graphs", "inputs", "interpret", "layers",
+    "checkpoints", "convert", "data", "distribution", "generation", "graphs", "inputs", "interpret",
+    "layers",
     "losses",
     "models",
     "presets",
