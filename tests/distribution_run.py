@@ -3,8 +3,9 @@
 For every family (tiny models of `CASES`), three Adam steps on the same batch from the same
 initial weights: on one device, under `kzoo.distribution.data_parallel()` (8 devices) and
 under `model_parallel` on a 2 x 4 (batch x model) mesh. Prints one JSON object: losses and
-step times a family and mode, each variable's sharding spec and local shard shape, and the
-errors the distribution checks raise (a batch that does not split, a variable that does not).
+step times a family and mode, each variable's sharding spec and local shard shape, and (with
+`--errors`) the errors the distribution checks raise: a batch that does not split (in `fit`
+of the first family) and a variable that does not (a GPT built under a family-name map).
 
 XLA's device count must be set before JAX starts, hence a process of its own.
 """
@@ -12,12 +13,12 @@ XLA's device count must be set before JAX starts, hence a process of its own.
 import os
 import sys
 
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+if __name__ == "__main__":  # imported by the test for CASES / batch: no side effects then
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 import json  # noqa: E402
-T0 = __import__("time").perf_counter()
 import time  # noqa: E402
 
 import keras  # noqa: E402
@@ -26,6 +27,8 @@ import numpy as np  # noqa: E402
 import kzoo  # noqa: E402
 from kzoo import registry  # noqa: E402
 from kzoo.distribution import data_parallel, device_mesh, model_parallel  # noqa: E402
+
+MESH = (2, 4)  # (batch, model) of the model-parallel runs
 
 BATCH, SEQ, STEPS = 8, 8, 3
 
@@ -129,7 +132,7 @@ def spec(variable):
             "shape": list(variable.shape), "shard": list(shard)}
 
 
-def run_family(name, out):
+def run_family(name, out, errors, with_errors=False):
     x, y = batch(name)
     keras.utils.set_random_seed(0)
     model = build(name)
@@ -137,7 +140,7 @@ def run_family(name, out):
     losses, times = train(model, name, x, y)
     out[name] = {"single": {"losses": losses, "step_s": times}}
     modes = {"data": data_parallel,
-             "model": lambda: model_parallel(config(name), device_mesh(data=2, model=4))}
+             "model": lambda: model_parallel(config(name), device_mesh(*MESH))}
     for mode, make in modes.items():
         start = time.perf_counter()
         dist = make()
@@ -146,48 +149,49 @@ def run_family(name, out):
             model = build(name)
             model.set_weights(initial)
             losses, times = train(model, name, x, y)
+            if with_errors:  # a batch that does not split: caught in fit, before compiling
+                n = {"data": 4, "model": 5}[mode]
+                try:
+                    model.fit(keras.tree.map_structure(lambda a: a[:n], x), y[:n],
+                              batch_size=n, verbose=0)
+                except ValueError as e:
+                    errors[f"batch_{mode}"] = str(e)
             out[name][mode] = {
                 "losses": losses, "step_s": times,
                 "variables": {v.path: spec(v) for v in model.weights},
                 "optimizer": {v.path: spec(v) for v in model.optimizer.variables
                               if len(v.shape) >= 2},
             }
-        print(f"  {name} {mode}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        out[name][mode]["seconds"] = time.perf_counter() - start
 
 
-def errors():
-    """Messages of the checks that run while a model is built or fed (JAX only)."""
-    found = {}
-    mesh = device_mesh(data=2, model=4)
+def variable_error(found):
+    """The message of the check that runs as a variable is created (JAX only)."""
+    mesh = device_mesh(*MESH)
     # A family name alone: the split variables are checked as they are created.
-    family, config, _ = CASES["gpt"]
+    family, fields, _ = CASES["gpt"]
     try:
         with model_parallel("gpt", mesh).scope():
-            registry.family(family).build({**config, "intermediate_dim": 30})
+            registry.family(family).build({**fields, "intermediate_dim": 30})
     except ValueError as e:
         found["variable"] = str(e)
-    # A batch that does not split over the batch axis, in fit, before the step compiles.
-    x, y = batch("gpt")
-    for mode, dist, n in (("model", model_parallel("gpt", mesh), 5),
-                          ("data", data_parallel(), 4)):
-        with dist.scope():
-            model = build("gpt")
-            compile_model(model, "gpt")
-            try:
-                model.fit({k: v[:n] for k, v in x.items()}, y[:n], batch_size=n, verbose=0)
-            except ValueError as e:
-                found[f"batch_{mode}"] = str(e)
-    return found
 
 
 def main():
-    names = sys.argv[1:] or list(CASES)
-    out = {"devices": len(keras.distribution.list_devices()), "families": {}}
-    for name in names:
+    """`python tests/distribution_run.py [--errors] [family ...]` (default: every family)."""
+    args = sys.argv[1:]
+    with_errors = "--errors" in args
+    names = [a for a in args if a != "--errors"] or list(CASES)
+    if keras.backend.backend() != "jax" or len(keras.distribution.list_devices()) != 8:
+        raise SystemExit("needs KERAS_BACKEND=jax and "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts")
+    out = {"devices": len(keras.distribution.list_devices()), "families": {}, "errors": {}}
+    for i, name in enumerate(names):
         start = time.perf_counter()
-        run_family(name, out["families"])
-        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    out["errors"] = errors()
+        run_family(name, out["families"], out["errors"], with_errors and i == 0)
+        out["families"][name]["seconds"] = time.perf_counter() - start
+    if with_errors:
+        variable_error(out["errors"])
     print(json.dumps(out))
 
 
