@@ -2,8 +2,8 @@
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.checkpoints`,
 `kzoo.convert`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`,
-`kzoo.data`, `kzoo.distribution`, `kzoo.graphs`, `kzoo.layers`, `kzoo.losses`, `kzoo.models`,
-`kzoo.presets`, `kzoo.schedules`. None of them imports a framework that the current backend does not use
+`kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.losses`, `kzoo.models`, `kzoo.presets`,
+`kzoo.schedules`. None of them imports a framework that the current backend does not use
 (heavy optional packages are imported when first used; see `kzoo._lazy_tensorflow` for
 how Keras' own TensorFlow imports are kept off the JAX and torch backends).
 """
@@ -34,8 +34,8 @@ from kzoo import schedules  # noqa: E402
 # The public submodules (tests/test_import.py checks that every module of the package
 # that does not start with "_" is listed here and imported above).
 SUBMODULES = (
-    "checkpoints", "convert", "data", "distribution", "generation", "graphs", "inputs", "interpret",
-    "layers",
+    "checkpoints", "convert", "data", "generation", "graphs", "inputs", "interpret", "layers",
+    "distribution",
     "losses",
     "models",
     "presets",

@@ -57,7 +57,6 @@ not built yet (docs/DISTRIBUTED.md).
 """
 
 import dataclasses
-import re
 
 import keras
 import numpy as np
@@ -284,8 +283,8 @@ def check_batch_size(distribution, batch_size):
     it (last one included) before the step runs; call it yourself to check a plan early.
 
     Example:
-    >>> check_batch_size(model_parallel("gpt_mini", device_mesh(data=2, model=4)), 6)
-    ValueError: batch size 6 does not split across mesh axis 'batch' of size 2 ...
+    >>> check_batch_size(model_parallel("gpt_mini", device_mesh(data=2, model=4)), 5)
+    ValueError: The batch size 5 does not split across mesh axis 'batch' of size 2: ...
     """
     mesh = distribution.device_mesh
     axis = distribution.batch_dim_name
