@@ -19,6 +19,7 @@ _lazy_tensorflow.install(_keras.backend.backend())
 from kzoo import checkpoints  # noqa: E402
 from kzoo import convert  # noqa: E402
 from kzoo import data  # noqa: E402
+from kzoo import distribution  # noqa: E402
 from kzoo import generation  # noqa: E402
 from kzoo import graphs  # noqa: E402
 from kzoo import inputs  # noqa: E402
@@ -36,6 +37,7 @@ from kzoo import schedules  # noqa: E402
 # that does not start with "_" is listed here and imported above).
 SUBMODULES = (
     "checkpoints", "convert", "data", "generation", "graphs", "inputs", "interpret", "layers",
+    "distribution",
     "lora",
     "losses",
     "models",
