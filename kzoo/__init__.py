@@ -1,7 +1,7 @@
 """kzoo: a Keras 3 transformer model zoo for JAX, PyTorch and TensorFlow.
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.checkpoints`,
-`kzoo.convert`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`,
+`kzoo.convert`, `kzoo.distribution`, `kzoo.registry`, `kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`,
 `kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.lora`, `kzoo.losses`, `kzoo.models`,
 `kzoo.presets`, `kzoo.quantize`, `kzoo.schedules`. None of them imports a framework that the current backend does not use
 (heavy optional packages are imported when first used; see `kzoo._lazy_tensorflow` for
