@@ -375,3 +375,69 @@ def test_sliding_window_gpt_saves_taps_and_fits(tmp_path):
     x, y, w = lm.lm_batch(ids)
     losses = [lm.train_on_batch(x, y, sample_weight=w) for _ in range(3)]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+# === Longformer: per-row global masks in compiled functions, and no global token ===
+
+
+def _compiled(fn):
+    """`fn` compiled the way the backend compiles a training step (torch runs eagerly)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        return jax.jit(fn)
+    if backend == "tensorflow":
+        import tensorflow as tf
+        return tf.function(fn)
+    return fn
+
+
+def _longformer_rows_pattern(global_mask, window):
+    """(b, 1, n, n): |i - j| < window, or i or j a global token of that row."""
+    n = global_mask.shape[1]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    band = np.abs(i - j) < window
+    g = global_mask[:, None, :, None] | global_mask[:, None, None, :]
+    return band[None, None] | g
+
+
+def test_longformer_global_mask_compiles_with_max_global_slots():
+    x = np.random.default_rng(3).normal(size=(2, N, DIM)).astype("float32")
+    global_mask = np.zeros((2, N), bool)
+    global_mask[0, [0, 5]] = True
+    global_mask[1, 3] = True
+    options = {"window": 2, "max_global": 2}
+    layer = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, attention="longformer",
+                               attention_options=options)
+    full = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS)
+    layer.build(x.shape)
+    full.build(x.shape)
+    _copy_weights(full, layer)
+    expected = to_numpy(full(x, attention_mask=_longformer_rows_pattern(global_mask, 2)))
+    compiled = _compiled(lambda a, g: layer(a, global_attention_mask=g))
+    assert_close(to_numpy(compiled(x, global_mask)), expected, atol=2e-5)
+    assert_close(to_numpy(layer(x, global_attention_mask=global_mask)), expected, atol=2e-5)
+    # Traced, the mask's count is unknown: the slots are `max_global`, not one per position.
+    checked = kzoo.layers.efficient_attention.check_attention("longformer", options)[1]
+    slots = _compiled(lambda g: kzoo.layers.efficient_attention.longformer_slots(
+        checked, N, 2, g)[1])(global_mask)
+    assert tuple(slots.shape) == (2, 2, N)
+    # Eagerly, more global tokens in a row than max_global is an error naming it.
+    with pytest.raises(ValueError, match="max_global=2"):
+        layer(x, global_attention_mask=np.ones((2, N), bool))
+    with pytest.raises(ValueError, match="max_global"):
+        MultiHeadAttention(HEADS, attention="longformer",
+                           attention_options={"window": 2, "max_global": 0})
+
+
+def test_longformer_without_global_tokens_is_the_band():
+    x = np.random.default_rng(4).normal(size=(2, N, DIM)).astype("float32")
+    layer = MultiHeadAttention(HEADS, attention="longformer",
+                               attention_options={"window": 3, "global_tokens": []})
+    full = MultiHeadAttention(HEADS)
+    layer.build(x.shape)
+    full.build(x.shape)
+    _copy_weights(full, layer)
+    band = _np_pattern("sliding_window", N, False, window=3)
+    assert_close(to_numpy(layer(x)), to_numpy(full(x, attention_mask=band[None, None])),
+                 atol=2e-5)

@@ -104,7 +104,8 @@ def test_config_maps_the_window_and_positions(checkpoints):
     # attention_window=4: two tokens each side, kzoo's window counts the token itself.
     assert dict(backbone.attention_options) == {"window": 3, "global_tokens": 0,
                                                 "block_size": None,
-                                                "global_projections": True}
+                                                "global_projections": True,
+                                                "max_global": None}
     assert backbone.max_sequence_length == HF_TINY["max_position_embeddings"] - PAD - 1
     assert registry.for_model_type("longformer") is registry.family("bert")
     assert "global_attention_mask" in backbone.input

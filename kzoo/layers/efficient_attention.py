@@ -9,7 +9,7 @@ attention="sliding_window", window=256)`) all take the same two values, checked 
 | "full"           | —                                                            | O(n^2)          |
 | "sliding_window" | **window**, block_size                                       | O(n * window)   |
 | "strided"        | **stride**                                                   | O(n * (stride + n / stride)) |
-| "longformer"     | **window**, global_tokens (default 1: the first token), block_size, global_projections=False | O(n * (window + G)) |
+| "longformer"     | **window**, global_tokens (default 1: the first token), block_size, global_projections=False, max_global | O(n * (window + G)) |
 | "block_sparse"   | **block_size**, **layout** (`(heads or 1, n_blocks, n_blocks)` booleans) | O(n * active blocks * block_size) |
 | "bigbird"        | **block_size**, window_blocks=3, global_blocks=1, random_blocks=2, seed=0 | O(n * blocks * block_size) |
 | "linear"         | feature_map="elu" ("elu", "fourier", "favor"), num_features, seed=0 | O(n * features) |
@@ -28,6 +28,13 @@ the rows of the global tokens use their own query / key / value projections
 (`MultiHeadAttention`'s `query_global_dense`, `key_global_dense`, `value_global_dense`) and
 attend to every key with them, recomputed densely in O(G * n) (`longformer_global_rows`);
 every other row attends its window and the global keys with the normal projections.
+
+A `global_attention_mask` given at call time replaces `global_tokens`. Eagerly its count of
+global tokens sets G. Inside a compiled function (`fit`, `jax.jit`, `tf.function`) the count is
+not known, so G is `max_global` when set (the first `max_global` global tokens of each row are
+kept) and otherwise every position, which makes the global part O(n^2): set `max_global` for
+compiled training with a global mask. Eagerly, a row with more than `max_global` global tokens
+raises a `ValueError`.
 
 Decoding (see `MultiHeadAttention`): "sliding_window" keeps a rolling cache of `window` key /
 value slots (`rolling_cache_length`), so a cache's memory does not grow with the length;
@@ -66,7 +73,7 @@ ATTENTION_OPTIONS = {
     "sliding_window": {"window": _REQUIRED, "block_size": None},
     "strided": {"stride": _REQUIRED},
     "longformer": {"window": _REQUIRED, "global_tokens": 1, "block_size": None,
-                   "global_projections": False},
+                   "global_projections": False, "max_global": None},
     "block_sparse": {"block_size": _REQUIRED, "layout": _REQUIRED},
     "bigbird": {"block_size": _REQUIRED, "window_blocks": 3, "global_blocks": 1,
                 "random_blocks": 2, "seed": 0},
@@ -129,6 +136,7 @@ _OPTION_CHECKS = {
     "feature_map": lambda v: check_choice("feature_map", v, linear_mod.FEATURE_MAPS),
     "num_features": lambda v: None if v is None else check_positive_int("num_features", v),
     "global_projections": lambda v: check_bool("global_projections", v),
+    "max_global": lambda v: None if v is None else check_positive_int("max_global", v),
 }
 
 
@@ -285,7 +293,8 @@ def efficient_attention(query, key, value, attention, options, *, causal=False, 
         return sparse_mod.longformer_attention(
             query, key, value, options["window"], _global_arg(options, n, global_mask),
             causal=causal, mask=mask, scale=scale, block_size=options["block_size"],
-            max_global=None if global_mask is None else _max_global(global_mask, n))
+            max_global=None if global_mask is None
+            else _max_global(global_mask, n, options["max_global"]))
     if attention == "block_sparse":
         return sparse_mod.block_sparse_attention(
             query, key, value, _layout_for(options, n), options["block_size"], causal=causal,
@@ -317,7 +326,7 @@ def longformer_slots(options, n, batch, global_mask=None):
     """
     return sparse_mod._global_slots(
         _global_arg(options, n, global_mask), n, batch,
-        None if global_mask is None else _max_global(global_mask, n))
+        None if global_mask is None else _max_global(global_mask, n, options["max_global"]))
 
 
 def longformer_global_rows(query_global, key_global, value_global, slots, out, *, mask=None,
@@ -360,14 +369,21 @@ def longformer_global_rows(query_global, key_global, value_global, slots, out, *
     return ops.where(flags[:, :, None, None], ops.cast(rows, out.dtype), out)
 
 
-def _max_global(global_mask, n):
-    """The static bound on global tokens per row for a mask: its count when concrete, else
-    every position (the kernel then pads)."""
+def _max_global(global_mask, n, bound=None):
+    """The static bound on global tokens per row for a mask: its count when concrete (checked
+    against the `max_global` option `bound`), else `bound`, else every position (the kernel
+    then pads)."""
     try:
-        return int(np.max(np.sum(np.asarray(ops.convert_to_numpy(global_mask)).astype(bool),
-                                 axis=1)))
+        count = int(np.max(np.sum(
+            np.asarray(ops.convert_to_numpy(global_mask)).astype(bool), axis=1)))
     except Exception:  # traced
-        return n
+        return n if bound is None else min(bound, n)
+    if bound is not None and count > bound:
+        raise ValueError(
+            f"`global_attention_mask` marks {count} global tokens in a row, more than the "
+            f"longformer option max_global={bound}; raise `max_global` or mark fewer tokens."
+        )
+    return count
 
 
 def _key_mask(mask):

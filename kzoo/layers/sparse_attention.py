@@ -312,7 +312,7 @@ def _global_slots(global_tokens, n, batch, max_global):
                 "`global_tokens` must be a 1-D list of integer positions or a (batch, seq) "
                 f"boolean mask; got global_tokens={global_tokens!r}."
             )
-        idx = np.unique(idx)
+        idx = np.unique(idx).astype("int64")  # an empty list is float64 in NumPy
         if idx.size > n:
             raise ValueError(
                 f"`global_tokens` names {idx.size} global tokens, more than the sequence "
