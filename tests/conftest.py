@@ -57,6 +57,29 @@ def _graphormer_extension_built():
     return any(os.path.getmtime(path) >= os.path.getmtime(source) for path in built)
 
 
+# Files whose few tests do much work (training subprocesses, hypothesis searches): by test
+# count they would come last, and one of them left a worker running alone at the end.
+HEAVY_FILES = ("test_crash_safety.py", "test_properties.py", "test_training.py",
+               "test_distribution.py", "test_presets.py", "test_demo.py", "test_inputs.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heavy files above first, then the others by size, biggest first (a stable sort by
+    file, so a file's tests stay together and in order): the longest work starts first.
+    `make test` hands JAX's workers whole files in this order (tests/run_backends.py:
+    `--dist loadfile --no-loadscope-reorder`), so the run no longer ends on a big file that one
+    worker runs alone while the other has nothing left."""
+    keys = {}
+
+    def key(item):
+        path = str(item.path)
+        if path not in keys:
+            keys[path] = (os.path.basename(path) not in HEAVY_FILES, -os.path.getsize(path))
+        return keys[path]
+
+    items.sort(key=key)
+
+
 def pytest_configure(config):
     """Build transformers' Graphormer Cython module (pyximport) once, in the main process,
     before pytest-xdist starts its workers: two workers compiling it at the same time into the
