@@ -92,7 +92,6 @@ def pytest_configure(config):
         pass
 
 
-
 _CPU_LOG = os.environ.get("KZOO_TEST_CPU_LOG")
 
 

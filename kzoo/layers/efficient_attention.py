@@ -293,8 +293,7 @@ def efficient_attention(query, key, value, attention, options, *, causal=False, 
         return sparse_mod.longformer_attention(
             query, key, value, options["window"], _global_arg(options, n, global_mask),
             causal=causal, mask=mask, scale=scale, block_size=options["block_size"],
-            max_global=None if global_mask is None
-            else _max_global(global_mask, n, options["max_global"]))
+            max_global=_max_global(options, n, global_mask))
     if attention == "block_sparse":
         return sparse_mod.block_sparse_attention(
             query, key, value, _layout_for(options, n), options["block_size"], causal=causal,
@@ -326,7 +325,7 @@ def longformer_slots(options, n, batch, global_mask=None):
     """
     return sparse_mod._global_slots(
         _global_arg(options, n, global_mask), n, batch,
-        None if global_mask is None else _max_global(global_mask, n, options["max_global"]))
+        _max_global(options, n, global_mask))
 
 
 def longformer_global_rows(query_global, key_global, value_global, slots, out, *, mask=None,
@@ -369,10 +368,13 @@ def longformer_global_rows(query_global, key_global, value_global, slots, out, *
     return ops.where(flags[:, :, None, None], ops.cast(rows, out.dtype), out)
 
 
-def _max_global(global_mask, n, bound=None):
-    """The static bound on global tokens per row for a mask: its count when concrete (checked
-    against the `max_global` option `bound`), else `bound`, else every position (the kernel
-    then pads)."""
+def _max_global(options, n, global_mask):
+    """The static bound on global tokens per row of a call-time mask (None without one): its
+    count when concrete (checked against the `max_global` option), else that option, else
+    every position (the kernel then pads)."""
+    if global_mask is None:
+        return None
+    bound = options["max_global"]
     try:
         count = int(np.max(np.sum(
             np.asarray(ops.convert_to_numpy(global_mask)).astype(bool), axis=1)))
