@@ -76,6 +76,10 @@ def _cases():
     full[1, 0, 2:4] = False  # two query rows of example 1 see nothing
     cases["fully_masked_rows"] = dict(shape=dict(), kw=dict(mask=full))
     cases["scale_one"] = dict(shape=dict(), kw=dict(scale=1.0, causal=True))
+    # A padding mask with no padding (torch drops it and takes SDPA's is_causal path).
+    no_pad = np.ones((2, 1, 1, 6), bool)
+    cases["all_true_padding_causal"] = dict(shape=dict(), kw=dict(mask=no_pad, causal=True))
+    cases["all_true_padding_bias"] = dict(shape=dict(), kw=dict(mask=no_pad, bias=bias))
     return cases
 
 
@@ -685,3 +689,32 @@ def test_unknown_sequence_length_under_tracing():
     inp = keras.Input((None, 16))
     model = keras.Model(inp, layer(inp, use_causal_mask=True))
     np.testing.assert_allclose(to_numpy(model(x)), expected, atol=1e-6)
+
+
+def test_torch_drops_an_all_true_mask_and_keeps_a_real_one(monkeypatch):
+    """On torch's CPU SDPA path a padding mask that allows every key is dropped (the causal
+    call then runs SDPA's `is_causal`, with no mask built per layer); a mask with one False
+    is kept. Other backends: the same calls, checked against NumPy only."""
+    q, k, v = _data()
+    calls = []
+    if backend() == "torch":
+        import torch.nn.functional as F
+
+        from kzoo.layers import kernels_torch
+
+        real = F.scaled_dot_product_attention
+
+        def spy(*args, **kwargs):
+            calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels_torch.F, "scaled_dot_product_attention", spy)
+    full = np.ones((2, 1, 1, 6), bool)
+    padded = full.copy()
+    padded[1, ..., 5] = False
+    for mask in (full, padded):
+        out = dot_product_attention(q, k, v, mask=mask, is_causal=True, kernel="fused")
+        assert_close(out, np_attention(q, k, v, mask=mask, causal=True), atol=1e-5, rtol=1e-5)
+    if backend() == "torch":
+        assert calls[0] == (None, True)
+        assert calls[1][0] is not None and calls[1][1] is False

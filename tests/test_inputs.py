@@ -435,3 +435,18 @@ def test_generate_accepts_numpy_integer_counts():
     with pytest.raises(ValueError, match="float32"):
         lm.generate(np.array([[3.0, 4.0]], "float32"), max_new_tokens=2)
     assert kzoo.inputs is not None and "inputs" in kzoo.SUBMODULES
+
+
+def test_a_failing_on_batch_call_leaves_the_model_intact():
+    """`*_on_batch` keep the variables attached on every backend (only the looping methods
+    detach them on JAX), so a call that fails inside its step changes nothing."""
+    model, x, y, sizes = _family("gpt")
+    before = _outputs(model, x)
+    wrong_targets = np.zeros((3, 1, 1), "int32")  # batch 3 against the inputs' batch
+    with pytest.raises(Exception):
+        model.train_on_batch(x, wrong_targets)
+    with pytest.raises(Exception):
+        model.test_on_batch(x, wrong_targets)
+    np.testing.assert_array_equal(_outputs(model, x), before)
+    model.train_on_batch(x, y)  # still trains
+    assert not np.array_equal(_outputs(model, x), before)

@@ -21,6 +21,14 @@ def device():
 # === Fused ===
 
 
+def _all_true(mask):
+    """Whether a boolean mask allows everything, asked only where the answer is free: on a
+    CPU tensor outside `torch.compile` (on CUDA the question would wait for the device)."""
+    if mask.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return bool(mask.all())
+
+
 def fused(query, key, value, mask, bias, is_causal, scale):
     """`F.scaled_dot_product_attention`: boolean masks stay boolean, a causal-only call of
     equal lengths becomes `is_causal`, grouped heads use `enable_gqa`."""
@@ -29,6 +37,11 @@ def fused(query, key, value, mask, bias, is_causal, scale):
     v = value.transpose(1, 2)
     q_len, k_len = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None and _all_true(mask):
+        # A padding mask with no padding (every training batch of full rows): dropping it
+        # lets a causal call take SDPA's `is_causal` path, with no (q, k) mask built, ANDed
+        # and scanned for empty rows in every layer.
+        mask = None
     causal_flag = False
     if is_causal:
         if mask is None and bias is None and q_len == k_len:
