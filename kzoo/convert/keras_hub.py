@@ -12,11 +12,12 @@ the HDF5 files are read with h5py, each dataset going to the kzoo variable it co
 `keras_hub.models.<X>Backbone.from_preset(dir)` (and the task classes' `from_preset`) load.
 keras-hub is a test extra, never imported here.
 
-| keras-hub backbone | kzoo family | tasks (keras-hub -> kzoo) |
-|---|---|---|
-| `BertBackbone` | `bert` (activation "gelu_tanh", layer norm epsilon 1e-12) | `BertTextClassifier` -> `classifier` |
-| `GPT2Backbone` | `gpt` (GPT-2: learned positions, LayerNorm 1e-5, "gelu_tanh", tied head) | `GPT2CausalLM` -> `causal_lm` |
-| `ViTBackbone` | `vit` (activation "gelu") | `ViTImageClassifier` -> `classifier` |
+keras-hub backbone -> kzoo family (keras-hub task -> kzoo task):
+- `BertBackbone` -> `bert` with activation "gelu_tanh" and layer norm epsilon 1e-12
+  (`BertTextClassifier` -> "classifier");
+- `GPT2Backbone` -> `gpt` in its GPT-2 configuration: learned positions, LayerNorm 1e-5,
+  "gelu_tanh", tied head (`GPT2CausalLM` -> "causal_lm");
+- `ViTBackbone` -> `vit` with activation "gelu" (`ViTImageClassifier` -> "classifier").
 
 Numerics: keras-hub's BERT and GPT-2 use the tanh approximation of GELU (kzoo
 "gelu_tanh"), ViT's MLP the exact one; BERT's epsilons are 1e-12, GPT-2's 1e-5, ViT's its
@@ -35,6 +36,9 @@ uses exact GELU and a LayerNorm epsilon of 1e-5 while its backbone uses tanh-GEL
 kzoo's `BertMaskedLM` head uses the backbone's two, so such a preset loads only as
 `task="backbone"` or `task="classifier"` (the backbone is exact), and a kzoo `BertMaskedLM`
 is not exported (save its `.backbone`). Tokenizers and preprocessors are not converted.
+
+A ViT preset loads at another image size too (`load(path, image_size=384)`): its position
+table is resampled bicubically, as `kzoo.models.vit` does for other inputs.
 
 Example:
 >>> model = kzoo.presets.load("/path/to/keras_hub_preset")         # e.g. a GPT2CausalLM
@@ -58,7 +62,7 @@ from kzoo import checkpoints, registry
 from kzoo.layers.utils import check_int_pair
 from kzoo.models.bert import BertConfig
 from kzoo.models.gpt import GPTConfig
-from kzoo.models.vit import ViTConfig
+from kzoo.models.vit import ViTConfig, resample_position_grid
 
 CONFIG_FILE = "config.json"
 METADATA_FILE = "metadata.json"
@@ -315,6 +319,9 @@ class _Weight:
     variable: object
     hub_shape: tuple = ()
     absent_because: str = ""
+    # Reading only: a function turning the file's array into the variable's value (ViT's
+    # position table, resampled when the kzoo model is built for another image size).
+    resample: object = None
 
     def hub_value(self):
         value = np.asarray(keras.ops.convert_to_numpy(
@@ -367,7 +374,9 @@ def _read_into(file, weights):
                 f"{variable.path!r}); it holds {sorted(datasets)}."
             )
         value = datasets.pop(weight.path)
-        if value.shape != tuple(weight.hub_shape):
+        if weight.resample is not None:
+            value = weight.resample(value)
+        elif value.shape != tuple(weight.hub_shape):
             raise ValueError(
                 f"Shape mismatch for {weight.path!r} in {file!r}: the file has "
                 f"{value.shape}, the model needs {tuple(weight.hub_shape)} (for "
@@ -760,7 +769,9 @@ def _vit_weights(backbone, hub_config=None):
     else:
         w.append(_Weight(None, conv.bias, absent_because="use_patch_bias=False"))
     w.append(_Weight(f"{p}/position_embedding/vars/0", emb.position_embedding,
-                     (emb.num_positions, hidden)))
+                     (emb.num_positions, hidden),
+                     resample=None if hub_config is None else _position_resampler(
+                         emb, hub_config)))
     if backbone.use_class_token:
         w.append(_Weight(f"{p}/vars/0", emb.class_token, (1, 1, hidden)))
     for i, block in enumerate(backbone.encoder_layers):
@@ -773,6 +784,31 @@ def _vit_weights(backbone, hub_config=None):
                      hidden, inter, bias=mlp_bias, no_bias_reason="use_mlp_bias=False")
     _norm(w, "layers/vi_t_encoder/layer_norm", backbone.final_norm)
     return w
+
+
+def _position_resampler(embedding, hub_config):
+    """Reads the preset's position table, resampled bicubically (as `ViTEmbedding` does for
+    other inputs) when the kzoo model is built for another image size than the preset's."""
+    image = check_int_pair("image_shape", list(hub_config["image_shape"][:2]))
+    patch = hub_config["patch_size"]
+    patch = check_int_pair("patch_size", patch if isinstance(patch, (list, tuple)) else patch)
+    grid = (image[0] // patch[0], image[1] // patch[1])
+    prefix, hidden = embedding.num_prefix, embedding.hidden_dim
+
+    def resample(table):
+        expected = (prefix + grid[0] * grid[1], hidden)
+        if table.shape != expected:
+            raise ValueError(
+                f"The preset's position table has shape {table.shape}; its config "
+                f"(image_shape={hub_config['image_shape']}, "
+                f"patch_size={hub_config['patch_size']}) needs {expected}."
+            )
+        if tuple(grid) == tuple(embedding.grid):
+            return table
+        patches = resample_position_grid(table[prefix:].reshape(*grid, hidden), embedding.grid)
+        return np.concatenate([table[:prefix], patches.reshape(-1, hidden)], axis=0)
+
+    return resample
 
 
 def _vit_classifier_to_kzoo(config, source, backbone_config):
