@@ -9,6 +9,7 @@ outputs must equal keras-hub's to 1e-5. The other way, a randomised kzoo model s
 
 import json
 import os
+import sys
 
 import keras_hub
 import numpy as np
@@ -128,12 +129,16 @@ def test_load_keras_hub_task_preset_matches_keras_hub(tmp_path, name):
     _check(model.backbone, hub_model.backbone, inputs)
 
 
-def test_load_keras_hub_backbone_preset(tmp_path):
-    """A backbone preset (no task.json) loads as the kzoo backbone; a head can be put on it."""
+def test_load_keras_hub_backbone_preset(tmp_path, monkeypatch):
+    """A backbone preset (no task.json) loads as the kzoo backbone; a head can be put on it.
+    Reading and writing presets never imports keras_hub (an optional extra)."""
     case = FAMILIES["bert"]
     hub_backbone, path = _hub_preset(tmp_path, case, task=False)
+    monkeypatch.setitem(sys.modules, "keras_hub", None)  # `import keras_hub` now fails
     assert hub_convert.is_preset(path)
     backbone = kzoo.presets.load(path)
+    kzoo.presets.save(backbone, str(tmp_path / "written"), format="keras_hub")
+    monkeypatch.undo()
     assert isinstance(backbone, kzoo.models.bert.BertBackbone)
     inputs = case["inputs"]()
     _check(backbone, hub_backbone, inputs)
