@@ -122,9 +122,12 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
                                overrides=overrides)
         if checkpoints.is_hf_dir(path):
             return _load_hf(path, task=task, dtype=dtype, overrides=overrides)
+        if registry.keras_hub_converter().is_preset(path):
+            return _load_keras_hub(path, task=task, dtype=dtype, overrides=overrides)
         raise ValueError(
-            f"Directory {path!r} is neither a kzoo preset directory (no {CONFIG_FILE}) nor a "
-            "Hugging Face checkpoint (no config.json with a model_type)."
+            f"Directory {path!r} is neither a kzoo preset directory (no {CONFIG_FILE}), a "
+            "Hugging Face checkpoint (no config.json with a model_type) nor a keras-hub preset "
+            "(no config.json naming a keras_hub class, or no metadata.json)."
         )
     spec = info(path)
     family = registry.family(spec["family"])
@@ -280,8 +283,11 @@ def save(model, directory, format="kzoo", overwrite=True):  # noqa: A002
     >>> kzoo.presets.save(model, "runs/my_gpt")
     >>> same = kzoo.presets.load("runs/my_gpt")
     """
-    if format not in ("kzoo", "hf"):
-        raise ValueError(f"`format` must be 'kzoo' or 'hf'; got format={format!r}.")
+    if format not in ("kzoo", "hf", "keras_hub"):
+        raise ValueError(
+            f"`format` must be 'kzoo', 'hf' or 'keras_hub'; got format={format!r}.")
+    if format == "keras_hub":
+        return registry.keras_hub_converter().save(model, directory)
     family = registry.for_model(model)
     os.makedirs(directory, exist_ok=True)
     if format == "hf":
@@ -362,6 +368,17 @@ def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
 
 def _backbone(model, task):
     return model if task == registry.BACKBONE_TASK else model.backbone
+
+
+def _load_keras_hub(path, task=None, dtype=None, overrides=None):
+    """The kzoo model of a keras-hub preset directory (`save_to_preset`), with its weights."""
+    converter = registry.keras_hub_converter()
+    family, config, hub_task, task_config = converter.read_preset(path, task=task)
+    model = _build(registry.family(family), config, hub_task, task_config, task=task,
+                   dtype=dtype, overrides=overrides or {},
+                   source=os.path.join(path, "config.json"))
+    converter.load_weights(model, path)
+    return model
 
 
 def _load_hf(path, task=None, dtype=None, overrides=None):

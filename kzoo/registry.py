@@ -275,6 +275,15 @@ assert len(_BY_MODEL_TYPE) == sum(len(f.model_types) for f in _FAMILIES), \
     "two families read the same model_type"
 
 
+KERAS_HUB_CONVERTER = "kzoo.convert.keras_hub"
+
+
+def keras_hub_converter():
+    """The module that reads and writes keras-hub preset directories
+    (`kzoo.convert.keras_hub`: BERT, GPT-2 and ViT)."""
+    return importlib.import_module(KERAS_HUB_CONVERTER)
+
+
 def families():
     """Every registered `Family`, in registration order."""
     return _FAMILIES
@@ -359,5 +368,6 @@ def check_spec(spec, source):
     return fam
 
 
-__all__ = ["Family", "BACKBONE_TASK", "families", "family", "for_model_type", "for_model",
-           "preset_dir", "preset_names", "preset_spec", "check_spec"]
+__all__ = ["Family", "BACKBONE_TASK", "KERAS_HUB_CONVERTER", "keras_hub_converter", "families",
+           "family", "for_model_type", "for_model", "preset_dir", "preset_names", "preset_spec",
+           "check_spec"]
