@@ -106,6 +106,13 @@ def check_document_ids(values, spec, source="model input"):
     """Raise `ValueError` unless `values[spec.key]` are valid document ids (see
     `DocumentIdInput`); symbolic inputs are skipped."""
     value = values.get(spec.key)
+    if value is None and spec.like in values:
+        raise ValueError(
+            f"`{spec.key}` ({source}) is missing: this model takes packed rows "
+            f"(packed_inputs=True) and needs the document of each token, 1, 2, ... a row and "
+            f"0 for padding (`kzoo.data.pack` builds them; one document a row: the padding "
+            f"mask); got the inputs {sorted(values)}."
+        )
     if value is None or is_symbolic(value):
         return
     array = to_host(value)

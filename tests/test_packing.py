@@ -131,12 +131,18 @@ GPT_STYLES = {
 }
 
 
+_PAIRS = {}
+
+
 def _gpt_pair(style):
-    """A packed GPTCausalLM and an ordinary one with the same weights."""
-    packed = GPTCausalLM(GPTBackbone(**GPT_SMALL, **GPT_STYLES[style], packed_inputs=True))
-    plain = GPTCausalLM(GPTBackbone(**GPT_SMALL, **GPT_STYLES[style]))
-    plain.set_weights(packed.get_weights())
-    return packed, plain
+    """A packed GPTCausalLM and an ordinary one with the same weights (made once a style:
+    the tests share them, and with them JAX's compiled predict steps of each shape)."""
+    if style not in _PAIRS:
+        packed = GPTCausalLM(GPTBackbone(**GPT_SMALL, **GPT_STYLES[style], packed_inputs=True))
+        plain = GPTCausalLM(GPTBackbone(**GPT_SMALL, **GPT_STYLES[style]))
+        plain.set_weights(packed.get_weights())
+        _PAIRS[style] = packed, plain
+    return _PAIRS[style]
 
 
 def _alone(model, tokens, extra=None):
@@ -191,9 +197,11 @@ def test_bert_packed_row_matches_documents_alone():
 
 def test_gpt_packed_loss_is_the_token_weighted_mean_of_document_losses():
     packed, plain = _gpt_pair("gpt2")
-    docs = _documents(3, lengths=(6, 2, 5, 1, 7, 3))
+    # The documents of the test above (their shapes are compiled already on JAX) and one
+    # that fills a row: 26 tokens in two rows of 14.
+    docs = _documents(1) + [np.arange(3, 3 + ROW, dtype="int32")]
     rows = kzoo.data.pack(docs, ROW)
-    assert rows["token_ids"].shape[0] == 2  # 24 tokens in two rows of 14
+    assert rows["token_ids"].shape[0] == 2
     x, y, w = kzoo.data.next_token_targets(rows)
     packed.compile(loss=TokenCrossentropy(reduction="mean_with_sample_weight"))
     got = packed.evaluate(x, y, sample_weight=w, batch_size=len(y), verbose=0)
@@ -214,6 +222,8 @@ def _check_packed_ids(model, x):
         model({**x, **changes})
 
     ids = x["document_ids"]
+    with pytest.raises(ValueError, match=r"document_ids.*missing.*packed_inputs=True"):
+        model({k: v for k, v in x.items() if k != "document_ids"})
     with pytest.raises(ValueError, match=r"document_ids.*integer.*float32"):
         call(document_ids=ids.astype("float32"))
     with pytest.raises(ValueError, match=r"document_ids.*shape of `token_ids`"):
