@@ -25,6 +25,9 @@ The rules (`check_inputs`):
 - every id must lie in `[0, size)` of its table; the first one that does not raises a
   `ValueError` naming the input, the id, its position (e.g. "batch row 1, token 5") and the
   allowed range with the field it comes from (`vocabulary_size=260`);
+- document ids of packed rows (`DocumentIdInput`, GPT's and BERT's `document_ids` with
+  `packed_inputs=True`): integer, the shape of the token ids, >= 0, and >= 1 where the
+  padding mask marks a real token;
 - padding: where an input has a padding mask (GPT's and BERT's `padding_mask`, T5's
   `encoder_padding_mask` / `decoder_padding_mask`), the positions the mask marks as padding
   (0 / False) are not checked and may hold anything, e.g. the -1 fillers some pipelines use:
@@ -75,6 +78,74 @@ class IdInput:
     size_name: str
     mask: Optional[str] = None
     axes: tuple = ("batch row", "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentIdInput:
+    """The document ids of packed rows (`document_ids`: 1, 2, 3, ... the documents of a
+    row, 0 padding; see `kzoo.layers.document_mask`).
+
+    Rules: integer dtype; the shape of the input `like` (the token ids); every id >= 0; and
+    >= 1 wherever the padding mask `mask` marks a real token (a real token with id 0 would
+    attend to nothing). There is no upper bound.
+
+    Args:
+        key: the input's key (e.g. "document_ids").
+        like: the key of the input whose shape it must have (e.g. "token_ids").
+        mask: the key of the padding mask, if any.
+        axes: names of the array's axes, for messages.
+    """
+
+    key: str
+    like: Optional[str] = None
+    mask: Optional[str] = None
+    axes: tuple = ("batch row", "token")
+
+
+def check_document_ids(values, spec, source="model input"):
+    """Raise `ValueError` unless `values[spec.key]` are valid document ids (see
+    `DocumentIdInput`); symbolic inputs are skipped."""
+    value = values.get(spec.key)
+    if value is None and spec.like in values:
+        raise ValueError(
+            f"`{spec.key}` ({source}) is missing: this model takes packed rows "
+            f"(packed_inputs=True) and needs the document of each token, 1, 2, ... a row and "
+            f"0 for padding (`kzoo.data.pack` builds them; one document a row: the padding "
+            f"mask); got the inputs {sorted(values)}."
+        )
+    if value is None or is_symbolic(value):
+        return
+    array = to_host(value)
+    check_integer_dtype(array, spec.key, source)
+    like = values.get(spec.like) if spec.like else None
+    if like is not None and not is_symbolic(like):
+        shape = tuple(np.shape(to_host(like)))
+        if tuple(array.shape) != shape:
+            raise ValueError(
+                f"`{spec.key}` ({source}) must have the shape of `{spec.like}` {shape}; got "
+                f"shape {tuple(array.shape)}."
+            )
+    if array.size == 0:
+        return
+    bad = array < 0
+    rule = "must be >= 0 (0 = padding, 1, 2, ... = the documents of a row)"
+    if not bad.any():
+        mask = values.get(spec.mask) if spec.mask else None
+        if mask is None or is_symbolic(mask):
+            return
+        mask = to_host(mask)
+        if mask.shape != array.shape:
+            return
+        bad = (array == 0) & mask.astype(bool)
+        rule = (f"must be >= 1 where `{spec.mask}` marks a real token (0 is padding: a "
+                "token of document 0 attends to nothing)")
+        if not bad.any():
+            return
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), array.shape))
+    raise ValueError(
+        f"`{spec.key}` ({source}) holds document id {int(array[index])} at "
+        f"{_where(index, spec.axes)}; document ids {rule}."
+    )
 
 
 # === Host conversion ===
@@ -208,6 +279,9 @@ def check_inputs(inputs, specs, source="model input"):
     else:
         return
     for spec in specs:
+        if isinstance(spec, DocumentIdInput):
+            check_document_ids(values, spec, source)
+            continue
         value = values.get(spec.key)
         if value is None or is_symbolic(value):
             continue
@@ -294,7 +368,8 @@ def _checked_tf_dataset(dataset, specs, source):
         batch = element[0] if len(element) == 1 else element
         x = features(batch)
         if isinstance(x, dict):
-            keys = [k for s in specs for k in (s.key, s.mask) if k is not None and k in x]
+            keys = [k for s in specs for k in (s.key, s.mask, getattr(s, "like", None))
+                    if k is not None and k in x]
             keys = list(dict.fromkeys(keys))
             tensors = [x[k] for k in keys]
         else:

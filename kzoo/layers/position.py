@@ -3,6 +3,8 @@
 Every layer here takes a `start_index` call argument (a Python int or a scalar integer
 tensor) giving the absolute position of the first query token, so that the same layer
 serves full sequences and cached, token-by-token decoding inside compiled functions.
+`PositionEmbedding` and `RotaryEmbedding` also take an integer tensor `(batch, seq)` there:
+the position of every token (packed rows, `kzoo.layers.document_positions`).
 
 Layouts:
 - `SinusoidalPositionEncoding`, `PositionEmbedding`: `(batch, seq, dim)` in, the encoding
@@ -54,6 +56,21 @@ def _check_start_index(start_index):
             f"got a tensor of shape {tuple(shape)}."
         )
     return start_index
+
+
+def _token_positions(start_index, seq_len):
+    """The per-token positions `(batch, seq)` when `start_index` is a rank-2 tensor (packed
+    rows: positions restarting at each document, `kzoo.layers.document_positions`), else
+    None. Its sequence axis must match the inputs'."""
+    shape = getattr(start_index, "shape", None)
+    if shape is None or len(shape) != 2:
+        return None
+    if isinstance(seq_len, int) and shape[1] is not None and shape[1] != seq_len:
+        raise ValueError(
+            "Per-token positions `start_index` (batch, seq) must have the inputs' sequence "
+            f"length {seq_len}; got a tensor of shape {tuple(shape)}."
+        )
+    return ops.cast(start_index, "int32")
 
 
 def _positions(length, start_index, dtype="int32"):
@@ -182,7 +199,11 @@ class PositionEmbedding(keras.layers.Layer):
         start_index: int or scalar integer tensor, the first position. A tensor is read
             with `ops.slice`, so it can vary inside a compiled decoding loop; a Python int
             is checked against `sequence_length`, a tensor cannot be (out of range, JAX
-            clamps the slice while TensorFlow and torch raise).
+            clamps the slice while TensorFlow and torch raise). Or an integer tensor
+            `(batch, seq)`: the position of every token (packed rows, whose positions
+            restart at each document: `kzoo.layers.document_positions`), gathered from the
+            table (clipped into `[0, sequence_length)`; the sequence itself may be at most
+            `sequence_length` long).
 
     Returns:
         Tensor of the same shape as `inputs`.
@@ -228,11 +249,21 @@ class PositionEmbedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, start_index=0):
-        start_index = _check_start_index(start_index)
         check_rank("inputs", inputs, 3)
         shape = ops.shape(inputs)
         seq_len = shape[1]
         dim = self.embeddings.shape[-1]
+        positions = _token_positions(start_index, seq_len)
+        if positions is not None:
+            if isinstance(seq_len, int) and seq_len > self.sequence_length:
+                raise ValueError(
+                    f"The sequence length must be <= sequence_length={self.sequence_length}; "
+                    f"got inputs of length {seq_len}."
+                )
+            positions = ops.clip(positions, 0, self.sequence_length - 1)
+            rows = ops.take(ops.convert_to_tensor(self.embeddings), positions, axis=0)
+            return ops.cast(rows, self.compute_dtype)
+        start_index = _check_start_index(start_index)
         if isinstance(seq_len, int):
             first = start_index if isinstance(start_index, int) else 0
             if first + seq_len > self.sequence_length:
@@ -299,7 +330,9 @@ class RotaryEmbedding(keras.layers.Layer):
         start_index: int or scalar integer tensor, the position of the first token; or an
             integer tensor `(batch,)`, one first position a row (decoding left-padded rows
             whose positions must not shift, e.g. under linear attention, where rotated
-            feature maps are not a function of relative positions alone).
+            feature maps are not a function of relative positions alone); or an integer
+            tensor `(batch, seq)`, the position of every token (packed rows, whose
+            positions restart at each document: `kzoo.layers.document_positions`).
 
     Returns:
         Tensor with the shape and dtype of `inputs`.
@@ -338,18 +371,21 @@ class RotaryEmbedding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, start_index=0):
-        per_row = getattr(start_index, "shape", None) is not None and len(
-            start_index.shape) == 1
-        if not per_row:
-            start_index = _check_start_index(start_index)
         head_dim = self._check_head_dim(inputs.shape)
         rank = len(inputs.shape)
         half = head_dim // 2
         seq_len = ops.shape(inputs)[1]
+        per_token = _token_positions(start_index, seq_len)
+        per_row = getattr(start_index, "shape", None) is not None and len(
+            start_index.shape) == 1
+        if not per_row and per_token is None:
+            start_index = _check_start_index(start_index)
 
         inv_freq = float(self.max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)
         inv_freq = ops.convert_to_tensor(inv_freq.astype("float32"))
-        if per_row:  # (batch, seq)
+        if per_token is not None:  # (batch, seq)
+            positions = ops.cast(per_token, "float32")
+        elif per_row:  # (batch, seq)
             positions = ops.cast(ops.arange(seq_len, dtype="int32")[None, :]
                                  + ops.cast(start_index, "int32")[:, None], "float32")
         else:

@@ -27,9 +27,12 @@ from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
+from kzoo.inputs import DocumentIdInput
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
+    check_bool,
     check_choice,
     check_divides,
     check_instance,
@@ -157,6 +160,7 @@ class BertConfig(FamilyConfig):
     initializer_range: float = 0.02
     attention: str = "full"
     attention_options: Optional[dict] = None
+    packed_inputs: bool = False
 
     def __post_init__(self):
         check = self._check
@@ -174,6 +178,8 @@ class BertConfig(FamilyConfig):
         check("activation", check_choice, ACTIVATION_NAMES)
         check("initializer_range", check_positive_float)
         self._check_attention_fields()
+        check("packed_inputs", check_bool)
+        check_packed_attention(self.packed_inputs, self.attention)
 
 
 # === Backbone ===
@@ -207,6 +213,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
             ("sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
             "performer"; see `kzoo.layers.efficient_attention`).
         attention_options: the options of `attention` (e.g. `{"window": 128}`).
+        packed_inputs: take one more input, `"document_ids"`, for packed rows (several
+            documents a row, see below; needs attention="full").
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
     The arguments (all but `dtype` and Keras' own) are the fields of `BertConfig`, which
@@ -218,7 +226,15 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
         with attention="longformer" only, global_attention_mask (1 for tokens with global
         attention, replacing the `global_tokens` option per example; Hugging Face's
         `global_attention_mask`): an optional input that may be left out of the dict (or
-        given as None), the `global_tokens` option then applies.
+        given as None), the `global_tokens` option then applies;
+        with `packed_inputs=True`, document_ids: the document of each token of a packed
+        row, numbered 1, 2, 3, ... within the row, 0 for padding (`kzoo.data.pack`; not
+        `segment_ids`, which stay BERT's sentence A/B ids). A token then attends only to
+        tokens of its own document (`kzoo.layers.document_mask`, merged with the padding
+        mask) and its learned position restarts at 0 at each document
+        (`kzoo.layers.document_positions`), so each document (its own `[CLS] ... [SEP]`)
+        gives the hidden states it would give alone. `pooled_output` is the first
+        document's `[CLS]`; `BertClassifier` refuses a packed backbone.
 
     Outputs (a dict):
         sequence_output: `(batch, seq, hidden_dim)`;
@@ -253,6 +269,7 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
         initializer_range=0.02,
         attention="full",
         attention_options=None,
+        packed_inputs=False,
         dtype=None,
         **kwargs,
     ):
@@ -272,6 +289,7 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
             initializer_range=initializer_range,
             attention=attention,
             attention_options=attention_options,
+            packed_inputs=packed_inputs,
         )
         policy = _dtype_policy(dtype)
         init = bert_kernel_initializer(initializer_range)
@@ -331,17 +349,22 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
             global_mask = keras.Input(shape=(None,), dtype="int32", name=GLOBAL_MASK_INPUT,
                                       optional=True)
             inputs[GLOBAL_MASK_INPUT] = global_mask
+        extra = {} if global_mask is None else {"global_attention_mask": global_mask}
+        positions = 0
+        if packed_inputs:
+            document_ids = keras.Input(shape=(None,), dtype="int32", name="document_ids")
+            inputs["document_ids"] = document_ids
+            positions = document_positions(document_ids)
+            extra["attention_mask"] = document_mask(document_ids)
         tokens = self.token_embedding(token_ids)
         x = self.embeddings_add(
-            [tokens, self.position_embedding(tokens), self.segment_embedding(segment_ids)]
+            [tokens, self.position_embedding(tokens, start_index=positions),
+             self.segment_embedding(segment_ids)]
         )
         x = self.embeddings_layer_norm(x)
         x = self.embeddings_dropout(x)
         for block in self.transformer_layers:
-            if global_mask is None:
-                x = block(x, padding_mask=padding_mask)
-            else:
-                x = block(x, padding_mask=padding_mask, global_attention_mask=global_mask)
+            x = block(x, padding_mask=padding_mask, **extra)
         pooled = self.pooler_dense(x[:, 0, :])
         super().__init__(
             inputs=inputs,
@@ -361,7 +384,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
                     mask="padding_mask"),
             IdInput("segment_ids", self.config.num_segments, "num_segments",
                     mask="padding_mask"),
-        )
+        ) + ((DocumentIdInput("document_ids", like="token_ids", mask="padding_mask"),)
+             if self.config.packed_inputs else ())
 
 
 # === Task models ===
@@ -451,6 +475,15 @@ class BertClassifier(_BertTask):
 
     def __init__(self, backbone, num_classes=2, dropout=0.1, dtype=None, **kwargs):
         _check_backbone(backbone)
+        if backbone.packed_inputs:
+            raise ValueError(
+                "BertClassifier gives one label a row, but `backbone` has packed_inputs=True "
+                "(several documents a row; the pooled [CLS] would be the first document's "
+                "only). Build the classifier on a backbone with packed_inputs=False; the "
+                "weights are the same, e.g. `BertBackbone.from_config({**backbone."
+                "get_config(), 'packed_inputs': False})` then `set_weights(backbone."
+                "get_weights())`."
+            )
         num_classes = check_positive_int("num_classes", num_classes)
         dropout = check_rate("dropout", dropout)
         policy = _dtype_policy(dtype) or backbone.dtype_policy

@@ -50,6 +50,8 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
+from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
+from kzoo.inputs import DocumentIdInput
 from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "gpt"
@@ -114,6 +116,7 @@ class GPTConfig(FamilyConfig):
     initializer_range: float = 0.02
     attention: str = "full"
     attention_options: Optional[dict] = None
+    packed_inputs: bool = False
 
     def __post_init__(self):
         check = self._check
@@ -165,6 +168,8 @@ class GPTConfig(FamilyConfig):
         check("attention_scale", check_positive_float, allow_none=True)
         check("initializer_range", check_positive_float)
         self._check_attention_fields()
+        check("packed_inputs", check_bool)
+        check_packed_attention(self.packed_inputs, self.attention)
 
 
 # === Backbone ===
@@ -216,13 +221,22 @@ class GPTBackbone(Backbone):
             cache of `window` slots for "sliding_window" and an O(1) recurrent state for
             "linear"/"performer".
         attention_options: the options of `attention` (e.g. `{"window": 256}`).
+        packed_inputs: take a third input, `"document_ids"`, for packed rows (several
+            documents a row, see below; needs attention="full").
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
     validates them: `GPTBackbone(**fields)` and `GPTConfig(**fields).build()` are the same
     model, and `backbone.config` is that `GPTConfig`.
 
-    Inputs (a dict, each `(batch, seq)` int32): `token_ids`; `padding_mask` (1 = real token).
+    Inputs (a dict, each `(batch, seq)` int32): `token_ids`; `padding_mask` (1 = real token);
+    with `packed_inputs=True` also `document_ids`: the document of each token of a packed
+    row, numbered 1, 2, 3, ... within the row, 0 for padding (`kzoo.data.pack` builds
+    them). A token then attends only to earlier tokens of its own document
+    (`kzoo.layers.document_mask`, merged with the causal and padding masks) and its
+    position, learned or rotary, restarts at 0 at each document
+    (`kzoo.layers.document_positions`): each document gives the hidden states it would
+    give alone. `generate` / `call_with_cache` do not use it (one prompt a row).
     Output: `(batch, seq, hidden_dim)` hidden states after the final norm.
 
     Example:
@@ -265,6 +279,7 @@ class GPTBackbone(Backbone):
         initializer_range=0.02,
         attention="full",
         attention_options=None,
+        packed_inputs=False,
         dtype=None,
         **kwargs,
     ):
@@ -294,6 +309,7 @@ class GPTBackbone(Backbone):
             initializer_range=initializer_range,
             attention=attention,
             attention_options=attention_options,
+            packed_inputs=packed_inputs,
         )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
@@ -362,15 +378,25 @@ class GPTBackbone(Backbone):
         # === Functional Model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
         padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask")
+        inputs = {"token_ids": token_ids, "padding_mask": padding_mask}
+        packed = {}  # per-document attention mask and positions of packed rows
+        positions = 0
+        if packed_inputs:
+            document_ids = keras.Input(shape=(None,), dtype="int32", name="document_ids")
+            inputs["document_ids"] = document_ids
+            positions = document_positions(document_ids)
+            packed["attention_mask"] = document_mask(document_ids)
+            if position == "rotary":
+                packed["position_index"] = positions
         x = self.token_embedding(token_ids)
         if self.position_embedding is not None:
-            x = x + self.position_embedding(x)
+            x = x + self.position_embedding(x, start_index=positions)
         x = self.embeddings_dropout(x)
         for block in self.transformer_layers:
-            x = block(x, padding_mask=padding_mask)
+            x = block(x, padding_mask=padding_mask, **packed)
         x = self.final_norm(x)
         super().__init__(
-            inputs={"token_ids": token_ids, "padding_mask": padding_mask},
+            inputs=inputs,
             outputs=x,
             dtype=policy,
             **kwargs,
@@ -381,8 +407,11 @@ class GPTBackbone(Backbone):
     def id_inputs(self):
         """`token_ids` in `[0, vocabulary_size)` where `padding_mask` marks a token, checked
         at every entry point (`kzoo.inputs`)."""
-        return (IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
-                        mask="padding_mask"),)
+        ids = (IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
+                       mask="padding_mask"),)
+        if self.config.packed_inputs:
+            ids += (DocumentIdInput("document_ids", like="token_ids", mask="padding_mask"),)
+        return ids
 
     # === Cached decoding ===
 

@@ -25,6 +25,27 @@ def add_text_arguments(parser, seq_len):
                              "`_text.prose_only`): no code, grammar or tables")
 
 
+def add_document_arguments(parser):
+    """`--documents` / `--pack` (the recipes that train on whole documents: `gpt_text`,
+    `bert_mlm`, `demo`)."""
+    parser.add_argument("--documents", action=argparse.BooleanOptionalAction, default=False,
+                        help="train on whole documents (the paragraphs of the text), one a "
+                             "row, padded to --seq-len (longer ones are cut into pieces), "
+                             "instead of random windows of the token stream")
+    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
+                        help="whole documents packed several a row (kzoo.data.pack) into a "
+                             "model with packed_inputs=True: each document attends only to "
+                             "itself, its positions restart at 0, no target crosses a "
+                             "document boundary; implies --documents")
+
+
+def document_mode(options):
+    """"packed", "padded" (one document a row) or None (random windows of the stream)."""
+    if options.get("pack"):
+        return "packed"
+    return "padded" if options.get("documents") else None
+
+
 def check_options(options):
     # A byte-level BPE has the 256 bytes and the 4 special tokens at least.
     for key, least in (("seq_len", 2), ("bpe_vocab", 260)):
@@ -90,13 +111,50 @@ def load_tokens(options):
     return tokenizer, np.asarray(train_ids), np.asarray(val_ids), info
 
 
+def split_documents(text):
+    """The documents of a text: its paragraphs (split at blank lines), stripped, non-empty."""
+    return [p.strip() for p in PARAGRAPH_BREAK.split(text) if p.strip()]
+
+
+def load_documents(options):
+    """(tokenizer, train documents, validation documents, info) for the text options of a
+    run: the texts of `load_texts` split into paragraphs (`split_documents`), each encoded
+    on its own (a list of int32 arrays); the tokenizer is trained on the training text, as
+    in `load_tokens`."""
+    check_options(options)
+    train_text, val_text = load_texts(options)
+    tokenizer = D.make_tokenizer(options.get("tokenizer", "byte"), train_text,
+                                 options.get("bpe_vocab", 1024))
+    train_docs = [np.asarray(tokenizer.encode(p), np.int32) for p in split_documents(train_text)]
+    val_docs = [np.asarray(tokenizer.encode(p), np.int32) for p in split_documents(val_text)]
+    info = {"text": options.get("text", "pydoc"),
+            "prose_only": bool(options.get("prose_only")),
+            "characters": len(train_text) + len(val_text),
+            "tokenizer": tokenizer.kind, "vocabulary_size": tokenizer.vocabulary_size,
+            "train_documents": len(train_docs), "validation_documents": len(val_docs),
+            "train_tokens": int(sum(len(d) for d in train_docs)),
+            "validation_tokens": int(sum(len(d) for d in val_docs))}
+    return tokenizer, train_docs, val_docs, info
+
+
+def document_rows(documents, seq_len, mode, pad_id):
+    """Rows of `seq_len` tokens of `documents` (`kzoo.data.pack`: `token_ids`,
+    `padding_mask`, `document_ids`): several documents a row for mode "packed", one a row
+    (padded) for "padded"; a longer document is cut into pieces."""
+    return kzoo.data.pack(documents, seq_len, pad_id=pad_id,
+                          max_documents_per_row=None if mode == "packed" else 1)
+
+
 def model_overrides(cfg, tokenizer, seq_len, extra_positions=0):
     """Preset overrides sizing the model to the tokenizer and the sequence length
-    (not for a saved preset directory, whose shapes are fixed)."""
+    (not for a saved preset directory, whose shapes are fixed), and `packed_inputs=True`
+    with `--pack`."""
     import os
 
     overrides = dict(cfg.overrides)
     if not os.path.isdir(cfg.preset):
         overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
         overrides.setdefault("max_sequence_length", seq_len + extra_positions)
+    if document_mode(cfg.options) == "packed":
+        overrides["packed_inputs"] = True
     return overrides

@@ -7,12 +7,18 @@ picked for prediction, of which 80% become `[MASK]`, 10% a random token and 10% 
 step; the validation windows are masked once, with a fixed generator. The loss and the
 accuracy count the picked positions only (sample weights), so `val_accuracy` is the
 masked-token accuracy.
+With `--documents` each example is a whole document instead (a paragraph, or a piece of
+`--seq-len - 2` tokens of a longer one, between `[CLS]` and `[SEP]`), one a row padded to
+`--seq-len`; with `--pack` several a row (`kzoo.data.pack`) into a backbone with
+`packed_inputs=True` (each document attends to itself only, its positions restart at 0).
+`metrics.json` then records the padding fraction of the training rows.
 """
 
 import os
 
 import keras
 
+import kzoo.data
 import kzoo.presets
 from training import data as D
 from training.loop import set_seed
@@ -37,12 +43,44 @@ MASK_RATE = 0.15
 
 def add_arguments(parser):
     _text.add_text_arguments(parser, seq_len=128)
+    _text.add_document_arguments(parser)
+
+
+def document_task(cfg, tokenizer, train_docs, val_docs, seq_len):
+    """Whole documents (see the module), masked anew at every step; the validation rows
+    are masked once, with a fixed generator."""
+    mode = _text.document_mode(cfg.options)
+    packed = mode == "packed"
+
+    def rows(docs):
+        return _text.document_rows(D.bert_documents(docs, seq_len, tokenizer), seq_len, mode,
+                                   tokenizer.pad_id)
+
+    train_rows, val_rows = rows(train_docs), rows(val_docs)
+    val_rows = {k: v[:VALIDATION_WINDOWS] for k, v in val_rows.items()}
+    validation = D.document_masked_lm_batch(val_rows, D.step_rng(cfg.seed, 7), tokenizer,
+                                            packed, MASK_RATE)
+    task = D.ArrayTask(
+        (train_rows, None, None), cfg.batch_size, cfg.seed, validation=validation,
+        transform=lambda x, y, w, rng: D.document_masked_lm_batch(x, rng, tokenizer, packed,
+                                                                  MASK_RATE))
+    task.info.update(documents=mode, train_rows=int(len(train_rows["token_ids"])),
+                     padding_fraction=round(kzoo.data.padding_fraction(train_rows), 4))
+    return task
 
 
 def build(cfg):
     set_seed(cfg.seed)
-    tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     seq_len = int(cfg.options.get("seq_len", 128))
+    if _text.document_mode(cfg.options):
+        tokenizer, train_docs, val_docs, info = _text.load_documents(cfg.options)
+        task = document_task(cfg, tokenizer, train_docs, val_docs, seq_len)
+        task.info.update(info)
+        task.info["tokenizer_object"] = tokenizer
+        model = kzoo.presets.load(cfg.preset, dtype=cfg.dtype,
+                                  **_text.model_overrides(cfg, tokenizer, seq_len))
+        return model, task
+    tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     windows = D.tile_windows(val_ids, seq_len, max_windows=VALIDATION_WINDOWS)
     validation = D.masked_lm_batch(windows, D.step_rng(cfg.seed, 7), tokenizer, MASK_RATE)
     task = D.WindowTask(

@@ -5,6 +5,11 @@ texts; the last 10% is held out for validation. Tokens: UTF-8 bytes (default) or
 byte-level BPE trained on the training 90% with `tokenizers`. Training examples are random
 windows of `--seq-len + 1` tokens (a window's offsets are a function of the seed and the
 step); validation is the held-out text cut into consecutive windows.
+With `--documents` the examples are whole documents instead (the paragraphs of the text,
+each followed by the end-of-text token), one a row padded to `--seq-len`; with `--pack`
+several a row (`kzoo.data.pack`) into a model with `packed_inputs=True`. Either way no
+target crosses a document boundary, and validation is the held-out documents laid out the
+same way. `metrics.json` then records the padding fraction of the training rows.
 Reports validation loss, next-token accuracy and perplexity (`exp` of the mean negative
 log-likelihood), and prints text sampled with `generate` from a held-out prompt.
 """
@@ -15,6 +20,7 @@ import os
 import keras
 import numpy as np
 
+import kzoo.data
 import kzoo.presets
 from training import data as D
 from training.loop import set_seed
@@ -38,13 +44,17 @@ VALIDATION_WINDOWS = 128
 
 def add_arguments(parser):
     _text.add_text_arguments(parser, seq_len=128)
+    _text.add_document_arguments(parser)
     parser.add_argument("--sample-tokens", type=int, default=200,
                         help="tokens to generate for the printed sample (default 200)")
 
 
 def text_task(cfg):
     """`(tokenizer, val_ids, task)`: random next-token windows of the training text, and
-    validation windows of the held-out text (the task of `gpt_text`, `demo`, `distill_gpt`)."""
+    validation windows of the held-out text (the task of `gpt_text`, `demo`, `distill_gpt`);
+    with `--documents` / `--pack`, whole documents (see `document_task`)."""
+    if _text.document_mode(cfg.options):
+        return document_task(cfg)
     tokenizer, train_ids, val_ids, info = _text.load_tokens(cfg.options)
     seq_len = int(cfg.options.get("seq_len", 128))
     validation = D.causal_lm_batch(
@@ -54,6 +64,29 @@ def text_task(cfg):
                         validation=validation)
     task.info.update(info)
     return tokenizer, val_ids, task
+
+
+def document_task(cfg):
+    """`(tokenizer, val_ids, task)` of whole documents: each paragraph + `[EOS]`, one a
+    row (`--documents`) or packed (`--pack`), `--seq-len` tokens a row; the rows are
+    reshuffled at every pass. `val_ids` is the held-out documents' stream (for prompts)."""
+    mode = _text.document_mode(cfg.options)
+    tokenizer, train_docs, val_docs, info = _text.load_documents(cfg.options)
+    seq_len = int(cfg.options.get("seq_len", 128))
+
+    def rows(docs):
+        docs = [np.concatenate([d, [tokenizer.eos_id]]).astype(np.int32) for d in docs]
+        return _text.document_rows(docs, seq_len, mode, tokenizer.pad_id)
+
+    train_rows, val_rows = rows(train_docs), rows(val_docs)
+    validation = D.document_lm_batch(
+        {k: v[:VALIDATION_WINDOWS] for k, v in val_rows.items()}, mode == "packed")
+    task = D.ArrayTask(D.document_lm_batch(train_rows, mode == "packed"), cfg.batch_size,
+                       cfg.seed, validation=validation)
+    info.update(documents=mode, train_rows=int(len(train_rows["token_ids"])),
+                padding_fraction=round(kzoo.data.padding_fraction(train_rows), 4))
+    task.info.update(info)
+    return tokenizer, np.concatenate(val_docs), task
 
 
 def build(cfg):
