@@ -46,7 +46,10 @@ PRESET = "gpt_mini"
 # model axis of 4 splits by rows) at a size that compiles in seconds.
 TINY = dict(num_layers=1, hidden_dim=32, num_heads=4, intermediate_dim=64,
             max_sequence_length=SEQ)
-MODES = ("data", "model")
+# data: data_parallel() over the 8 devices; model: the 2 x 4 mesh, batch axis across the
+# processes; model_across: the 2 x 4 mesh with its model axis across the processes (each
+# model row: 2 devices of each process), so every split weight is half on each process.
+MODES = ("data", "model", "model_across")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -251,6 +254,15 @@ def _sharding(value):
             "devices": len(sharding.device_set), "local": local}
 
 
+def _across():
+    """The 8 global devices ordered for a 2 x 4 mesh whose model axis crosses the processes:
+    row b holds devices 2b, 2b+1 of process 0, then of process 1."""
+    import jax
+    per = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    return [f"cpu:{per[p][2 * b + k].id}" for b in range(MESH[0]) for p in range(len(per))
+            for k in range(2)]
+
+
 def worker(process_id, num_processes, port, workdir, modes):
     import jax
     import keras
@@ -269,17 +281,25 @@ def worker(process_id, num_processes, port, workdir, modes):
            "list_devices": keras.distribution.list_devices(), "modes": {}}
     data = np.load(os.path.join(workdir, "data.npz"))
     initial = [data[f"w{i}"] for i in range(len(data.files) - 3)]
-    share = BATCH // num_processes
-    rows = slice(process_id * share, (process_id + 1) * share)
-    x = {"token_ids": data["ids"][rows], "padding_mask": data["mask"][rows]}
-    y = data["y"][rows]
     for mode in modes:
         start = time.perf_counter()
         if mode == "data":
             dist = kd.data_parallel()
+        elif mode == "model":
+            dist = kd.model_parallel(config(), kd.device_mesh(*MESH))
         else:
-            mesh = kd.device_mesh(*MESH)
-            dist = kd.model_parallel(config(), mesh)
+            dist = kd.model_parallel(config(), kd.device_mesh(*MESH, devices=_across()))
+        # This process's rows: those of the batch positions its devices hold (Keras' order:
+        # position by position), the whole batch when they hold every position.
+        mesh = dist.device_mesh
+        positions = np.moveaxis(np.asarray(mesh.devices),
+                                list(mesh.axis_names).index(dist.batch_dim_name), 0)
+        mine = {f"cpu:{d.id}" for d in jax.local_devices()}
+        held = [i for i, row in enumerate(positions) if mine & set(row.ravel().tolist())]
+        share = BATCH // len(positions)
+        rows = np.concatenate([np.arange(i * share, (i + 1) * share) for i in held])
+        x = {"token_ids": data["ids"][rows], "padding_mask": data["mask"][rows]}
+        y = data["y"][rows]
         with dist.scope():
             model = build()
             model.set_weights(initial)
@@ -306,8 +326,9 @@ def worker(process_id, num_processes, port, workdir, modes):
                 "optimizer": {v.path: _sharding(v.value) for v in model.optimizer.variables
                               if len(v.shape) >= 2},
                 "input": _sharding(batch),
-                "input_rows": [int(r) for r in np.asarray(
-                    batch.addressable_shards[0].data)[:, 0]],
+                "input_first_tokens": [np.asarray(sh.data)[:, 0].tolist()
+                                       for sh in batch.addressable_shards],
+                "rows": rows.tolist(),
             }
         out["modes"][mode]["seconds"] = time.perf_counter() - start
     print(json.dumps(out), flush=True)
@@ -318,7 +339,7 @@ def main(argv):
     workers; prints `{"single": ..., "workers": {id: ...}}` as one JSON line."""
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("modes", nargs="*", choices=[[], *MODES], default=list(MODES))
+    parser.add_argument("modes", nargs="*", help=f"any of {MODES} (default: all)")
     parser.add_argument("--worker", type=int, help="(internal) this worker's process id")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--port", type=int)
@@ -327,6 +348,8 @@ def main(argv):
                         help="(tests) exit with an error, or sleep, before joining")
     args = parser.parse_args(argv)
     modes = tuple(args.modes) or MODES
+    if any(m not in MODES for m in modes):
+        parser.error(f"modes must be among {MODES}; got {modes}")
     if args.worker is not None:
         if args.fail == "start":
             raise SystemExit(f"worker {args.worker}: told to fail before it joins")
