@@ -254,6 +254,32 @@ def _sharding(value):
             "devices": len(sharding.device_set), "local": local}
 
 
+def _listening():
+    """The addresses this process accepts TCP connections on (Linux: /proc), as strings."""
+    import ipaddress
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/self/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # 32-bit words, each little-endian
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
+                                                   for i in range(0, len(raw), 4)))
+                found.append(f"{ip}:{int(port, 16)}")
+    return found
+
+
 def _across():
     """The 8 global devices ordered for a 2 x 4 mesh whose model axis crosses the processes:
     row b holds devices 2b, 2b+1 of process 0, then of process 1."""
@@ -331,6 +357,7 @@ def worker(process_id, num_processes, port, workdir, modes):
                 "rows": rows.tolist(),
             }
         out["modes"][mode]["seconds"] = time.perf_counter() - start
+    out["listening"] = _listening()  # the coordinator's and gloo's sockets, still open
     print(json.dumps(out), flush=True)
 
 
