@@ -1,30 +1,38 @@
 """Multi-host JAX training on one machine: 2 processes x 4 virtual CPU devices, one global mesh.
 
-Three roles, one file:
+Three roles, one file (`python tests/multihost_run.py [data] [model] [model_across]` runs
+them all and prints `{"single": ..., "workers": {id: ...}}` as one JSON line):
 
-- `launch(...)` (no JAX needed in the caller) starts `num_processes` copies of this file as
-  workers on 127.0.0.1 (a free port for the coordinator, `JAX_COORDINATOR_BIND_ADDRESS` on the
-  loopback too), waits for all of them under one deadline, and on any failure or timeout kills
-  every worker it started and raises with each worker's exit status and the tail of its stderr.
+- `single(workdir)` (the reference, in the calling process, on one device) builds a
+  `gpt_mini` cut down to `TINY`, writes its initial weights and the global batch to
+  `workdir/data.npz`, trains it `STEPS` Adam steps and writes the trained weights to
+  `workdir/single.npz`.
+- `launch(workdir, modes)` (plain Python: the caller need not run JAX) starts 2 copies of this
+  file as workers on 127.0.0.1 (the coordinator on a free port, bound to the loopback with
+  `JAX_COORDINATOR_BIND_ADDRESS`), waits for all of them under one deadline, and on a failure
+  or at the deadline kills every worker still running and raises `WorkerError` with each
+  one's exit status and stderr tail.
 - a worker (`--worker ID`) sets `XLA_FLAGS=--xla_force_host_platform_device_count=4` before
   JAX starts, joins the others with `keras.distribution.initialize("127.0.0.1:PORT", 2, ID)`
-  (JAX's `jax.distributed.initialize`; cross-process CPU collectives are gloo, jax 0.10.2's
-  default `jax_cpu_collectives_implementation`), builds the global 2 x 4 mesh from
-  `keras.distribution.list_devices()` (8 devices, 4 of them its own), and trains a tiny
-  `gpt_mini` for `STEPS` Adam steps from the weights and on the global batch in `--data`,
-  feeding only its own rows of each batch (Keras turns them into one global array with
-  `jax.make_array_from_process_local_data`). Prints one JSON line: losses, step times,
-  every variable's sharding (spec, the process of every device that holds it, the slice each
-  local device holds) and the global input's placement.
-- `single(path)` writes the initial weights and the global batch to `path` and trains the
-  same model on one device in one process (the reference); `main()` does it and then
-  `launch`es the workers: `python tests/multihost_run.py [data] [model]` prints both as JSON.
+  (`jax.distributed.initialize`; the CPU collectives between processes are gloo, jax 0.10.2's
+  default `jax_cpu_collectives_implementation`), and for each mode builds a distribution over
+  the 8 global devices (`keras.distribution.list_devices()`, 4 of them its own), loads the
+  weights of `data.npz` into the model built in its scope and trains it on the same global
+  batch, feeding only the rows of the batch positions its devices hold (Keras makes one
+  global array of them with `jax.make_array_from_process_local_data`). It writes the trained
+  weights it holds to `workdir/worker{ID}_{mode}.npz` and prints one JSON line: losses, step
+  times, every variable's and Adam slot's sharding (spec, the processes of its devices, the
+  slice each local device holds), the global input's placement, the sockets it listens on.
 
-The model-parallel mesh puts the batch axis across the processes (process i is batch row i
-and holds a whole model replica split over its own 4 devices on the model axis) and the model
-axis within a process: the layout Keras' input sharding assumes (`Distribution.data_shard_id`,
-`distribute_dataset` give process i batch shard i) and the one a GPU cluster wants (the
-model axis's all-reduces on a host's fast links, only gradients crossing hosts).
+Modes: `data` is `data_parallel()` over the 8 devices (4 rows a process); `model` the 2 x 4
+(batch x model) mesh with the batch axis across the processes: process i is batch position i
+and holds a whole replica split over its own 4 devices, the layout Keras' input sharding
+assumes (`Distribution.data_shard_id`: process i feeds batch position i) and the one a GPU
+cluster wants (the model axis's all-reduces inside a host, only gradients between hosts);
+`model_across` the 2 x 4 mesh with the model axis across the processes (each model row: 2
+devices of each process), so every split weight is half on each process and the model
+axis's all-reduces cross them (each process then holds both batch positions: it feeds all 8
+rows).
 """
 
 import time
@@ -46,9 +54,6 @@ PRESET = "gpt_mini"
 # model axis of 4 splits by rows) at a size that compiles in seconds.
 TINY = dict(num_layers=1, hidden_dim=32, num_heads=4, intermediate_dim=64,
             max_sequence_length=SEQ)
-# data: data_parallel() over the 8 devices; model: the 2 x 4 mesh, batch axis across the
-# processes; model_across: the 2 x 4 mesh with its model axis across the processes (each
-# model row: 2 devices of each process), so every split weight is half on each process.
 MODES = ("data", "model", "model_across")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,9 +194,9 @@ def train(model, x, y):
 
 def host_weights(model, mismatches=None):
     """Every weight as a NumPy array on this host. On JAX, assembled from the shards this
-    process holds (each process holds a whole replica in both layouts here; gathered from the
-    other processes otherwise); a local copy of a slice that differs from another local copy
-    of it is named in `mismatches`."""
+    process holds (a whole replica under `data` and `model`; under `model_across` the other
+    half is gathered from the other process); a local copy of a slice that differs from
+    another local copy of it is named in `mismatches`."""
     import keras
     import numpy as np
     if keras.backend.backend() != "jax":
@@ -362,7 +367,7 @@ def worker(process_id, num_processes, port, workdir, modes):
 
 
 def main(argv):
-    """`python tests/multihost_run.py [data] [model]`: the one-device reference, then the
+    """`python tests/multihost_run.py [data] [model] [model_across]`: the reference, then the
     workers; prints `{"single": ..., "workers": {id: ...}}` as one JSON line."""
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
