@@ -275,12 +275,27 @@ def _check_rules(family, rules, axis_sizes):
                 )
 
 
+def _process_positions(mesh, axis, n):
+    """How many of the `n` positions of mesh axis `axis` hold a device of this process (JAX
+    with several processes: each process feeds the rows of those positions only)."""
+    import jax
+
+    mine = {f"{d.platform}:{d.id}" for d in jax.local_devices()}
+    name = lambda d: d if isinstance(d, str) else f"{d.platform}:{d.id}"  # noqa: E731
+    rows = np.moveaxis(np.asarray(mesh.devices), list(mesh.axis_names).index(axis), 0)
+    return max(1, sum(any(name(d) in mine for d in row.ravel()) for row in rows.reshape(n, -1)))
+
+
 def check_batch_size(distribution, batch_size):
     """Raise `ValueError` unless `batch_size` splits evenly across the batch axis of
     `distribution` (a Keras `DataParallel` or `ModelParallel`).
 
     `fit`, `evaluate` and `predict` under a distribution made here check every batch with
     it (last one included) before the step runs; call it yourself to check a plan early.
+    With several processes (`keras.distribution.initialize`), `batch_size` is this process's
+    share of the global batch, and it must divide by the positions of the batch axis that
+    this process's devices hold (e.g. 4 of 8 under `data_parallel()` on 2 hosts of 4
+    devices; 1 of 2 on a 2 x 4 mesh whose batch axis runs across the 2 hosts).
 
     Example:
     >>> check_batch_size(model_parallel("gpt_mini", device_mesh(data=2, model=4)), 5)
@@ -290,11 +305,14 @@ def check_batch_size(distribution, batch_size):
     axis = distribution.batch_dim_name
     n = int(mesh.shape[list(mesh.axis_names).index(axis)])
     processes = getattr(distribution, "num_processes", 1) or 1
-    local = n // processes if processes > 1 and n % processes == 0 else n
+    local = _process_positions(mesh, axis, n) if processes > 1 else n
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0 or batch_size % local:
+        where = (f"mesh axis {axis!r} of size {n}" if local == n else
+                 f"the {local} of the {n} positions of mesh axis {axis!r} that this process's "
+                 f"devices hold (the batch a process feeds is its share of the global batch; "
+                 f"{processes} processes)")
         raise ValueError(
-            f"The batch size {batch_size!r} does not split across mesh axis {axis!r} of size "
-            f"{local}{' (devices of this process)' if local != n else ''}: every batch must be "
+            f"The batch size {batch_size!r} does not split across {where}: every batch must be "
             f"a positive multiple of {local}, the last one too (pick a dataset size that is a "
             f"multiple of batch_size, or drop the remainder)."
         )
