@@ -44,6 +44,7 @@ import numpy as np
 
 import kzoo.distribution as kd
 from training import callbacks as cb
+from training import checkpoint
 
 # Recipes that train outside `training.loop.run` (their own loop): one device only.
 OWN_LOOP = {"distill_gpt": "trains its teacher and students in its own loop"}
@@ -217,7 +218,7 @@ def _copy_values(target, source):
         if t.path.split("/")[-1] != s.path.split("/")[-1] or tuple(t.shape) != tuple(s.shape):
             raise RuntimeError(f"Cannot copy variable {s.path} {tuple(s.shape)} into "
                                f"{t.path} {tuple(t.shape)}.")
-        t.assign(np.asarray(keras.ops.convert_to_numpy(s.value)))
+        t.assign(checkpoint.to_numpy(s))
 
 
 class OffMeshValidation(keras.callbacks.Callback):
