@@ -171,9 +171,10 @@ class Plan:
         if self.mode in ("data", "model"):
             self._validation = (data, batch_size)
             return None
-        x, y, w = data
-        x, y, w, _ = self.feed(x, y, w, batch_size)
-        return x, y, w
+        if self.mode == "mirrored":
+            x, y, w, _ = self.feed(*data, batch_size)
+            return x, y, w
+        return data  # torch: every process validates on all of it
 
     # --- processes ---
 
