@@ -391,7 +391,7 @@ def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
         mesh = kd.device_mesh(data_parallel, model, devices=devices)
         return Plan("model", data_parallel, model, devices=tuple(devices), mesh=mesh)
     if strategy == "mirrored":
-        distribution = kd.mirrored()
+        distribution = _mirrored()
         devices = tuple(distribution.extended.worker_devices)
         replicas = int(distribution.num_replicas_in_sync)
         _check_batch(batch_size, replicas, f"--strategy mirrored ({replicas} replicas: "
@@ -416,6 +416,22 @@ def shutdown():
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+_STRATEGIES = {}
+
+
+def _mirrored():
+    """One `MirroredStrategy` a process, kept for later runs in the same process: a second
+    strategy over the same devices restarts the collective instance keys, and TensorFlow
+    then matches its all-reduces with the first one's (a shape mismatch error)."""
+    import tensorflow as tf
+
+    devices = tuple(d.name for d in tf.config.list_logical_devices("GPU")) or tuple(
+        d.name for d in tf.config.list_logical_devices("CPU"))
+    if devices not in _STRATEGIES:
+        _STRATEGIES[devices] = kd.mirrored(list(devices))
+    return _STRATEGIES[devices]
 
 
 def _check_batch(batch_size, parts, what):
