@@ -52,8 +52,18 @@ Example:
 `data_parallel()` replicates every weight and splits the batch over all devices. On the
 TensorFlow and torch backends `layout_map` still builds (it is data), but `data_parallel`,
 `model_parallel` and `device_mesh` without explicit devices raise a `ValueError`: Keras'
-distribution API needs JAX there, and tf.distribute / torchrun support is planned in kzoo,
-not built yet (docs/DISTRIBUTED.md).
+distribution API needs JAX. Data parallel training on those backends uses their own engines:
+
+- TensorFlow: `mirrored()` is a `tf.distribute.MirroredStrategy` over the local devices;
+  build and compile the model inside `strategy.scope()` and `fit` splits every global batch
+  over the replicas and all-reduces the gradients (Keras' TensorFlow trainer does it).
+- torch: start one process per device with `torchrun`; `init_torch_process_group()` joins
+  the group (gloo on CPU, nccl on CUDA) and `torch_data_parallel(model)` makes `fit`
+  average the gradients over the processes after every backward pass (each process feeds
+  its own share of every global batch).
+
+`python -m training <recipe>` does all of this from flags (`--data-parallel`,
+`--model-parallel`, `--strategy mirrored`, or `torchrun`); see docs/DISTRIBUTED.md.
 """
 
 import dataclasses
@@ -100,9 +110,10 @@ def _require_jax(what):
             f"kzoo.distribution.{what} needs the JAX backend: Keras' distribution API "
             f"(keras.distribution DataParallel / ModelParallel) only shards on JAX in Keras "
             f"{keras.__version__}; got KERAS_BACKEND={backend!r}. Run with KERAS_BACKEND=jax. "
-            "For TensorFlow (tf.distribute.MirroredStrategy) and torch (torchrun with "
-            "DistributedDataParallel) kzoo's support is planned but not built yet; see "
-            "docs/DISTRIBUTED.md. `layout_map` itself works on every backend."
+            "For data parallel training on TensorFlow use kzoo.distribution.mirrored() "
+            "(tf.distribute.MirroredStrategy); on torch start the processes with torchrun and "
+            "use kzoo.distribution.torch_data_parallel(model); see docs/DISTRIBUTED.md. "
+            "`layout_map` itself works on every backend."
         )
 
 
@@ -501,5 +512,213 @@ def model_parallel(model_or_family, device_mesh, *, data_axis=DATA_AXIS,
     return ModelParallel(layout_map=layouts, batch_dim_name=data_axis)
 
 
+# === TensorFlow: tf.distribute ===
+
+
+def _require(backend_name, what, instead):
+    backend = keras.backend.backend()
+    if backend != backend_name:
+        raise ValueError(
+            f"kzoo.distribution.{what} needs the {backend_name} backend; got "
+            f"KERAS_BACKEND={backend!r}. {instead}"
+        )
+
+
+def mirrored(devices=None):
+    """A `tf.distribute.MirroredStrategy` over `devices` (default: every local GPU, else
+    every local CPU device) for data parallel training on TensorFlow.
+
+    Build and compile the model inside `strategy.scope()`: its variables are mirrored on
+    every device, and Keras' TensorFlow trainer splits each global batch over the replicas,
+    all-reduces the gradients and scales the loss so that a step equals a one-device step
+    on the same global batch (tests/test_distribution_cli.py checks the losses to 1e-5).
+    Keras 3.15 cannot feed boolean inputs (padding masks) to `fit` / `evaluate` / `predict`
+    of a model built under a strategy (its symbolic build sums a batch across replicas, and
+    TensorFlow has no sum of booleans); give the masks as integers 0/1 (`astype("int32")`).
+
+    Args:
+        devices: device names such as `["/gpu:0", "/gpu:1"]`; by default all local GPUs or,
+            without GPUs, all logical CPU devices (split one CPU for tests with
+            `tf.config.set_logical_device_configuration` before TensorFlow starts).
+
+    Example:
+    >>> strategy = kzoo.distribution.mirrored()              # KERAS_BACKEND=tensorflow
+    >>> with strategy.scope():
+    ...     lm = kzoo.presets.load("gpt_mini")
+    ...     lm.compile("adam")
+    >>> lm.fit(x, y, batch_size=32)                          # 16 a replica on 2 devices
+    """
+    _require("tensorflow", "mirrored", "Data parallel on JAX: kzoo.distribution."
+             "data_parallel(); on torch: torchrun + kzoo.distribution.torch_data_parallel.")
+    import tensorflow as tf
+
+    if devices is None:
+        devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
+            d.name for d in tf.config.list_logical_devices("CPU")]
+    else:
+        if isinstance(devices, str) or not all(isinstance(d, str) for d in devices):
+            raise ValueError(
+                "`devices` must be a list of device names such as ['/gpu:0', '/gpu:1']; got "
+                f"devices={devices!r}.")
+        devices = list(devices)
+        if not devices:
+            raise ValueError("`devices` must name at least one device; got devices=[].")
+    return tf.distribute.MirroredStrategy(devices)
+
+
+# === torch: torch.distributed ===
+
+
+def init_torch_process_group(backend=None):
+    """Join the process group that `torchrun` describes in the environment (`RANK`,
+    `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); return `(rank, world_size)`.
+
+    The backend is nccl when CUDA is available (each process then uses GPU `LOCAL_RANK`),
+    gloo otherwise. Call it before building the model. Does nothing (and returns the
+    group's rank and size) when the group exists already.
+
+    Example (in a script started with `torchrun --nproc_per_node 2 script.py`):
+    >>> rank, world = kzoo.distribution.init_torch_process_group()
+    """
+    _require("torch", "init_torch_process_group", "Use torchrun with KERAS_BACKEND=torch.")
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"init_torch_process_group reads the process group from the environment that "
+            f"torchrun sets; {missing} are not set. Start the processes with `torchrun "
+            "--nproc_per_node N ...`.")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"`backend` must be 'gloo' or 'nccl'; got backend={backend!r}.")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+class GradientAverage:
+    """Averages the gradients of a model's trainable variables over a torch process group
+    after every backward pass; made by `torch_data_parallel`.
+
+    What `torch.nn.parallel.DistributedDataParallel` does for an `nn.Module` it wraps, for a
+    Keras model that Keras' torch trainer calls directly: a post-accumulate-grad hook on
+    every trainable parameter queues, once a backward pass, a callback that the autograd
+    engine runs when the pass ends (where DDP finalises its reduction too). The callback
+    all-reduces the gradients, one flat buffer per dtype, and divides them by the group
+    size; `fit`'s train step then reads the averaged `.grad`s and the optimizer clips and
+    applies them exactly as on one device. A gradient that is missing on some processes
+    counts as zeros there; one missing on all of them stays missing.
+
+    `remove()` takes the hooks off.
+    """
+
+    def __init__(self, model, group=None):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError(
+                "torch_data_parallel needs an initialised process group; call "
+                "kzoo.distribution.init_torch_process_group() first (under torchrun).")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.parameters = [v.value for v in model.trainable_variables]
+        if not self.parameters:
+            raise ValueError("torch_data_parallel: the model has no trainable variables.")
+        self._queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready)
+                         for p in self.parameters]
+
+    def _ready(self, parameter):
+        if not self._queued:
+            import torch
+
+            self._queued = True
+            # The hook of DDP's and FSDP's Python side: runs once the backward pass is done.
+            torch.autograd.Variable._execution_engine.queue_callback(self._average)
+
+    def _average(self):
+        import torch
+        import torch.distributed as dist
+
+        self._queued = False
+        params = self.parameters
+        device = params[0].device
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                               device=device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+        present = present.tolist()
+        by_dtype = {}
+        for p, has in zip(params, present):
+            if has:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        with torch.no_grad():
+            for group_params in by_dtype.values():
+                flat = torch.cat([
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in group_params])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                flat /= self.world_size
+                offset = 0
+                for p in group_params:
+                    chunk = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is None:
+                        p.grad = chunk.clone()
+                    else:
+                        p.grad.copy_(chunk)
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def torch_data_parallel(model, group=None, broadcast=True):
+    """Make `model.fit` data parallel over a torch process group (torch backend).
+
+    Broadcasts every variable of `model` from rank 0 (so all processes start equal, as DDP
+    does) and returns a `GradientAverage` that averages the gradients over the group after
+    every backward pass. Call it after `compile` (and after `enable_lora`, which changes
+    the trainable variables). Each process must then `fit` its own share of every global
+    batch (rows `rank * B / world` to `(rank + 1) * B / world` of a global batch of `B`),
+    with the same number of batches in every process; the optimizer state stays equal on
+    every process, so rank 0 alone needs to write checkpoints.
+
+    Args:
+        model: a compiled Keras model (torch backend).
+        group: a `torch.distributed` process group (default: the whole world).
+        broadcast: copy rank 0's variables to the others first.
+
+    Example (under `torchrun --nproc_per_node 2`):
+    >>> rank, world = kzoo.distribution.init_torch_process_group()
+    >>> lm = kzoo.presets.load("gpt_mini"); lm.compile("adam")
+    >>> sync = kzoo.distribution.torch_data_parallel(lm)
+    >>> lm.fit(x[rank::world], y[rank::world], batch_size=16)   # 32 a global batch
+    """
+    _require("torch", "torch_data_parallel", "On JAX use kzoo.distribution.data_parallel(); "
+             "on TensorFlow kzoo.distribution.mirrored().")
+    import torch
+    import torch.distributed as dist
+
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"`model` must be a keras.Model; got {type(model).__name__}.")
+    averaged = GradientAverage(model, group)
+    if broadcast:
+        with torch.no_grad():
+            for v in model.variables:
+                dist.broadcast(v.value.data, src=0, group=group)
+    return averaged
+
+
 __all__ = ["DATA_AXIS", "MODEL_AXIS", "Split", "DataParallel", "ModelParallel", "layout_map",
-           "splits", "device_mesh", "data_parallel", "model_parallel", "check_batch_size"]
+           "splits", "device_mesh", "data_parallel", "model_parallel", "check_batch_size",
+           "mirrored", "init_torch_process_group", "GradientAverage", "torch_data_parallel"]

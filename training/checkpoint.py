@@ -63,8 +63,17 @@ def list_checkpoints(directory):
     return sorted(found, reverse=True)
 
 
-def _to_numpy(variable):
-    return np.asarray(keras.ops.convert_to_numpy(variable.value))
+def to_numpy(variable):
+    """A variable's value as a NumPy array, on one device or distributed (a sharded JAX
+    array is gathered; a TensorFlow `MirroredVariable` gives its value through `.numpy()`,
+    which `convert_to_numpy` cannot do for the optimizer's int64 iteration counter)."""
+    value = variable.value
+    if keras.backend.backend() == "tensorflow" and hasattr(value, "numpy"):
+        return np.asarray(value.numpy())
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+_to_numpy = to_numpy
 
 
 def _sync(model):

@@ -143,6 +143,43 @@ def _common_arguments(parser, defaults):
                              "query,value; allowed: " + ",".join(_LORA_TARGETS) + ")")
     parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
                         help="0 silent, 1 progress bar (default), 2 one line per epoch")
+    _distributed_arguments(parser)
+
+
+# === Distributed training (training.distributed; docs/DISTRIBUTED.md) ===
+
+DISTRIBUTED = ("data_parallel", "model_parallel", "strategy", "cpu_devices")
+
+
+def _distributed_arguments(parser):
+    group = parser.add_argument_group(
+        "distributed training",
+        "--batch-size stays the global batch. On torch, start the processes with "
+        "`torchrun --nproc_per_node N -m training <recipe> ...` (DistributedDataParallel "
+        "style, gloo on CPU, nccl on CUDA); rank 0 writes the outputs.")
+    group.add_argument("--data-parallel", type=_positive_int("--data-parallel"), metavar="N",
+                       help="JAX: split every batch over N devices (with --model-parallel: "
+                            "the batch axis of an N x M mesh; default: devices / M)")
+    group.add_argument("--model-parallel", type=_positive_int("--model-parallel"),
+                       metavar="M", help="JAX: split the weights over M devices (Megatron "
+                                         "heads / feed-forward columns, experts)")
+    group.add_argument("--strategy", choices=("mirrored",),
+                       help="TensorFlow: tf.distribute.MirroredStrategy over the local "
+                            "devices")
+    group.add_argument("--cpu-devices", type=_positive_int("--cpu-devices"), metavar="N",
+                       help="JAX, TensorFlow: split the CPU into N virtual devices (to try "
+                            "the modes without accelerators)")
+
+
+def plan_from_args(args, cfg):
+    """The `training.distributed.Plan` of parsed arguments (checked before any data is
+    loaded; `DistributedError` names the flag, its value and what is allowed)."""
+    from training import distributed
+
+    return distributed.plan_from_args(
+        args.recipe, cfg.batch_size, data_parallel=args.data_parallel,
+        model_parallel=args.model_parallel, strategy=args.strategy,
+        cpu_devices=args.cpu_devices)
 
 
 def build_parser():
@@ -168,7 +205,7 @@ def build_parser():
 COMMON = {"recipe", "steps", "epochs", "preset", "batch_size", "mixed_precision", "out",
           "seed", "learning_rate", "warmup_steps", "weight_decay", "clipnorm",
           "label_smoothing", "save_every", "max_epoch_steps", "override", "fresh", "verbose",
-          "lora_rank", "lora_targets"}
+          "lora_rank", "lora_targets", *DISTRIBUTED}
 
 
 def config_from_args(args):
@@ -210,17 +247,23 @@ def config_from_args(args):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    from training.loop import TrainingDiverged
     from training.checkpoint import CheckpointError
+    from training.distributed import DistributedError
+    from training.loop import TrainingDiverged
 
     module = recipe_module(args.recipe)
     try:
         cfg = config_from_args(args)
+        cfg.plan = plan_from_args(args, cfg)
         module.train(cfg)
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
-    except CheckpointError as error:
+    except (CheckpointError, DistributedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        from training.distributed import shutdown
+
+        shutdown()
     return 0

@@ -66,6 +66,9 @@ class RunConfig:
     verbose: int = 1
     lora_rank: int = None  # LoRA fine-tuning: only rank-`lora_rank` adapters train
     lora_targets: tuple = ("query", "value")
+    # How the run is spread over devices / processes (`training.distributed.Plan`; None:
+    # one device). Not in the fingerprint: a checkpoint resumes under any mode.
+    plan: object = None
 
     def fingerprint(self):
         """What a checkpoint must agree on to be resumed (not the run length)."""
@@ -180,14 +183,23 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
         extra_files: callables `f(directory)` writing files next to a saved model.
         extra_run_info: dict added to the `"run"` record of `metrics.json`.
 
+    Distributed (`cfg.plan`, see `training.distributed`): the model is placed on the
+    devices (JAX, TensorFlow: a copy built in the distribution's scope) and trained there;
+    after training, `model` holds the trained values on one device and is compiled for the
+    final evaluation. With torch processes, rank 0 alone evaluates and writes files; the
+    others return the record without the final evaluation.
+
     Raises:
         TrainingDiverged: the loss became NaN/inf (no final model or checkpoint is written
             from the broken weights).
     """
+    from training.distributed import Plan
+
     started = time.time()
+    plan = cfg.plan or Plan()
     out = cfg.out
     ckpt_dir = os.path.join(out, "checkpoints")
-    if cfg.fresh and os.path.isdir(out):
+    if cfg.fresh and os.path.isdir(out) and plan.leader:
         for name in ("checkpoints", "best", "model", "log.csv", "curves.png", "metrics.json"):
             path = os.path.join(out, name)
             if os.path.isdir(path):
@@ -195,6 +207,7 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
             elif os.path.exists(path):
                 os.remove(path)
     os.makedirs(out, exist_ok=True)
+    plan.barrier()  # the others read checkpoints only after rank 0 cleaned up
     paths = {
         "csv": os.path.join(out, "log.csv"),
         "plot": os.path.join(out, "curves.png"),
@@ -210,15 +223,68 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
     epoch_steps = max(1, min(task.steps_per_epoch, int(cfg.max_epoch_steps)))
     num_epochs = math.ceil(steps_total / epoch_steps)
 
+    verbose = cfg.verbose if plan.leader else 0
+    validation = plan.validation(task.validation, task.batch_size)
+    single_model = model
+    model = plan.place(model)  # checks the mesh against the model, before compiling
+    with plan.scope():
+        record = _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files,
+                        paths, validation, steps_total, epoch_steps, num_epochs, verbose,
+                        started)
+    state, resumed_from, wall_before = record
+    lora = (int(cfg.lora_rank), tuple(cfg.lora_targets)) if cfg.lora_rank else None
+    trained = model
+    model = plan.unplace(trained, single_model, lora)
+    if model is not trained:  # for the final evaluation on one device
+        model.compile(optimizer=make_optimizer(cfg), loss=loss,
+                      weighted_metrics=[_fresh_metric(m) for m in metrics])
+    plan.close()
+
+    if not cb.weights_finite(model):
+        raise TrainingDiverged(
+            f"{cfg.recipe}: the weights contain NaN/inf after training; refusing to save "
+            "the model. Lower --learning-rate."
+        )
+    final = {}
+    if state.history:
+        last = state.history[-1]
+        final.update({k: v for k, v in last.items() if k.startswith("val_")})
+        final["loss"] = last.get("loss")
+    if not plan.leader:  # rank 0 evaluates and writes; the others are done
+        plan.barrier()
+        return {"metrics": final, "run": {"recipe": cfg.recipe, "rank": plan.rank,
+                                          "distribution": plan.info()}, "files": {}}
+    try:
+        return _finish(cfg, plan, model, task, state, final, evaluate, report, extra_files,
+                       extra_run_info, paths, monitor, steps_total, num_epochs, epoch_steps,
+                       resumed_from, wall_before, started)
+    finally:
+        plan.barrier()
+
+
+def _fresh_metric(metric):
+    """A new metric object of the same configuration (its state not shared)."""
+    if isinstance(metric, keras.metrics.Metric):
+        return metric.__class__.from_config(metric.get_config())
+    return metric
+
+
+def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, paths,
+           validation, steps_total, epoch_steps, num_epochs, verbose, started):
+    """Compile, restore and train `model` in the current scope; `(state, resumed_from,
+    wall time before)`."""
+    out, ckpt_dir = cfg.out, paths["checkpoints"]
     if cfg.lora_rank:  # before compile and restore: the adapters are the trained variables
         model.enable_lora(int(cfg.lora_rank), targets=tuple(cfg.lora_targets))
-        if cfg.verbose:
+        if verbose:
             print(f"LoRA rank {cfg.lora_rank} on {list(cfg.lora_targets)}: "
                   f"{_count(model.trainable_weights):,} trainable of "
                   f"{_count(model.weights):,} parameters.", flush=True)
 
     # `weighted_metrics`: the metrics count what the loss counts (Keras' plain `metrics`
     # ignore sample weights: BERT's accuracy would include the unmasked tokens).
+    if plan.mode in ("data", "model", "mirrored"):  # metric variables made in the scope
+        metrics = [_fresh_metric(m) for m in metrics]
     model.compile(optimizer=make_optimizer(cfg), loss=loss, weighted_metrics=metrics)
     model.optimizer.build(model.trainable_variables)
 
@@ -237,15 +303,17 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
         if state.step % epoch_steps and metric_values is not None:
             # The compiled metrics are built lazily (on TensorFlow only by a first step):
             # build them with one inference pass so the saved running states fit them.
-            x, y, w = task.train_batch(state.step)
-            model.evaluate(x, y, sample_weight=w, batch_size=task.batch_size, verbose=0)
+            x, y, w, size = plan.feed(*task.train_batch(state.step), task.batch_size)
+            model.evaluate(x, y, sample_weight=w, batch_size=size, verbose=0)
             restore_metrics.pending = metric_values
-        if cfg.verbose:
+        if verbose:
             print(f"Resuming {cfg.recipe} from step {state.step} "
                   f"(checkpoint in {ckpt_dir}).", flush=True)
-        _rewrite_csv(paths["csv"], state.history)
-    elif os.path.exists(paths["csv"]):
+        if plan.leader:
+            _rewrite_csv(paths["csv"], state.history)
+    elif os.path.exists(paths["csv"]) and plan.leader:
         os.remove(paths["csv"])  # a log without checkpoints belongs to no resumable run
+    plan.attach(model)  # torch: the same weights everywhere, gradients averaged
     if state.step > steps_total:
         raise ValueError(
             f"The checkpoint in {ckpt_dir} is at step {state.step}, past the requested "
@@ -255,31 +323,33 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
     def extra_meta():
         return {"wall_time_s": state.wall_time_before + (time.time() - started)}
 
-    callbacks = [
-        restore_metrics,
-        cb.NaNGuard(state),
-        keras.callbacks.TerminateOnNaN(),
-        cb.BestModel(state, paths["best"], monitor, mode,
-                     lambda m, d: save_model(m, d, extra_files)),
-        cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint, extra_meta),
-        keras.callbacks.CSVLogger(paths["csv"], append=True),
-        cb.PlotCurves(state, paths["plot"], title=f"{cfg.recipe} ({keras.backend.backend()})"),
+    named = [
+        ("restore", restore_metrics),
+        ("nan_guard", cb.NaNGuard(state)),
+        ("terminate", keras.callbacks.TerminateOnNaN()),
+        ("best", cb.BestModel(state, paths["best"], monitor, mode,
+                              lambda m, d: save_model(m, d, extra_files))),
+        ("checkpoint", cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint,
+                                         extra_meta)),
+        ("csv", keras.callbacks.CSVLogger(paths["csv"], append=True)),
+        ("plot", cb.PlotCurves(state, paths["plot"],
+                               title=f"{cfg.recipe} ({keras.backend.backend()})")),
     ]
-    if cfg.verbose:
-        callbacks.append(cb.EpochProgbar(num_epochs))
+    if verbose:
+        named.append(("progress", cb.EpochProgbar(num_epochs)))
+    callbacks = plan.callbacks(named)  # torch: rank 0 writes, the others wait for it
 
-    validation = task.validation
     while state.step < steps_total:
         epoch = state.step // epoch_steps
         stop = min((epoch + 1) * epoch_steps, steps_total)
         state.segment_start = state.step
         state.epoch_end_step = stop
-        x, y, w = task.segment(state.step, stop)
+        x, y, w, size = plan.feed(*task.segment(state.step, stop), task.batch_size)
         model.fit(
-            x, y, sample_weight=w, batch_size=task.batch_size, epochs=epoch + 1,
+            x, y, sample_weight=w, batch_size=size, epochs=epoch + 1,
             initial_epoch=epoch, shuffle=False, validation_data=validation,
             validation_batch_size=task.batch_size, callbacks=callbacks,
-            verbose=cfg.verbose,
+            verbose=verbose,
         )
         if state.diverged is not None:
             d = state.diverged
@@ -291,17 +361,13 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
                 "--learning-rate or check the data."
             )
         state.step = stop
+    return state, resumed_from, state.wall_time_before
 
-    if not cb.weights_finite(model):
-        raise TrainingDiverged(
-            f"{cfg.recipe}: the weights contain NaN/inf after training; refusing to save "
-            "the model. Lower --learning-rate."
-        )
-    final = {}
-    if state.history:
-        last = state.history[-1]
-        final.update({k: v for k, v in last.items() if k.startswith("val_")})
-        final["loss"] = last.get("loss")
+
+def _finish(cfg, plan, model, task, state, final, evaluate, report, extra_files,
+            extra_run_info, paths, monitor, steps_total, num_epochs, epoch_steps,
+            resumed_from, wall_before, started):
+    """The final evaluation and the files of a finished run (rank 0)."""
     if evaluate is not None:
         final.update(evaluate(model, task))
     bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)]
@@ -314,7 +380,7 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
     if state.history:
         plot_history(state.history, paths["plot"],
                      title=f"{cfg.recipe} ({keras.backend.backend()})")
-    wall = state.wall_time_before + (time.time() - started)
+    wall = wall_before + (time.time() - started)
     record = {
         "metrics": final,
         "best": {"monitor": monitor, "value": state.best, "epoch": state.best_epoch,
@@ -335,6 +401,7 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
                      if cfg.lora_rank else None),
             "wall_time_s": round(wall, 2),
             "resumed_from_step": resumed_from,
+            "distribution": plan.info(),
             "overrides": cfg.overrides,
             "options": cfg.options,
             **(extra_run_info or {}),

@@ -1,0 +1,207 @@
+"""`python -m training` in every distributed mode, against one device (issue #17, items 2,
+4 and 5).
+
+Each backend's pytest run trains through the CLI in the modes of its own backend, in a
+subprocess (`tests/distribution_cli_run.py`: virtual devices must be set up before the
+backend starts): JAX `--data-parallel 4` and `--data-parallel 2 --model-parallel 2` on 4
+virtual CPU devices, TensorFlow `--strategy mirrored` on 2 logical CPU devices, torch
+`torchrun --nproc_per_node 2` (gloo on 127.0.0.1). The reference is the same command on one
+device: the per-step training losses and the validation losses must agree to 1e-5
+(relative) at the same global batch; the mode's checkpoint must resume on ONE device and
+continue exactly as the one-device run does (step 3), and loaded into a one-device model it
+must give exactly the outputs of the model the mode saved. The bad settings (a mesh that
+does not cover the devices, does not divide the heads or the experts; a batch that does not
+split) must exit with a message naming the flag, its value and what is allowed, before
+anything is compiled or written.
+
+In the default suite: GPT on every backend (JAX: the 2 x 2 mesh), plus BERT under
+TensorFlow mirrored; the other recipes and JAX's data-parallel mode are `slow`. The checks of
+a flag on the wrong backend run in the pytest process on every backend (nothing is built).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from training.cli import main
+
+BACKEND = keras.backend.backend()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = {"jax": ("gpt_text",), "tensorflow": ("gpt_text", "bert_mlm"),
+           "torch": ("gpt_text",)}[BACKEND]
+ALL = ("gpt_text", "bert_mlm", "t5_numbers", "vit_digits", "graphormer_freesolv")
+MODES = {"jax": ("model", "data"), "tensorflow": ("mirrored",), "torch": ("ddp",)}[BACKEND]
+DEFAULT_MODE = MODES[0]  # JAX's data-parallel mode is slow (the 2 x 2 mesh covers it)
+
+
+def _run(out, *args):
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "distribution_cli_run.py"), str(out),
+         *args], cwd=ROOT, env=env, capture_output=True, timeout=1800)
+    assert done.returncode == 0, done.stderr.decode()[-6000:]
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("dist_cli"), "--errors", *DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def slow_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("dist_cli_slow"),
+                *[r for r in ALL if r not in DEFAULT])
+
+
+def _cases():
+    for recipe in ALL:
+        for mode in MODES:
+            slow = recipe not in DEFAULT or mode != DEFAULT_MODE
+            yield pytest.param(recipe, mode, marks=[pytest.mark.slow] if slow else [],
+                               id=f"{recipe}-{mode}")
+
+
+def _result(request, recipe):
+    run = request.getfixturevalue("default_run" if recipe in DEFAULT else "slow_run")
+    assert run["backend"] == BACKEND
+    return run["recipes"][recipe]
+
+
+def _column(rows, key):
+    return np.array([row[key] for row in rows])
+
+
+@pytest.mark.parametrize("recipe, mode", _cases())
+def test_mode_gives_the_one_device_losses_and_its_checkpoint_resumes_on_one_device(
+        request, recipe, mode):
+    result = _result(request, recipe)
+    single, dist = result["single"], result[mode]
+    assert single["distribution"]["mode"] == "single"
+    info = dist["distribution"]
+    assert info["mode"] == mode
+    assert info["data_parallel"] * info["model_parallel"] == info["devices"] >= 2
+    if mode == "model":
+        assert info["model_parallel"] == 2 and info["data_parallel"] == 2
+    if mode == "ddp":
+        assert info["processes"] == 2
+
+    one = _column(single["log"], "loss")
+    assert one.shape == (3,) and np.all(np.isfinite(one))
+    # The same global batches: the mode's two steps are the one-device steps.
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(_column(dist["log"], key), _column(single["log"], key)[:2],
+                                   rtol=1e-5, atol=0, err_msg=f"{recipe} {mode} {key}")
+    # Its checkpoint, on one device: exactly the saved model's outputs ...
+    ckpt = dist["checkpoint"]
+    assert ckpt["step"] == 2 and ckpt["finite"] and ckpt["equal"], ckpt
+    # ... and resumed there, the run continues as the one-device run does.
+    resumed = dist["resumed"]
+    assert resumed["from_step"] == 2 and resumed["distribution"]["mode"] == "single"
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(_column(resumed["log"], key), _column(single["log"], key),
+                                   rtol=1e-5, atol=0, err_msg=f"{recipe} {mode} resumed {key}")
+
+
+# === Bad settings ===
+
+
+def test_bad_mesh_or_batch_exits_before_compiling_naming_flag_value_and_allowed(default_run):
+    errors = default_run["errors"]
+    expected = {
+        "jax": {
+            "devices": ["--data-parallel 3 x --model-parallel 1 = 3 devices",
+                        "JAX has 4", "must equal 4"],
+            "heads": ["--model-parallel 4", "'model' has size 4",
+                      "does not divide num_heads=2"],
+            "experts": ["--model-parallel 4", "'model' has size 4",
+                        "does not divide num_experts=2"],
+            "batch": ["--batch-size 6", "--data-parallel 4", "multiple of 4"],
+        },
+        "tensorflow": {"batch": ["--batch-size 7", "--strategy mirrored (2 replicas",
+                                 "multiple of 2"]},
+        "torch": {},
+    }[BACKEND]
+    assert errors.keys() == expected.keys()
+    for name, words in expected.items():
+        found = errors[name]
+        assert found["status"] == 2, found
+        assert found["stderr"].startswith("error: "), found
+        for w in words:
+            assert w in found["stderr"], (name, w, found["stderr"])
+        assert found["checkpoints"] == [], found  # nothing trained, nothing written
+
+
+def _error(capsys, argv, monkeypatch=None, **env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    status = main(["gpt_text", "--steps", "1", "--verbose", "0", *argv])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith("error: "), err
+    return err
+
+
+def test_a_flag_of_another_backend_says_which_backend_and_what_to_use_here(
+        capsys, monkeypatch, tmp_path):
+    out = ["--out", str(tmp_path / "run")]
+    if BACKEND != "jax":
+        for flag in ("--data-parallel", "--model-parallel"):
+            err = _error(capsys, [flag, "2", *out])
+            assert f"{flag} 2 needs KERAS_BACKEND=jax" in err and repr(BACKEND) in err, err
+    if BACKEND != "tensorflow":
+        err = _error(capsys, ["--strategy", "mirrored", *out])
+        assert "--strategy mirrored needs KERAS_BACKEND=tensorflow" in err, err
+        assert repr(BACKEND) in err, err
+        err = _error(capsys, out, monkeypatch, WORLD_SIZE="2")
+        assert "WORLD_SIZE=2" in err and "needs KERAS_BACKEND=torch" in err, err
+    if BACKEND == "torch":
+        err = _error(capsys, ["--cpu-devices", "2", *out])
+        assert "--cpu-devices is for JAX and TensorFlow" in err and "torchrun" in err, err
+    assert not os.path.exists(tmp_path / "run")  # refused before anything was made
+
+
+def test_checks_of_this_backend_in_one_process(capsys, monkeypatch, tmp_path):
+    out = ["--out", str(tmp_path / "run")]
+    if BACKEND == "jax":
+        n = len(keras.distribution.list_devices())
+        err = _error(capsys, ["--data-parallel", str(n + 1), *out])
+        assert f"--data-parallel {n + 1} x --model-parallel 1" in err and \
+            f"JAX has {n}" in err, err
+        err = _error(capsys, ["--model-parallel", str(n + 1), *out])
+        assert f"--model-parallel {n + 1} does not divide the {n} devices" in err, err
+        recipe_error = ["--data-parallel", str(n)]
+    elif BACKEND == "torch":  # torchrun's environment, refused before joining a group
+        err = _error(capsys, ["--batch-size", "7", *out], monkeypatch, WORLD_SIZE="2")
+        assert "--batch-size 7" in err and "WORLD_SIZE=2" in err and "multiple of 2" in err
+        monkeypatch.setenv("WORLD_SIZE", "x")
+        err = _error(capsys, out)
+        assert "WORLD_SIZE must be an integer" in err and "'x'" in err, err
+        monkeypatch.delenv("WORLD_SIZE")
+        recipe_error = None
+    else:
+        recipe_error = ["--strategy", "mirrored"]
+    if recipe_error:  # a recipe with its own training loop runs on one device
+        status = main(["distill_gpt", "--steps", "1", "--verbose", "0", *recipe_error, *out])
+        err = capsys.readouterr().err
+        assert status == 2 and "distill_gpt recipe" in err and "one device" in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_parser_refuses_bad_values(capsys):
+    from training.cli import build_parser
+
+    for argv, words in ((["--data-parallel", "0"], "--data-parallel must be a positive"),
+                        (["--model-parallel", "x"], "--model-parallel must be a positive"),
+                        (["--strategy", "multiworker"], "invalid choice: 'multiworker'"),
+                        (["--cpu-devices", "-2"], "--cpu-devices must be a positive")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["gpt_text", *argv])
+        err = capsys.readouterr().err
+        assert words in err, (argv, err)
