@@ -30,6 +30,7 @@ from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
+    check_bool,
     check_choice,
     check_divides,
     check_instance,
@@ -157,9 +158,13 @@ class BertConfig(FamilyConfig):
     initializer_range: float = 0.02
     attention: str = "full"
     attention_options: Optional[dict] = None
+    remat: bool = False
+    layerdrop: float = 0.0
 
     def __post_init__(self):
         check = self._check
+        check("remat", check_bool)
+        check("layerdrop", check_rate)
         check("vocabulary_size", check_positive_int)
         check("num_layers", check_positive_int)
         check("num_heads", check_positive_int)
@@ -207,6 +212,12 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
             ("sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
             "performer"; see `kzoo.layers.efficient_attention`).
         attention_options: the options of `attention` (e.g. `{"window": 128}`).
+        remat: recompute each block's activations in the backward pass instead of
+            keeping them (gradient checkpointing per block: less memory, one more forward
+            pass of compute; the gradients are the same).
+        layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
+            (is the identity) with this probability, one draw per block and batch; in
+            inference every block runs.
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
     The arguments (all but `dtype` and Keras' own) are the fields of `BertConfig`, which
@@ -253,6 +264,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
         initializer_range=0.02,
         attention="full",
         attention_options=None,
+        remat=False,
+        layerdrop=0.0,
         dtype=None,
         **kwargs,
     ):
@@ -272,6 +285,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
             initializer_range=initializer_range,
             attention=attention,
             attention_options=attention_options,
+            remat=remat,
+            layerdrop=layerdrop,
         )
         policy = _dtype_policy(dtype)
         init = bert_kernel_initializer(initializer_range)
@@ -311,6 +326,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
                 attention_options=config.attention_options,
                 kernel_initializer=init,
                 dtype=policy,
+                remat=config.remat,
+                layerdrop=config.layerdrop,
                 name=f"transformer_layer_{i}",
             )
             for i in range(num_layers)

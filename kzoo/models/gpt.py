@@ -114,9 +114,13 @@ class GPTConfig(FamilyConfig):
     initializer_range: float = 0.02
     attention: str = "full"
     attention_options: Optional[dict] = None
+    remat: bool = False
+    layerdrop: float = 0.0
 
     def __post_init__(self):
         check = self._check
+        check("remat", check_bool)
+        check("layerdrop", check_rate)
         check("vocabulary_size", check_positive_int)
         check("num_layers", check_positive_int)
         check("num_heads", check_positive_int)
@@ -216,6 +220,12 @@ class GPTBackbone(Backbone):
             cache of `window` slots for "sliding_window" and an O(1) recurrent state for
             "linear"/"performer".
         attention_options: the options of `attention` (e.g. `{"window": 256}`).
+        remat: recompute each block's activations in the backward pass instead of
+            keeping them (gradient checkpointing per block: less memory, one more forward
+            pass of compute; the gradients are the same).
+        layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
+            (is the identity) with this probability, one draw per block and batch; in
+            inference every block runs.
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
@@ -265,6 +275,8 @@ class GPTBackbone(Backbone):
         initializer_range=0.02,
         attention="full",
         attention_options=None,
+        remat=False,
+        layerdrop=0.0,
         dtype=None,
         **kwargs,
     ):
@@ -294,6 +306,8 @@ class GPTBackbone(Backbone):
             initializer_range=initializer_range,
             attention=attention,
             attention_options=attention_options,
+            remat=remat,
+            layerdrop=layerdrop,
         )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
@@ -345,6 +359,8 @@ class GPTBackbone(Backbone):
                 attention_output_initializer=residual_init,
                 feedforward_output_initializer=residual_init,
                 dtype=policy,
+                remat=config.remat,
+                layerdrop=config.layerdrop,
                 name=f"transformer_layer_{i}",
             )
             for i in range(num_layers)
