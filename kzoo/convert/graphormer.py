@@ -110,6 +110,7 @@ _HF_NAMES = {
     "apply_graphormer_init": "apply_graphormer_init",
     "use_attention_bias": "bias",
     "num_frozen_layers": "num_trans_layers_to_freeze",
+    "layerdrop": "layerdrop",
 }
 
 
@@ -134,8 +135,6 @@ def config_from_hf(hf, source="config.json"):
         )
     hidden = hf.get("embedding_dim", hf.get("hidden_size", 768))
     checks = (
-        ("layerdrop", hf.get("layerdrop", 0.0), lambda v: not v,
-         "LayerDrop is not implemented in kzoo (set it to 0.0)."),
         ("q_noise", hf.get("q_noise", 0.0), lambda v: not v,
          "quantisation noise (which also adds a random projection of the embeddings) is "
          "not implemented in kzoo (set it to 0.0)."),
@@ -186,6 +185,9 @@ def config_from_hf(hf, source="config.json"):
         "apply_graphormer_init": hf.get("apply_graphormer_init", False),
         "use_attention_bias": hf.get("bias", True),
         "num_frozen_layers": hf.get("num_trans_layers_to_freeze", 0),
+        # transformers' LayerDropModuleList: in training each encoder layer is skipped with
+        # this probability, one draw per layer and forward pass (as kzoo's `layerdrop`).
+        "layerdrop": hf.get("layerdrop", 0.0),
     }
     names = _HF_NAMES if "embedding_dim" in hf or "hidden_size" not in hf else {
         **_HF_NAMES, "hidden_dim": "hidden_size"}
@@ -333,7 +335,7 @@ def to_hf(model):
         "dropout": backbone.dropout,
         "attention_dropout": backbone.attention_dropout,
         "activation_dropout": backbone.activation_dropout,
-        "layerdrop": 0.0,
+        "layerdrop": backbone.layerdrop,
         "encoder_normalize_before": backbone.encoder_normalize_before,
         "pre_layernorm": backbone.pre_layernorm,
         "apply_graphormer_init": backbone.apply_graphormer_init,

@@ -26,6 +26,7 @@ attention through `attention_bias` (computed once per stack, e.g. with
 import re
 
 import keras
+from keras import ops
 
 from kzoo.layers.attention import MultiHeadAttention
 from kzoo.layers.efficient_attention import check_attention
@@ -181,6 +182,8 @@ class TransformerBlock(keras.layers.Layer):
         feedforward_initializer=None,
         feedforward_output_initializer=None,
         router_initializer=None,
+        remat=False,
+        layerdrop=0.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -203,6 +206,8 @@ class TransformerBlock(keras.layers.Layer):
         check_choice("kernel", kernel, KERNELS)
         if feedforward == "moe":
             check_positive_int("num_experts", num_experts)
+        self.remat = check_bool("remat", remat)
+        self.layerdrop = check_rate("layerdrop", layerdrop)
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
         self.head_dim = head_dim
@@ -248,6 +253,11 @@ class TransformerBlock(keras.layers.Layer):
         self.feedforward_layer = self._feedforward()
         self.feedforward_norm = self._norm("feedforward_norm")
         self.feedforward_dropout = self._dropout("feedforward_dropout")
+        # LayerDrop's per-call draw (only when used: a block without LayerDrop has exactly
+        # the variables it always had).
+        self.layerdrop_seed = (
+            keras.random.SeedGenerator(name="layerdrop_seed") if self.layerdrop else None
+        )
 
     # === Sub-layers ===
 
@@ -350,6 +360,136 @@ class TransformerBlock(keras.layers.Layer):
                 "This TransformerBlock has cross_attention=True: pass `encoder_outputs` "
                 "(or a precomputed `cross_cache`)."
             )
+        tensors = {
+            "inputs": inputs,
+            "padding_mask": padding_mask,
+            "attention_mask": attention_mask,
+            "attention_bias": attention_bias,
+            "encoder_outputs": encoder_outputs,
+            "encoder_padding_mask": encoder_padding_mask,
+            "cross_attention_bias": cross_attention_bias,
+            "global_attention_mask": global_attention_mask,
+        }
+        tap = active_tap()
+        if cache is not None or cross_cache is not None:
+            # Cached decoding (inference): the plain forward pass, always the whole block.
+            x, cache, cross_cache = self._forward(
+                **tensors, cache=cache, cache_index=cache_index, cross_cache=cross_cache,
+                position_index=position_index, training=training,
+            )
+        elif tap is not None:
+            # A tap records tensors of this very trace: no recomputation, no branch; a
+            # dropped block (LayerDrop) is still computed and its output replaced.
+            x = self._forward(**tensors, position_index=position_index, training=training)[0]
+            if self.layerdrop and training:
+                x = ops.where(self._layerdrop_keep(), x, inputs)
+        else:
+            x = self._checkpointed(tensors, position_index, training)
+
+        if tap is not None:
+            x = tap._on_block(self, x)
+
+        if cache is None and cross_cache is None:
+            return x
+        if cross_cache is None:
+            return x, cache
+        return x, cache, cross_cache
+
+    def _layerdrop_keep(self):
+        """A scalar boolean, False with probability `layerdrop`: one draw per call (the
+        whole batch keeps or skips the block, as in Fan et al.)."""
+        draw = keras.random.uniform((), seed=self.layerdrop_seed)
+        return ops.greater_equal(draw, self.layerdrop)
+
+    def _checkpointed(self, tensors, position_index, training):
+        """The block's output with rematerialisation (`remat`) and LayerDrop (`layerdrop`,
+        training only) applied.
+
+        Rematerialisation wraps the forward pass in `keras.remat` (`jax.checkpoint`,
+        `torch.utils.checkpoint` (non-reentrant), `tf.recompute_grad`): only the block's
+        inputs are kept for the backward pass, which runs the block again. LayerDrop is a
+        traced branch, `keras.ops.cond` (JAX's `lax.cond` and TF's `tf.cond` run one
+        branch, torch decides in Python), so a skipped block costs nothing and its
+        gradients are zeros; the branch sits inside the rematerialised function because
+        TensorFlow can't differentiate `tf.recompute_grad` inside a `tf.cond`.
+
+        A traced function that assigns a variable leaks the new value out of its trace on
+        JAX, and a recomputation that drew dropout masks from advanced seed states would
+        draw different ones. So the seed states of the block's dropout layers are bound
+        to copies of their values while the block runs (`_StateOverlay`), their advanced
+        values come out as results and are assigned afterwards: the recomputation replays
+        exactly the masks of the forward pass. Only float tensors are arguments of the
+        rematerialised function (TensorFlow watches and differentiates every argument);
+        masks, seeds and the LayerDrop draw are captured.
+        """
+        drop = bool(self.layerdrop) and bool(training)
+        if not (self.remat or drop):
+            return self._forward(**tensors, position_index=position_index,
+                                 training=training)[0]
+        keep = self._layerdrop_keep() if drop else None
+        states = [
+            generator.state
+            for layer in self._flatten_layers()
+            for generator in getattr(layer, "_seed_generators", ())
+            if generator is not self.layerdrop_seed
+        ]
+        # Copies: torch would find an input saved for the backward pass changed by the
+        # in-place assignment below.
+        seeds = [ops.copy(v.value) for v in states]
+        floats = [
+            key for key, value in tensors.items()
+            if value is not None and keras.backend.is_float_dtype(
+                keras.backend.standardize_dtype(value.dtype))
+        ]
+
+        def block(*values):
+            named = {**tensors, **dict(zip(floats, values))}
+
+            def run():
+                with _StateOverlay(zip(states, seeds)) as scope:
+                    x = self._forward(**named, position_index=position_index,
+                                      training=training)[0]
+                return (x, *[scope.get_current_value(v) for v in states])
+
+            if keep is None:
+                return run()
+            return ops.cond(keep, run, lambda: (self._skipped(named["inputs"]), *seeds))
+
+        if self.remat:
+            block = keras.remat(block)
+        outputs = block(*[tensors[key] for key in floats])
+        for variable, value in zip(states, outputs[1:]):
+            variable.assign(value)
+        return outputs[0]
+
+    def _skipped(self, inputs):
+        """The output of a block LayerDrop skips: its input. On torch, joined to the block's
+        weights with a zero factor so that they get zero gradients, as on JAX and
+        TensorFlow (torch would leave them None: the optimizer would skip them, moments and
+        weight decay included, and warn)."""
+        if keras.backend.backend() != "torch":
+            return inputs
+        zero = sum(ops.sum(ops.cast(v.value, inputs.dtype)) for v in self.trainable_variables)
+        return inputs + ops.multiply(zero, 0)
+
+    def _forward(
+        self,
+        inputs,
+        padding_mask=None,
+        attention_mask=None,
+        attention_bias=None,
+        encoder_outputs=None,
+        encoder_padding_mask=None,
+        cross_attention_bias=None,
+        global_attention_mask=None,
+        cache=None,
+        cache_index=None,
+        cross_cache=None,
+        position_index=None,
+        training=None,
+    ):
+        """The block itself: `(output, cache, cross_cache)` (the caches None unless
+        given)."""
         x = inputs
 
         # Self-attention (writing this step's keys/values into `cache` when decoding).
@@ -406,14 +546,6 @@ class TransformerBlock(keras.layers.Layer):
         if not self.norm_first:
             x = self.feedforward_norm(x)
 
-        tap = active_tap()
-        if tap is not None:
-            x = tap._on_block(self, x)
-
-        if cache is None and cross_cache is None:
-            return x
-        if cross_cache is None:
-            return x, cache
         return x, cache, cross_cache
 
     def compute_output_shape(self, input_shape, *args, **kwargs):
@@ -460,9 +592,25 @@ class TransformerBlock(keras.layers.Layer):
                 "attention_options": self.attention_options,
                 "kernel_initializer": self.kernel_initializer,
                 **{name: getattr(self, name) for name in _INITIALIZERS},
+                "remat": self.remat,
+                "layerdrop": self.layerdrop,
             }
         )
         return config
+
+
+class _StateOverlay(keras.StatelessScope):
+    """A `StatelessScope` that binds the given variables and reads every other one from the
+    scope around it (Keras' JAX trainer keeps the weights in one), or from the variable."""
+
+    def __init__(self, state_mapping):
+        super().__init__(state_mapping=list(state_mapping), initialize_variables=False)
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is None and self.original_scope is not None:
+            value = self.original_scope.get_current_value(variable)
+        return value
 
 
 def _optional(initializer):

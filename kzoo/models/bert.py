@@ -161,9 +161,13 @@ class BertConfig(FamilyConfig):
     attention: str = "full"
     attention_options: Optional[dict] = None
     packed_inputs: bool = False
+    remat: bool = False
+    layerdrop: float = 0.0
 
     def __post_init__(self):
         check = self._check
+        check("remat", check_bool)
+        check("layerdrop", check_rate)
         check("vocabulary_size", check_positive_int)
         check("num_layers", check_positive_int)
         check("num_heads", check_positive_int)
@@ -215,6 +219,12 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
         attention_options: the options of `attention` (e.g. `{"window": 128}`).
         packed_inputs: take one more input, `"document_ids"`, for packed rows (several
             documents a row, see below; needs attention="full").
+        remat: recompute each block's activations in the backward pass instead of
+            keeping them (gradient checkpointing per block: less memory, one more forward
+            pass of compute; the gradients are the same).
+        layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
+            (is the identity) with this probability, one draw per block and batch; in
+            inference every block runs.
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
     The arguments (all but `dtype` and Keras' own) are the fields of `BertConfig`, which
@@ -270,6 +280,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
         attention="full",
         attention_options=None,
         packed_inputs=False,
+        remat=False,
+        layerdrop=0.0,
         dtype=None,
         **kwargs,
     ):
@@ -290,6 +302,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
             attention=attention,
             attention_options=attention_options,
             packed_inputs=packed_inputs,
+            remat=remat,
+            layerdrop=layerdrop,
         )
         policy = _dtype_policy(dtype)
         init = bert_kernel_initializer(initializer_range)
@@ -329,6 +343,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
                 attention_options=config.attention_options,
                 kernel_initializer=init,
                 dtype=policy,
+                remat=config.remat,
+                layerdrop=config.layerdrop,
                 name=f"transformer_layer_{i}",
             )
             for i in range(num_layers)

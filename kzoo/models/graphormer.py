@@ -480,9 +480,13 @@ class GraphormerConfig(FamilyConfig):
     apply_graphormer_init: bool = False
     use_attention_bias: bool = True
     num_frozen_layers: int = 0
+    remat: bool = False
+    layerdrop: float = 0.0
 
     def __post_init__(self):
         check = self._check
+        check("remat", check_bool)
+        check("layerdrop", check_rate)
         for name in ("num_atoms", "num_in_degree", "num_out_degree", "num_edges",
                      "num_spatial", "num_edge_dis"):
             check(name, check_positive_int)
@@ -554,6 +558,12 @@ class GraphormerBackbone(Backbone):
             `bias`).
         num_frozen_layers: the first this-many encoder layers are not trainable
             (transformers' `num_trans_layers_to_freeze`).
+        remat: recompute each block's activations in the backward pass instead of
+            keeping them (gradient checkpointing per block: less memory, one more forward
+            pass of compute; the gradients are the same).
+        layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
+            (is the identity) with this probability, one draw per block and batch; in
+            inference every block runs.
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GraphormerConfig`,
@@ -607,6 +617,8 @@ class GraphormerBackbone(Backbone):
         apply_graphormer_init=False,
         use_attention_bias=True,
         num_frozen_layers=0,
+        remat=False,
+        layerdrop=0.0,
         dtype=None,
         **kwargs,
     ):
@@ -635,6 +647,8 @@ class GraphormerBackbone(Backbone):
             apply_graphormer_init=apply_graphormer_init,
             use_attention_bias=use_attention_bias,
             num_frozen_layers=num_frozen_layers,
+            remat=remat,
+            layerdrop=layerdrop,
         )
 
         normal = graphormer_initializer()
@@ -685,6 +699,8 @@ class GraphormerBackbone(Backbone):
                 key_value_initializer=qkv_init,
                 attention_output_initializer=out_init,
                 dtype=dtype,
+                remat=config.remat,
+                layerdrop=config.layerdrop,
                 name=f"transformer_layer_{i}",
             )
             for i in range(num_layers)

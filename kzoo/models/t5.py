@@ -108,9 +108,13 @@ class T5Config(FamilyConfig):
     relative_attention_max_distance: int = 128
     tie_embeddings: bool = True
     kernel: str = "auto"
+    remat: bool = False
+    layerdrop: float = 0.0
 
     def __post_init__(self):
         check = self._check
+        check("remat", check_bool)
+        check("layerdrop", check_rate)
         check("vocabulary_size", check_positive_int)
         check("num_layers", check_positive_int)
         check("num_decoder_layers", check_positive_int, allow_none=True)
@@ -170,6 +174,12 @@ class T5Backbone(Backbone):
             (v1.0, with the decoder output scaled by `hidden_dim ** -0.5`) or has its own
             `lm_head` (v1.1). The backbone itself is the same either way.
         kernel: attention kernel ("auto", "reference", "fused", "chunked").
+        remat: recompute each block's activations in the backward pass instead of
+            keeping them (gradient checkpointing per block: less memory, one more forward
+            pass of compute; the gradients are the same).
+        layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
+            (is the identity) with this probability, one draw per block and batch; in
+            inference every block runs.
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
     The arguments (all but `dtype` and Keras' own) are the fields of `T5Config`, which
@@ -214,6 +224,8 @@ class T5Backbone(Backbone):
         relative_attention_max_distance=128,
         tie_embeddings=True,
         kernel="auto",
+        remat=False,
+        layerdrop=0.0,
         dtype=None,
         **kwargs,
     ):
@@ -233,6 +245,8 @@ class T5Backbone(Backbone):
             relative_attention_max_distance=relative_attention_max_distance,
             tie_embeddings=tie_embeddings,
             kernel=kernel,
+            remat=remat,
+            layerdrop=layerdrop,
         )
         policy = _dtype_policy(dtype)
         decoder_depth = num_layers if num_decoder_layers is None else num_decoder_layers
@@ -288,6 +302,8 @@ class T5Backbone(Backbone):
                 attention_output_initializer=_normal((num_heads * key_value_dim) ** -0.5),
                 feedforward_output_initializer=_normal(intermediate_dim ** -0.5),
                 dtype=policy,
+                remat=config.remat,
+                layerdrop=config.layerdrop,
                 name=f"{'decoder' if decoder else 'encoder'}_layer_{i}",
             )
 

@@ -336,9 +336,13 @@ class ViTConfig(FamilyConfig):
     qkv_bias: bool = True
     attention: str = "full"
     attention_options: Optional[dict] = None
+    remat: bool = False
+    layerdrop: float = 0.0
 
     def __post_init__(self):
         check = self._check
+        check("remat", check_bool)
+        check("layerdrop", check_rate)
         check("image_size", check_int_or_pair)
         check("patch_size", check_int_or_pair)
         image = check_int_pair("image_size", self.image_size)
@@ -402,6 +406,12 @@ class ViTBackbone(Backbone):
             ("sliding_window", "strided", "longformer", "block_sparse", "bigbird", "linear",
             "performer"; see `kzoo.layers.efficient_attention`).
         attention_options: the options of `attention` (e.g. `{"window": 128}`).
+        remat: recompute each block's activations in the backward pass instead of
+            keeping them (gradient checkpointing per block: less memory, one more forward
+            pass of compute; the gradients are the same).
+        layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
+            (is the identity) with this probability, one draw per block and batch; in
+            inference every block runs.
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `ViTConfig`, which
@@ -443,6 +453,8 @@ class ViTBackbone(Backbone):
         qkv_bias=True,
         attention="full",
         attention_options=None,
+        remat=False,
+        layerdrop=0.0,
         dtype=None,
         **kwargs,
     ):
@@ -463,6 +475,8 @@ class ViTBackbone(Backbone):
             qkv_bias=qkv_bias,
             attention=attention,
             attention_options=attention_options,
+            remat=remat,
+            layerdrop=layerdrop,
         )
 
         # === Layers ===
@@ -491,6 +505,8 @@ class ViTBackbone(Backbone):
                 attention_options=config.attention_options,
                 kernel_initializer="glorot_uniform",
                 dtype=dtype,
+                remat=config.remat,
+                layerdrop=config.layerdrop,
                 name=f"transformer_layer_{i}",
             )
             for i in range(num_layers)
