@@ -18,9 +18,10 @@ the Keras outputs, tests/test_export.py):
 
 | backend    | "tf_saved_model"     | "onnx"               | "litert"          |
 |------------|----------------------|----------------------|-------------------|
-| tensorflow | yes (dynamic shapes) | yes, tf2onnx         | yes, static shapes|
-| jax        | yes, jax2tf          | yes, jax2onnx        | no                |
-| torch      | no                   | yes, static shapes   | no                |
+| tensorflow | yes, dynamic shapes  | yes, tf2onnx         | yes, fixed sizes  |
+| jax        | yes, jax2tf          | yes, jax2onnx; fixed | no                |
+|            |                      | sizes, dynamic batch |                   |
+| torch      | no                   | yes, fixed sizes     | no                |
 
 Example:
 >>> model = kzoo.presets.load("gpt_mini")
@@ -54,6 +55,16 @@ _WHY_NOT = {
                          "exporter's dependencies (chex >= 4.15) exclude",
 }
 _SUFFIX = {"onnx": ".onnx", "litert": ".tflite"}
+# The axes a (backend, format) can leave dynamic (None: every axis; the rest need a size,
+# "batch" defaulting to 1). LiteRT's builtin ops take no dynamic strided slices; jax2onnx
+# traces `arange` over a symbolic length as a sentinel; torch's dynamo ONNX exporter
+# specialises every size, and its TorchScript exporter (Keras' dynamic-shape path) cannot
+# export the shape arithmetic of Keras' torch ops.
+_DYNAMIC_AXES = {
+    ("tensorflow", "litert"): (),
+    ("jax", "onnx"): ("batch",),
+    ("torch", "onnx"): (),
+}
 
 # The axes of each model input, by the input names of DESIGN.md (keras-hub's): one symbol an
 # axis, shared by the inputs that must agree on it. "nodes + 1" is Graphormer's graph token.
@@ -190,18 +201,18 @@ def _check_shapes(shapes, known):
     return {name: (None if size is None else int(size)) for name, size in shapes.items()}
 
 
-def resolve_axes(model, shapes=None, static=False):
+def resolve_axes(model, shapes=None, dynamic=None):
     """`{input name: (int or axis name, ...)}`: `input_axes` with the sizes of `shapes`
     (axis name -> int, or None for dynamic) and the model's own fixed sizes filled in.
-    With `static=True` every axis must get a size (`batch` defaults to 1); a missing one
-    raises ValueError naming it."""
+    `dynamic`: the axes that may stay without a size (None: all); every other axis must
+    get one ("batch" defaults to 1), a missing one raises ValueError naming it."""
     axes = input_axes(model)
     known = {name for names in axes.values() for name in names if isinstance(name, str)}
     known |= {_DERIVED[name][0] for name in known if name in _DERIVED}
     known -= set(_DERIVED)
     sizes = {**_fixed_sizes(model), **_check_shapes(shapes, known)}
-    if static:
-        sizes.setdefault("batch", 1)
+    if dynamic is not None and "batch" not in dynamic and sizes.get("batch") is None:
+        sizes["batch"] = 1
 
     def size_of(name):
         if not isinstance(name, str):
@@ -213,24 +224,24 @@ def resolve_axes(model, shapes=None, static=False):
 
     resolved = {key: tuple(size_of(n) if size_of(n) is not None else n for n in names)
                 for key, names in axes.items()}
-    if static:
+    if dynamic is not None:
         missing = sorted({_DERIVED.get(n, (n,))[0] for names in resolved.values()
-                          for n in names if isinstance(n, str)})
+                          for n in names if isinstance(n, str)} - set(dynamic))
         if missing:
             raise ValueError(
-                f"This export needs static shapes: give `shapes` a size for {missing} (e.g. "
-                f"shapes={{{', '.join(repr(m) + ': ...' for m in missing)}}}), or an "
-                "`input_signature`."
+                f"This export ({keras.backend.backend()} backend) needs a fixed size for "
+                f"the axes {missing}: pass shapes={{{', '.join(repr(m) + ': ...' for m in missing)}}} "
+                f"(axes it can leave dynamic: {list(dynamic)}), or an `input_signature`."
             )
     return resolved
 
 
-def input_signature(model, shapes=None, static=False):
+def input_signature(model, shapes=None, dynamic=None):
     """The Keras input signature of `model` for export: `[{name: keras.InputSpec}]` (one
     positional argument, as Keras' exporters expect of a functional model), or `[spec]`
     for a model with one tensor input. Axes without a size are dynamic (None)."""
     struct = _inputs_struct(model)
-    resolved = resolve_axes(model, shapes, static=static)
+    resolved = resolve_axes(model, shapes, dynamic=dynamic)
 
     def spec(key, tensor):
         shape = tuple(s if isinstance(s, int) else None for s in resolved[key])
@@ -336,9 +347,9 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
         raise TypeError(f"`verbose` must be True or False; got verbose={verbose!r}.")
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; call it on inputs first.")
-    static = format == "litert" or (format == "onnx" and backend == "torch")
+    dynamic = _DYNAMIC_AXES.get((backend, format))
     if input_signature is None:
-        signature = globals()["input_signature"](model, shapes, static=static)
+        signature = globals()["input_signature"](model, shapes, dynamic=dynamic)
     else:
         if shapes is not None:
             raise ValueError("Give `shapes` or `input_signature`, not both.")
@@ -346,12 +357,19 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
     with exportable():
         if format == "onnx" and backend == "jax":
             _onnx_jax(model, filepath, signature, shapes, **kwargs)
+        elif format == "onnx" and backend == "torch":
+            with _torch_take_without_squeeze():
+                keras.Model.export(model, filepath, format=format, verbose=verbose,
+                                   input_signature=signature, **kwargs)
         elif format == "onnx" and backend == "tensorflow":
             _register_tf2onnx_ops()
             keras.Model.export(model, filepath, format=format, verbose=verbose,
                                input_signature=signature, **kwargs)
         elif format == "tf_saved_model" and backend == "jax":
             jax2tf_kwargs = dict(kwargs.pop("jax2tf_kwargs", None) or {})
+            # An inference graph: no gradient functions (those of the dropout layers'
+            # seed updates cannot be saved).
+            jax2tf_kwargs.setdefault("with_gradient", False)
             if input_signature is None:
                 poly = _polymorphic_shapes(model, shapes)
                 struct = signature[0]
@@ -407,7 +425,29 @@ def _onnx_jax(model, filepath, signature, shapes, opset_version=None):
     options = {"input_names": names, "return_mode": "file", "output_path": filepath}
     if opset_version is not None:
         options["opset"] = opset_version
-    jax2onnx.to_onnx(predict, inputs=structs, **options)
+    with _arange_with_stop():
+        jax2onnx.to_onnx(predict, inputs=structs, **options)
+
+
+@contextlib.contextmanager
+def _arange_with_stop():
+    """Keras' JAX `arange(n)` calls `jnp.arange(n, None, step=None)`, which jax2onnx's
+    traced `arange` cannot read (it takes the None as the stop); give it
+    `(0, n, 1)`, the same numbers."""
+    from keras.src.backend.jax import numpy as jax_numpy  # no public equivalent
+
+    original = jax_numpy.arange
+
+    def arange(start, stop=None, step=None, dtype=None):
+        if stop is None:
+            start, stop = 0, start
+        return original(start, stop, 1 if step is None else step, dtype=dtype)
+
+    jax_numpy.arange = arange
+    try:
+        yield
+    finally:
+        jax_numpy.arange = original
 
 
 _TF2ONNX_REGISTERED = []
@@ -432,3 +472,32 @@ def _register_tf2onnx_ops():
             ctx.replace_inputs(node, [one.output[0], erf.output[0]])
 
     _TF2ONNX_REGISTERED.append(_Erfc)
+
+
+@contextlib.contextmanager
+def _torch_take_without_squeeze():
+    """Keras' torch `take` along an axis is `index_select(...).squeeze(axis).reshape(...)`;
+    torch's ONNX exporter writes the no-op squeeze of a longer axis as an ONNX `Squeeze`,
+    which onnxruntime refuses (T5's relative position buckets). The same numbers without
+    the squeeze (the reshape that follows gives the shape)."""
+    import torch
+    from keras.src.backend.torch import numpy as torch_numpy  # no public equivalent
+
+    original = torch_numpy.take
+
+    def take(x, indices, axis=None):
+        x = torch_numpy.convert_to_tensor(x)
+        indices = torch_numpy.convert_to_tensor(indices)
+        if axis is None or (x.ndim == 2 and axis == 0):
+            return original(x, indices, axis=axis)
+        indices = indices.long()
+        axis = axis % x.ndim
+        indices = torch.where(indices < 0, indices + x.shape[axis], indices)
+        shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+        return torch.index_select(x, axis, indices.reshape(-1)).reshape(shape)
+
+    torch_numpy.take = take
+    try:
+        yield
+    finally:
+        torch_numpy.take = original
