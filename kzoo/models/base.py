@@ -318,6 +318,23 @@ class FunctionalModel(keras.Model):
 
         return lora.merge_lora(self)
 
+    def export(self, filepath, format="tf_saved_model", verbose=None,  # noqa: A002
+               input_signature=None, shapes=None, **kwargs):
+        """Export for inference to a TensorFlow SavedModel, ONNX or LiteRT (see
+        `kzoo.export.export`: which formats each backend writes, the named axes of
+        `shapes`, the exportable attention kernel).
+
+        Example:
+        >>> model.export("gpt.onnx", format="onnx", shapes={"sequence": 128})
+        >>> onnxruntime.InferenceSession("gpt.onnx").run(None, {"token_ids": ids,
+        ...                                                       "padding_mask": mask})
+        """
+        from kzoo import export as exporting
+
+        return exporting.export(self, filepath, format=format, shapes=shapes,
+                                input_signature=input_signature, verbose=bool(verbose),
+                                **kwargs)
+
     def quantize(self, mode=None, config=None, filters=None, **kwargs):
         """Quantize the weights to "int8", "int4" or "float8" (see `kzoo.quantize.quantize`:
         which layers are quantized and which stay in float).

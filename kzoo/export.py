@@ -1,0 +1,503 @@
+"""Export kzoo models for inference: TensorFlow SavedModel, ONNX and LiteRT.
+
+`model.export(path, format=...)` on every kzoo model calls `export` here, which wraps Keras'
+own `Model.export` (keras/src/export) with what kzoo models need:
+
+- an input signature from the model's own inputs, with named axes: the same symbol for the
+  same axis across inputs (`token_ids` and `padding_mask` share "sequence"; T5 has
+  "encoder_sequence" and "decoder_sequence"; Graphormer's `attn_bias` is "nodes + 1"), so
+  batch and sequence stay dynamic where the format allows it, and sizes can be fixed by
+  name (`shapes={"batch": 1, "sequence": 128}`);
+- a check of `format` against what the current backend can write (`export_formats()`);
+- an exportable graph: attention runs the reference formula (einsum + softmax; the fused
+  torch/cuDNN kernels and the chunked while loops are not exportable), and the host-side
+  id checks are off while the graph is traced (they read values, which a trace cannot).
+
+Formats by backend (Keras 3.15; each checked by running the file in its own runtime against
+the Keras outputs, tests/test_export.py):
+
+| backend    | "tf_saved_model"     | "onnx"               | "litert"          |
+|------------|----------------------|----------------------|-------------------|
+| tensorflow | yes, dynamic shapes  | yes, tf2onnx         | yes, fixed sizes  |
+| jax        | yes, jax2tf          | yes, jax2onnx; fixed | no                |
+|            |                      | sizes, dynamic batch |                   |
+| torch      | no                   | yes, fixed sizes     | no                |
+
+Example:
+>>> model = kzoo.presets.load("gpt_mini")
+>>> model.export("gpt.onnx", format="onnx")          # dynamic batch and sequence
+>>> import onnxruntime
+>>> session = onnxruntime.InferenceSession("gpt.onnx")
+>>> logits = session.run(None, {"token_ids": ids, "padding_mask": mask})[0]
+"""
+
+import contextlib
+import os
+
+import keras
+import numpy as np
+
+FORMATS = ("tf_saved_model", "onnx", "litert")
+
+# What each backend's Keras exporter can write here, and why not the rest.
+_BACKEND_FORMATS = {
+    "tensorflow": ("tf_saved_model", "onnx", "litert"),
+    "jax": ("tf_saved_model", "onnx"),
+    "torch": ("onnx",),
+}
+_WHY_NOT = {
+    ("jax", "litert"): "Keras 3.15 converts to LiteRT from the TensorFlow and torch backends "
+                       "only",
+    ("torch", "tf_saved_model"): "Keras writes a SavedModel from torch through torch_xla's "
+                                 "StableHLO bridge, which has no build for torch 2.13",
+    ("torch", "litert"): "Keras converts torch models to LiteRT with litert-torch, whose "
+                         "dependency xdsl pins typing-extensions<4.13, which the JAX "
+                         "exporter's dependencies (chex >= 4.15) exclude",
+}
+_SUFFIX = {"onnx": ".onnx", "litert": ".tflite"}
+# The axes a (backend, format) can leave dynamic (None: every axis; the rest need a size,
+# "batch" defaulting to 1). LiteRT's builtin ops take no dynamic strided slices; jax2onnx
+# traces `arange` over a symbolic length as a sentinel; torch's dynamo ONNX exporter
+# specialises every size, and its TorchScript exporter (Keras' dynamic-shape path) cannot
+# export the shape arithmetic of Keras' torch ops.
+_DYNAMIC_AXES = {
+    ("tensorflow", "litert"): (),
+    ("jax", "onnx"): ("batch",),
+    ("torch", "onnx"): (),
+}
+
+# The axes of each model input, by the input names of DESIGN.md (keras-hub's): one symbol an
+# axis, shared by the inputs that must agree on it. "nodes + 1" is Graphormer's graph token.
+AXES = {
+    "token_ids": ("batch", "sequence"),
+    "segment_ids": ("batch", "sequence"),
+    "padding_mask": ("batch", "sequence"),
+    "encoder_token_ids": ("batch", "encoder_sequence"),
+    "encoder_padding_mask": ("batch", "encoder_sequence"),
+    "decoder_token_ids": ("batch", "decoder_sequence"),
+    "decoder_padding_mask": ("batch", "decoder_sequence"),
+    "images": ("batch", "height", "width", "channels"),
+    "input_nodes": ("batch", "nodes", "atom_features"),
+    "attn_bias": ("batch", "nodes + 1", "nodes + 1"),
+    "attn_edge_type": ("batch", "nodes", "nodes", "bond_features"),
+    "spatial_pos": ("batch", "nodes", "nodes"),
+    "in_degree": ("batch", "nodes"),
+    "out_degree": ("batch", "nodes"),
+    "input_edges": ("batch", "nodes", "nodes", "hops", "bond_features"),
+}
+_DERIVED = {"nodes + 1": ("nodes", 1)}
+
+
+def export_formats(backend=None):
+    """The export formats kzoo writes on `backend` (default: the current one).
+
+    Example:
+    >>> kzoo.export.export_formats("jax")
+    ('tf_saved_model', 'onnx')
+    """
+    backend = backend or keras.backend.backend()
+    return _BACKEND_FORMATS.get(backend, ())
+
+
+def check_format(format, backend=None):  # noqa: A002 - Keras' own argument name
+    """`format` if the current backend can write it, else a ValueError naming the format,
+    the backend, why not and the formats it can write."""
+    backend = backend or keras.backend.backend()
+    allowed = export_formats(backend)
+    if format in allowed:
+        return format
+    if format not in FORMATS:
+        raise ValueError(
+            f"Unknown export format={format!r}; kzoo exports to {list(FORMATS)} (on the "
+            f"{backend} backend: {list(allowed)})."
+        )
+    why = _WHY_NOT.get((backend, format), "not supported")
+    raise ValueError(
+        f"format={format!r} cannot be written on the {backend} backend ({why}); the "
+        f"{backend} backend exports to {list(allowed)}. Switch KERAS_BACKEND (the weights "
+        "load on every backend) to export to another format."
+    )
+
+
+# === Input signature ===
+
+
+def _inputs_struct(model):
+    struct = getattr(model, "_inputs_struct", None)
+    if struct is None:
+        raise ValueError(
+            f"Model {model.name!r} has no functional inputs to export; kzoo exports its "
+            "functional models (backbones and task models)."
+        )
+    return struct
+
+
+def _config_of(model):
+    config = getattr(model, "config", None)
+    if config is None and getattr(model, "backbone", None) is not None:
+        config = getattr(model.backbone, "config", None)
+    return config
+
+
+def _fixed_sizes(model):
+    """Axis sizes a model fixes itself: the image size and channels of a ViT (its position
+    table is sized when traced), the feature columns of kzoo.graphs' featurisation."""
+    sizes = {}
+    config = _config_of(model)
+    image = getattr(config, "image_size", None)
+    if image is not None:
+        height, width = (image, image) if isinstance(image, int) else tuple(image)
+        sizes.update(height=int(height), width=int(width))
+    channels = getattr(config, "num_channels", None)
+    if channels is not None:
+        sizes["channels"] = int(channels)
+    if getattr(config, "num_atoms", None) is not None:
+        from kzoo import graphs
+
+        sizes.update(atom_features=len(graphs.ATOM_FEATURE_VOCABULARIES),
+                     bond_features=len(graphs.BOND_FEATURE_VOCABULARIES))
+    return sizes
+
+
+def input_axes(model):
+    """`{input name: (axis name or a fixed int, ...)}` of `model`'s inputs.
+
+    Example:
+    >>> kzoo.export.input_axes(gpt)
+    {'token_ids': ('batch', 'sequence'), 'padding_mask': ('batch', 'sequence')}
+    """
+    struct = _inputs_struct(model)
+    items = struct.items() if isinstance(struct, dict) else [(struct.name, struct)]
+    axes = {}
+    for key, tensor in items:
+        names = AXES.get(key)
+        if names is None and len(tensor.shape) == 4:  # one image input, whatever its name
+            names = AXES["images"]
+        if names is None or len(names) != len(tensor.shape):
+            raise ValueError(
+                f"Input {key!r} of shape {tuple(tensor.shape)} of model {model.name!r} has "
+                f"no known axes; kzoo exports the inputs {sorted(AXES)} (pass "
+                "`input_signature` for others)."
+            )
+        axes[key] = tuple(
+            size if size is not None else name for name, size in zip(names, tensor.shape))
+    return axes
+
+
+def _check_shapes(shapes, known):
+    shapes = dict(shapes or {})
+    for name, size in shapes.items():
+        if name not in known:
+            raise ValueError(
+                f"`shapes` names axis {name!r}, which this model's inputs do not have; its "
+                f"axes are {sorted(known)}."
+            )
+        if size is not None and (isinstance(size, bool) or not isinstance(
+                size, (int, np.integer)) or size < 1):
+            raise ValueError(
+                f"`shapes[{name!r}]` must be a positive int or None (dynamic); got "
+                f"{size!r}."
+            )
+    return {name: (None if size is None else int(size)) for name, size in shapes.items()}
+
+
+def resolve_axes(model, shapes=None, dynamic=None):
+    """`{input name: (int or axis name, ...)}`: `input_axes` with the sizes of `shapes`
+    (axis name -> int, or None for dynamic) and the model's own fixed sizes filled in.
+    `dynamic`: the axes that may stay without a size (None: all); every other axis must
+    get one ("batch" defaults to 1), a missing one raises ValueError naming it."""
+    axes = input_axes(model)
+    known = {name for names in axes.values() for name in names if isinstance(name, str)}
+    known |= {_DERIVED[name][0] for name in known if name in _DERIVED}
+    known -= set(_DERIVED)
+    sizes = {**_fixed_sizes(model), **_check_shapes(shapes, known)}
+    if dynamic is not None and "batch" not in dynamic and sizes.get("batch") is None:
+        sizes["batch"] = 1
+
+    def size_of(name):
+        if not isinstance(name, str):
+            return name
+        if name in _DERIVED:
+            base, offset = _DERIVED[name]
+            return None if sizes.get(base) is None else sizes[base] + offset
+        return sizes.get(name)
+
+    resolved = {key: tuple(size_of(n) if size_of(n) is not None else n for n in names)
+                for key, names in axes.items()}
+    if dynamic is not None:
+        missing = sorted({_DERIVED.get(n, (n,))[0] for names in resolved.values()
+                          for n in names if isinstance(n, str)} - set(dynamic))
+        if missing:
+            raise ValueError(
+                f"This export ({keras.backend.backend()} backend) needs a fixed size for "
+                f"the axes {missing}: pass shapes={{{', '.join(repr(m) + ': ...' for m in missing)}}} "
+                f"(axes it can leave dynamic: {list(dynamic)}), or an `input_signature`."
+            )
+    return resolved
+
+
+def input_signature(model, shapes=None, dynamic=None):
+    """The Keras input signature of `model` for export: `[{name: keras.InputSpec}]` (one
+    positional argument, as Keras' exporters expect of a functional model), or `[spec]`
+    for a model with one tensor input. Axes without a size are dynamic (None)."""
+    struct = _inputs_struct(model)
+    resolved = resolve_axes(model, shapes, dynamic=dynamic)
+
+    def spec(key, tensor):
+        shape = tuple(s if isinstance(s, int) else None for s in resolved[key])
+        return keras.InputSpec(shape=shape, dtype=tensor.dtype, name=key)
+
+    if isinstance(struct, dict):
+        return [{key: spec(key, tensor) for key, tensor in struct.items()}]
+    return [spec(struct.name, struct)]
+
+
+def _polymorphic_shapes(model, shapes):
+    """jax2tf / jax2onnx shape strings, `{input: "(batch, sequence)"}` (shared symbols)."""
+    resolved = resolve_axes(model, shapes)
+    return {key: "(" + ", ".join(str(s) for s in names) + ")"
+            for key, names in resolved.items()}
+
+
+def _max_sequence_constraints(model, shapes):
+    """`"sequence <= max_sequence_length"` for the dynamic sequence axes of a model with a
+    learned position table (JAX's shape polymorphism must know the slice fits)."""
+    config = _config_of(model)
+    limit = getattr(config, "max_sequence_length", None)
+    resolved = resolve_axes(model, shapes)
+    names = {n for axes in resolved.values() for n in axes if isinstance(n, str)}
+    if limit is None:
+        return []
+    return [f"{name} <= {int(limit)}" for name in sorted(names) if name.endswith("sequence")]
+
+
+# === Export ===
+
+
+@contextlib.contextmanager
+def exportable():
+    """Run the model as an exportable graph: the reference attention kernel, no host-side
+    id checks (they need concrete values; the exported graph clips ids like the
+    embedding layers do)."""
+    from kzoo import inputs as input_checks
+    from kzoo.layers import kernels
+
+    previous = kernels._OVERRIDE["kernel"]
+    kernels.set_attention_kernel("reference")
+    try:
+        with input_checks.suspend_checks(), _no_default_save_signature():
+            yield
+    finally:
+        kernels.set_attention_kernel(previous)
+
+
+@contextlib.contextmanager
+def _no_default_save_signature():
+    """On TensorFlow, TensorFlow's SavedModel writer traces every functional model it
+    finds with a default signature from the model's own `keras.Input`s (Keras'
+    `TFLayer._default_save_signature`), besides the export's own endpoint; a ViT, whose
+    inputs have no fixed height and width, cannot be traced so. The exported endpoint is
+    the export's signature alone, so that default is switched off while exporting."""
+    if keras.backend.backend() != "tensorflow":
+        yield
+        return
+    from keras.src.backend.tensorflow.layer import TFLayer  # no public equivalent
+
+    saved = TFLayer.__dict__["_default_save_signature"]
+    TFLayer._default_save_signature = property(lambda self: None)
+    try:
+        yield
+    finally:
+        TFLayer._default_save_signature = saved
+
+
+def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A002
+           input_signature=None, verbose=False, **kwargs):
+    """Export `model` for inference (see the module docstring for formats and backends).
+
+    Args:
+        model: a kzoo model (backbone or task model).
+        filepath: where to write: a directory for "tf_saved_model", a file ending in
+            ".onnx" / ".tflite" for "onnx" / "litert".
+        format: "tf_saved_model", "onnx" or "litert" (`export_formats()` lists what the
+            current backend writes).
+        shapes: optional `{axis name: size}` fixing axes (`input_axes(model)` names them:
+            "batch", "sequence", "encoder_sequence", "nodes", ...); None keeps an axis
+            dynamic. LiteRT and torch's ONNX need every axis fixed ("batch" defaults to 1).
+        input_signature: a Keras input signature replacing the one kzoo builds.
+        verbose: print Keras' export messages.
+        **kwargs: passed on to Keras' exporter (e.g. `opset_version` for ONNX).
+
+    Returns:
+        `filepath`.
+
+    Example:
+    >>> model.export("gpt_saved_model")                                  # SavedModel
+    >>> model.export("gpt.tflite", format="litert", shapes={"sequence": 64})
+    """
+    backend = keras.backend.backend()
+    check_format(format, backend)
+    filepath = os.fspath(filepath)
+    suffix = _SUFFIX.get(format)
+    if suffix and not filepath.endswith(suffix):
+        raise ValueError(
+            f"format={format!r} writes a file ending in {suffix!r}; got filepath={filepath!r}."
+        )
+    if not isinstance(verbose, bool):
+        raise TypeError(f"`verbose` must be True or False; got verbose={verbose!r}.")
+    if not model.built:
+        raise ValueError(f"Model {model.name!r} is not built; call it on inputs first.")
+    dynamic = _DYNAMIC_AXES.get((backend, format))
+    if input_signature is None:
+        signature = globals()["input_signature"](model, shapes, dynamic=dynamic)
+    else:
+        if shapes is not None:
+            raise ValueError("Give `shapes` or `input_signature`, not both.")
+        signature = input_signature
+    with exportable():
+        if format == "onnx" and backend == "jax":
+            _onnx_jax(model, filepath, signature, shapes, **kwargs)
+        elif format == "onnx" and backend == "torch":
+            with _torch_take_without_squeeze():
+                keras.Model.export(model, filepath, format=format, verbose=verbose,
+                                   input_signature=signature, **kwargs)
+        elif format == "onnx" and backend == "tensorflow":
+            _register_tf2onnx_ops()
+            keras.Model.export(model, filepath, format=format, verbose=verbose,
+                               input_signature=signature, **kwargs)
+        elif format == "tf_saved_model" and backend == "jax":
+            jax2tf_kwargs = dict(kwargs.pop("jax2tf_kwargs", None) or {})
+            # An inference graph: no gradient functions (those of the dropout layers'
+            # seed updates cannot be saved).
+            jax2tf_kwargs.setdefault("with_gradient", False)
+            if input_signature is None:
+                poly = _polymorphic_shapes(model, shapes)
+                struct = signature[0]
+                jax2tf_kwargs.setdefault("polymorphic_shapes", [
+                    {k: poly[k] for k in struct} if isinstance(struct, dict)
+                    else poly[struct.name]])
+                jax2tf_kwargs.setdefault("polymorphic_constraints",
+                                         _max_sequence_constraints(model, shapes))
+            keras.Model.export(model, filepath, format=format, verbose=verbose,
+                               input_signature=signature, jax2tf_kwargs=jax2tf_kwargs,
+                               **kwargs)
+        elif format == "litert":
+            import tensorflow as tf
+
+            # Builtin ops only: the LiteRT runtime (ai-edge-litert) has no TF "flex" ops.
+            kwargs.setdefault("target_spec", {
+                "supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]})
+            keras.Model.export(model, filepath, format=format, verbose=verbose,
+                               input_signature=signature, **kwargs)
+        else:
+            keras.Model.export(model, filepath, format=format, verbose=verbose,
+                               input_signature=signature, **kwargs)
+    return filepath
+
+
+def _onnx_jax(model, filepath, signature, shapes, opset_version=None):
+    """ONNX from JAX with jax2onnx, the axes named as in `input_axes` (Keras' own JAX path
+    gives every dynamic axis of every input its own symbol, so a mask and its ids would not
+    be known to agree)."""
+    import jax
+    import jax2onnx
+
+    from keras import tree
+
+    flat = tree.flatten(signature)
+    names = [spec.name for spec in flat]
+    resolved = resolve_axes(model, shapes)
+    structs = []
+    for spec in flat:
+        axes = resolved.get(spec.name, ())
+        dims = []
+        for i, size in enumerate(spec.shape):
+            if size is None:
+                named = i < len(axes) and isinstance(axes[i], str)
+                size = axes[i].replace(" ", "") if named else f"{spec.name}_{i}"
+            dims.append(size)
+        structs.append(jax.ShapeDtypeStruct(tuple(dims), np.dtype(spec.dtype)))
+
+    def predict(*flat_args):
+        args = tree.pack_sequence_as(signature, flat_args)
+        return model(args[0], training=False)
+
+    options = {"input_names": names, "return_mode": "file", "output_path": filepath}
+    if opset_version is not None:
+        options["opset"] = opset_version
+    with _arange_with_stop():
+        jax2onnx.to_onnx(predict, inputs=structs, **options)
+
+
+@contextlib.contextmanager
+def _arange_with_stop():
+    """Keras' JAX `arange(n)` calls `jnp.arange(n, None, step=None)`, which jax2onnx's
+    traced `arange` cannot read (it takes the None as the stop); give it
+    `(0, n, 1)`, the same numbers."""
+    from keras.src.backend.jax import numpy as jax_numpy  # no public equivalent
+
+    original = jax_numpy.arange
+
+    def arange(start, stop=None, step=None, dtype=None):
+        if stop is None:
+            start, stop = 0, start
+        return original(start, stop, 1 if step is None else step, dtype=dtype)
+
+    jax_numpy.arange = arange
+    try:
+        yield
+    finally:
+        jax_numpy.arange = original
+
+
+_TF2ONNX_REGISTERED = []
+
+
+def _register_tf2onnx_ops():
+    """Teach tf2onnx TensorFlow's `Erfc` (exact GELU, `tf.nn.gelu`, is written with it):
+    erfc(x) = 1 - erf(x)."""
+    if _TF2ONNX_REGISTERED:
+        return
+    from tf2onnx import utils
+    from tf2onnx.handler import tf_op
+
+    @tf_op("Erfc")
+    class _Erfc:  # noqa: F841 - registered by the decorator
+        @classmethod
+        def version_9(cls, ctx, node, **kwargs):
+            dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.input[0]))
+            erf = ctx.make_node("Erf", [node.input[0]])
+            one = ctx.make_const(utils.make_name("one"), np.array(1, dtype=dtype))
+            node.type = "Sub"
+            ctx.replace_inputs(node, [one.output[0], erf.output[0]])
+
+    _TF2ONNX_REGISTERED.append(_Erfc)
+
+
+@contextlib.contextmanager
+def _torch_take_without_squeeze():
+    """Keras' torch `take` along an axis is `index_select(...).squeeze(axis).reshape(...)`;
+    torch's ONNX exporter writes the no-op squeeze of a longer axis as an ONNX `Squeeze`,
+    which onnxruntime refuses (T5's relative position buckets). The same numbers without
+    the squeeze (the reshape that follows gives the shape)."""
+    import torch
+    from keras.src.backend.torch import numpy as torch_numpy  # no public equivalent
+
+    original = torch_numpy.take
+
+    def take(x, indices, axis=None):
+        x = torch_numpy.convert_to_tensor(x)
+        indices = torch_numpy.convert_to_tensor(indices)
+        if axis is None or (x.ndim == 2 and axis == 0):
+            return original(x, indices, axis=axis)
+        indices = indices.long()
+        axis = axis % x.ndim
+        indices = torch.where(indices < 0, indices + x.shape[axis], indices)
+        shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+        return torch.index_select(x, axis, indices.reshape(-1)).reshape(shape)
+
+    torch_numpy.take = take
+    try:
+        yield
+    finally:
+        torch_numpy.take = original

@@ -1,0 +1,196 @@
+"""model.export: each format the backend writes, run in its own runtime (TensorFlow's
+`tf.saved_model.load`, onnxruntime, the LiteRT interpreter of ai-edge-litert) against the
+Keras outputs of the same model; dynamic batch and sequence where the format keeps them;
+the clear errors of a format the backend cannot write and of bad arguments.
+
+GPT and ViT run by default; BERT, T5 and Graphormer are `slow` (each export traces and
+converts the whole graph: 2-13 s on this machine)."""
+
+import numpy as np
+import pytest
+
+import keras
+
+from kzoo import export as exporting
+from tests.helpers import backend, to_numpy
+from tests.test_quantize import build_model, model_inputs
+
+FAMILIES = ("gpt", "bert", "t5", "vit", "graphormer")
+DEFAULT = ("gpt", "vit")
+FORMATS = exporting.export_formats()
+SUFFIX = {"tf_saved_model": "", "onnx": ".onnx", "litert": ".tflite"}
+
+# Sizes of the test inputs (model_inputs), for the formats that need fixed sizes.
+SIZES = {
+    "gpt": {"batch": 2, "sequence": 8},
+    "bert": {"batch": 2, "sequence": 8},
+    "t5": {"batch": 2, "encoder_sequence": 7, "decoder_sequence": 5},
+    "vit": {"batch": 2},
+    "graphormer": {"batch": 2, "nodes": 6, "hops": 3},
+}
+
+
+def family_params():
+    return [f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+
+
+def feed(model, x):
+    """The inputs as the exported signature types them (ids int32, floats float32), keyed
+    by input name."""
+    if not isinstance(x, dict):
+        x = {"images": x}
+    dtypes = {name: spec.dtype for name, spec in _flat_specs(model).items()}
+    return {k: np.asarray(v).astype(dtypes[k]) for k, v in x.items()}
+
+
+def _flat_specs(model):
+    signature = exporting.input_signature(model)[0]
+    return signature if isinstance(signature, dict) else {signature.name: signature}
+
+
+def run_exported(format, path, inputs):  # noqa: A002
+    """The output of the exported file, run by the format's own runtime."""
+    if format == "tf_saved_model":
+        import tensorflow as tf
+
+        loaded = tf.saved_model.load(path)  # kept: `serve` refers to its variables
+        args = inputs if len(inputs) > 1 or "images" not in inputs else inputs["images"]
+        return np.asarray(loaded.serve(args))
+    if format == "onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        assert sorted(i.name for i in session.get_inputs()) == sorted(inputs)
+        return session.run(None, inputs)[0]
+    if format == "litert":
+        from ai_edge_litert.interpreter import Interpreter
+
+        interpreter = Interpreter(model_path=path)
+        runner = interpreter.get_signature_runner("serving_default")
+        assert sorted(interpreter.get_signature_list()["serving_default"]["inputs"]) == \
+            sorted(inputs)
+        (output,) = runner(**inputs).values()
+        return output
+    raise AssertionError(format)
+
+
+def fixed_sizes(family, format):  # noqa: A002
+    dynamic = exporting._DYNAMIC_AXES.get((backend(), format))
+    if dynamic is None:
+        return None
+    return {k: v for k, v in SIZES[family].items() if k not in dynamic}
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("family", family_params())
+def test_export_runs_in_its_runtime(family, format, tmp_path):
+    model = build_model(family)
+    x = model_inputs(family)
+    expected = to_numpy(model(x))
+    path = str(tmp_path / f"{family}{SUFFIX[format]}")
+    assert model.export(path, format=format, shapes=fixed_sizes(family, format)) == path
+    actual = run_exported(format, path, feed(model, x))
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def _gpt_inputs(batch, length, seed):
+    r = np.random.default_rng(seed)
+    mask = np.ones((batch, length), "int32")
+    mask[0, length - 2:] = 0
+    return {"token_ids": r.integers(1, 40, (batch, length)).astype("int32"),
+            "padding_mask": mask}
+
+
+@pytest.mark.parametrize("format", [f for f in FORMATS
+                                    if (backend(), f) not in exporting._DYNAMIC_AXES])
+def test_dynamic_batch_and_sequence(format, tmp_path):
+    """A file exported without sizes serves other batch sizes and lengths than it was
+    traced with, with the outputs of Keras on those inputs."""
+    model = build_model("gpt")
+    path = str(tmp_path / f"gpt{SUFFIX[format]}")
+    model.export(path, format=format)
+    for batch, length in ((1, 3), (3, 11)):
+        x = _gpt_inputs(batch, length, seed=length)
+        np.testing.assert_allclose(run_exported(format, path, x), to_numpy(model(x)),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_onnx_batch_sizes(tmp_path):
+    """ONNX on JAX keeps the batch dynamic with a fixed sequence length; torch fixes both
+    (its file serves the batch it was exported for); TensorFlow keeps both dynamic."""
+    model = build_model("gpt")
+    path = str(tmp_path / "gpt.onnx")
+    shapes = {"tensorflow": None, "jax": {"sequence": 8},
+              "torch": {"batch": 3, "sequence": 8}}[backend()]
+    model.export(path, format="onnx", shapes=shapes)
+    for batch in ((3,) if backend() == "torch" else (1, 3)):
+        x = _gpt_inputs(batch, 8, seed=batch)
+        np.testing.assert_allclose(run_exported("onnx", path, x), to_numpy(model(x)),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_export_input_axes_are_shared():
+    """Ids and their padding mask share the sequence axis; T5's two sides have their own;
+    Graphormer's attention bias is one node longer; a ViT's image size is the config's."""
+    assert exporting.input_axes(build_model("gpt")) == {
+        "token_ids": ("batch", "sequence"), "padding_mask": ("batch", "sequence")}
+    t5 = exporting.input_axes(build_model("t5"))
+    assert t5["encoder_padding_mask"] == ("batch", "encoder_sequence")
+    assert t5["decoder_token_ids"] == ("batch", "decoder_sequence")
+    graph = exporting.resolve_axes(build_model("graphormer"), {"nodes": 6})
+    assert graph["attn_bias"] == ("batch", 7, 7)
+    assert graph["input_edges"] == ("batch", 6, 6, "hops", 3)
+    (spec,) = exporting.input_signature(build_model("vit"))
+    assert spec.shape == (None, 16, 16, 3)
+
+
+def test_unsupported_format_names_backend_and_allowed(tmp_path):
+    model = build_model("gpt")
+    refused = [f for f in exporting.FORMATS if f not in FORMATS]
+    for format in refused + ["openvino", "torchscript"]:
+        with pytest.raises(ValueError) as info:
+            model.export(str(tmp_path / f"m{SUFFIX.get(format, '')}"), format=format)
+        message = str(info.value)
+        assert repr(format) in message and backend() in message
+        assert str(list(FORMATS)) in message
+    expected = {"tensorflow": ("tf_saved_model", "onnx", "litert"),
+                "jax": ("tf_saved_model", "onnx"), "torch": ("onnx",)}[backend()]
+    assert FORMATS == expected
+
+
+def test_bad_arguments(tmp_path):
+    model = build_model("gpt")
+    with pytest.raises(ValueError, match=r"ending in '\.onnx'.*filepath='.*model\.bin'"):
+        model.export(str(tmp_path / "model.bin"), format="onnx")
+    with pytest.raises(ValueError, match=r"axis 'sequense'.*\['batch', 'sequence'\]"):
+        model.export(str(tmp_path / "m.onnx"), format="onnx", shapes={"sequense": 8})
+    with pytest.raises(ValueError, match=r"shapes\['sequence'\]` must be a positive int"):
+        model.export(str(tmp_path / "m.onnx"), format="onnx", shapes={"sequence": 0})
+    with pytest.raises(ValueError, match="`shapes` or `input_signature`, not both"):
+        model.export(str(tmp_path / "m.onnx"), format="onnx", shapes={"sequence": 8},
+                     input_signature=exporting.input_signature(model))
+    fixed = [f for f in FORMATS if (backend(), f) in exporting._DYNAMIC_AXES]
+    for format in fixed:
+        with pytest.raises(ValueError, match=r"needs a fixed size for the axes \['sequence'\]"):
+            model.export(str(tmp_path / f"m{SUFFIX[format]}"), format=format)
+
+
+def test_export_restores_kernel_and_checks(tmp_path):
+    """While exporting, attention runs the reference kernel and id checks are off; both
+    are restored after (also after a failed export)."""
+    from kzoo.layers import kernels
+    from kzoo.inputs import checks_suspended
+
+    model = build_model("gpt")
+    before = kernels.get_attention_kernel_override()
+    with exporting.exportable():
+        assert kernels.get_attention_kernel_override() == "reference"
+        assert checks_suspended()
+    assert kernels.get_attention_kernel_override() == before and not checks_suspended()
+    with pytest.raises(ValueError):
+        model.export(str(tmp_path / "m.onnx"), format="onnx", shapes={"bogus": 1})
+    assert kernels.get_attention_kernel_override() == before
+    bad = dict(model_inputs("gpt"), token_ids=np.full((2, 8), 99, "int32"))
+    with pytest.raises(ValueError, match="token_ids"):
+        model(bad)
