@@ -4,9 +4,9 @@
   with the package).
 - `info(name)`: the preset's JSON (family, task, config, paper, parameter count).
 - `load(name_or_path, *, task=None, weights=None, dtype=None, **overrides)`: a Keras model
-  from a preset name, a directory written by `save`, a Hugging Face checkpoint directory, or a
-  `.keras` file.
-- `save(model, directory, format="kzoo"|"hf")`: a directory `load` reads back.
+  from a preset name, a directory written by `save`, a Hugging Face checkpoint directory, a
+  keras-hub preset directory (BERT, GPT-2, ViT: `kzoo.convert.keras_hub`), or a `.keras` file.
+- `save(model, directory, format="kzoo"|"hf"|"keras_hub")`: a directory `load` reads back.
 - `build(family, config, task=None, task_config=None, dtype=None)`: a model from a config.
 
 Which family a preset, a saved directory or a Hugging Face `model_type` belongs to, and how
@@ -87,7 +87,8 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
     Args:
         name_or_path: a name from `list()`, a directory written by `save`, a Hugging Face
             checkpoint directory (`config.json` with `model_type` and safetensors/bin weights),
-            or a `.keras` file (`model.save("m.keras")`; loaded as saved, so `task`,
+            a keras-hub preset directory (written by keras-hub's `save_to_preset`: BERT,
+            GPT-2, ViT), or a `.keras` file (`model.save("m.keras")`; loaded as saved, so `task`,
             `weights`, `dtype` and overrides do not apply; only Keras and kzoo classes, safe
             mode always on).
         task: task model to build ("backbone" for the backbone alone); defaults to the

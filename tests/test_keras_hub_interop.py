@@ -186,6 +186,11 @@ def test_vit_without_biases_or_class_token(tmp_path):
     assert again.backbone.use_mlp_bias is True  # kzoo writes its (zero) MLP biases
     _check(again, hub_model, images)
 
+    # The backbone saved over the task preset: the task's files go, it loads as a backbone.
+    kzoo.presets.save(model.backbone, out, format="keras_hub")
+    assert not os.path.exists(os.path.join(out, "task.json"))
+    assert isinstance(kzoo.presets.load(out), kzoo.models.vit.ViTBackbone)
+
     bias = model.backbone.encoder_layers[0].self_attention.output_dense.bias
     bias.assign(np.ones(tuple(bias.shape), "float32"))
     with pytest.raises(ValueError, match="use_mha_bias=False"):

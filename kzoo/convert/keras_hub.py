@@ -238,7 +238,7 @@ def save(model, directory):
     adds `task.json` (and `task.weights.h5` when its head has weights). Fields keras-hub
     cannot express (e.g. an efficient attention type, RMSNorm, an activation other than
     keras-hub's) raise `ValueError` naming them. Files are written to temporary names and
-    renamed.
+    renamed; a task file of an earlier save that this model does not write is removed.
 
     Example:
     >>> save(kzoo.presets.load("gpt_mini"), "/tmp/gpt_mini_hub")
@@ -279,6 +279,11 @@ def save(model, directory):
         checkpoints.write_json(os.path.join(directory, TASK_FILE), task_json)
         if head_weights:
             _write_h5(os.path.join(directory, TASK_WEIGHTS_FILE), head_weights)
+    written = {TASK_FILE: task_spec is not None, TASK_WEIGHTS_FILE: bool(head_weights)}
+    for name, was_written in written.items():
+        stale = os.path.join(directory, name)  # from an earlier save of a task model
+        if not was_written and os.path.isfile(stale):
+            os.remove(stale)
     _write_h5(os.path.join(directory, WEIGHTS_FILE), backbone_weights)
     checkpoints.write_json(os.path.join(directory, CONFIG_FILE), backbone_json)
     checkpoints.write_json(os.path.join(directory, METADATA_FILE), {
