@@ -60,7 +60,8 @@ def _graphormer_extension_built():
 # Files whose few tests do much work (training subprocesses, hypothesis searches): by test
 # count they would come last, and one of them left a worker running alone at the end.
 HEAVY_FILES = ("test_crash_safety.py", "test_properties.py", "test_training.py",
-               "test_distribution.py", "test_presets.py", "test_demo.py", "test_inputs.py")
+               "test_distribution.py", "test_presets.py", "test_demo.py", "test_inputs.py",
+               "test_multihost.py", "test_distribution_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
