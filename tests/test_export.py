@@ -194,3 +194,86 @@ def test_export_restores_kernel_and_checks(tmp_path):
     bad = dict(model_inputs("gpt"), token_ids=np.full((2, 8), 99, "int32"))
     with pytest.raises(ValueError, match="token_ids"):
         model(bad)
+
+
+# === Hugging Face export: sharded safetensors ===
+
+
+def test_parse_size_reads_transformers_units():
+    from kzoo.checkpoints import parse_size
+
+    assert parse_size(1234) == 1234
+    assert parse_size("200MB") == 200 * 10**6
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5kb") == 1500
+    for bad in ("5 parsecs", "GB", "-1MB", 0):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    with pytest.raises(TypeError, match="max_shard_size=1.5"):
+        parse_size(1.5)
+
+
+def hf_gpt():
+    """A tiny GPT-2 (the GPT that transformers' GPT2LMHeadModel reads), seeded."""
+    from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+
+    keras.utils.set_random_seed(0)
+    return GPTCausalLM(GPTBackbone(vocabulary_size=40, num_layers=1, num_heads=2,
+                                   hidden_dim=16, intermediate_dim=24, max_sequence_length=16,
+                                   dropout=0.0))
+
+
+def test_sharded_hf_export_loads_in_transformers_and_kzoo(tmp_path):
+    """Weights over `max_shard_size` go to model-0000i-of-0000N.safetensors + an index that
+    transformers reads (same logits) and kzoo reads back (same outputs); under it, one
+    model.safetensors and no index (stale shards of the earlier save removed)."""
+    import json
+    import os
+
+    import torch
+    import transformers
+
+    import kzoo
+    from tests.harness import assert_matches_transformers
+
+    model = hf_gpt()
+    x = model_inputs("gpt")
+    path = str(tmp_path / "hf")
+    sizes = {v.path: int(np.prod(v.shape)) * 4 for v in model.weights}
+    limit = max(sizes.values()) + 64  # every shard holds >= 1 tensor; several shards
+    kzoo.presets.save(model, path, format="hf", max_shard_size=limit)
+    files = sorted(os.listdir(path))
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) >= 3 and "model.safetensors" not in files
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    for shard in shards:
+        assert os.path.getsize(os.path.join(path, shard)) <= limit + 1024  # + JSON header
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    hf_model.eval()
+    assert_matches_transformers(model, hf_model, x, {"input_ids": x["token_ids"],
+                                                     "attention_mask": x["padding_mask"]})
+    again = kzoo.presets.load(path)
+    np.testing.assert_allclose(to_numpy(again(x)), to_numpy(model(x)), atol=1e-6)
+
+    kzoo.presets.save(model, path, format="hf")  # default 5GB: one file
+    files = sorted(os.listdir(path))
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+    assert not [f for f in files if f.startswith("model-")]
+    np.testing.assert_allclose(to_numpy(kzoo.presets.load(path)(x)), to_numpy(model(x)),
+                               atol=1e-6)
+
+
+def test_save_refuses_bad_shard_arguments(tmp_path):
+    import kzoo
+
+    model = hf_gpt()
+    with pytest.raises(ValueError, match=r"max_shard_size='lots'"):
+        kzoo.presets.save(model, str(tmp_path / "a"), format="hf", max_shard_size="lots")
+    with pytest.raises(ValueError, match=r"applies to format='hf'.*format='kzoo'"):
+        kzoo.presets.save(model, str(tmp_path / "b"), max_shard_size="1GB")

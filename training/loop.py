@@ -311,6 +311,7 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
             "refusing to save the model."
         )
     save_model(model, paths["model"], extra_files)
+    kzoo.presets.write_model_card(model, paths["model"], metrics=final)  # the card with metrics
     if state.history:
         plot_history(state.history, paths["plot"],
                      title=f"{cfg.recipe} ({keras.backend.backend()})")
