@@ -94,6 +94,23 @@ def test_export_runs_in_its_runtime(family, format, tmp_path):
     np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_model_exports(format, tmp_path):  # noqa: A002
+    """An int8-quantized model exports with its quantized arithmetic (the outputs of the
+    quantized Keras model); LiteRT refuses it, saying what to do instead."""
+    model = build_model("gpt")
+    model.quantize("int8")
+    x = model_inputs("gpt")
+    path = str(tmp_path / f"q{SUFFIX[format]}")
+    if format == "litert":
+        with pytest.raises(ValueError, match=r"format='litert' cannot take a quantized"):
+            model.export(path, format=format, shapes=fixed_sizes("gpt", format))
+        return
+    model.export(path, format=format, shapes=fixed_sizes("gpt", format))
+    np.testing.assert_allclose(run_exported(format, path, feed(model, x)), to_numpy(model(x)),
+                               atol=1e-5, rtol=1e-5)
+
+
 def _gpt_inputs(batch, length, seed):
     r = np.random.default_rng(seed)
     mask = np.ones((batch, length), "int32")
