@@ -212,15 +212,105 @@ def _read_weights(load_file, path):
         raise ValueError(f"The weights file {path!r} cannot be read: {e}") from e
 
 
-def write_hf(directory, hf_config, state, tokenizer=None):
-    """Write `config.json`, `model.safetensors` (and `tokenizer.json`) that transformers loads."""
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value, name="max_shard_size"):
+    """Bytes of `value`: an int, or a string such as "200MB", "5GB", "2GiB" (decimal KB /
+    MB / GB, binary KiB / MiB / GiB, as transformers' `max_shard_size` reads them).
+
+    Example:
+    >>> parse_size("200MB"), parse_size("1GiB"), parse_size(1000)
+    (200000000, 1073741824, 1000)
+    """
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        size = int(value)
+    elif isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        unit = next((u for u in sorted(_SIZE_UNITS, key=len, reverse=True)
+                     if text.endswith(u)), None)
+        try:
+            size = int(float(text[: -len(unit)]) * _SIZE_UNITS[unit]) if unit else None
+        except ValueError:
+            size = None
+        if size is None:
+            raise ValueError(
+                f"`{name}` must be a number of bytes or a size such as '200MB', '5GB' or "
+                f"'2GiB' (units {sorted(_SIZE_UNITS)}); got {name}={value!r}."
+            )
+    else:
+        raise TypeError(
+            f"`{name}` must be an int (bytes) or a string such as '5GB'; got "
+            f"{name}={value!r} of type {type(value).__name__}."
+        )
+    if size <= 0:
+        raise ValueError(f"`{name}` must be positive; got {name}={value!r}.")
+    return size
+
+
+def shard_state(state, max_shard_size):
+    """Split `state` (name -> array, in order) into shards of at most `max_shard_size`
+    bytes, filled in order; a tensor larger than the limit gets a shard of its own (as
+    transformers does). Returns a list of dicts."""
+    limit = parse_size(max_shard_size)
+    shards, current, size = [], {}, 0
+    for name, value in state.items():
+        nbytes = int(np.asarray(value).nbytes)
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = value
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_name(index, count):
+    """Transformers' shard file name, e.g. `model-00001-of-00003.safetensors`."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def write_hf(directory, hf_config, state, tokenizer=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE):
+    """Write `config.json` and the weights (and `tokenizer.json`) that transformers loads.
+
+    The weights are one `model.safetensors` when they fit in `max_shard_size` (bytes, or a
+    string such as "200MB" / "5GB", as in transformers' `save_pretrained`), else shards
+    `model-00001-of-0000N.safetensors` and `model.safetensors.index.json` (`metadata.
+    total_size` and the `weight_map` name -> shard). Weight files of an earlier save in
+    the directory that this one does not rewrite are removed, so a reader never mixes them.
+
+    Example:
+    >>> write_hf("out", hf_config, state, max_shard_size="200MB")
+    """
     from safetensors.numpy import save_file  # optional dependency: kzoo[hf]
 
+    shards = shard_state(state, max_shard_size)
     os.makedirs(directory, exist_ok=True)
     state = {k: np.ascontiguousarray(v) for k, v in state.items()}
-    tmp = os.path.join(directory, HF_WEIGHTS + ".tmp")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(directory, HF_WEIGHTS))
+    names = [HF_WEIGHTS] if len(shards) == 1 else [
+        shard_name(i + 1, len(shards)) for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        tmp = os.path.join(directory, name + ".tmp")
+        save_file({k: state[k] for k in shard}, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(directory, name))
+    index_path = os.path.join(directory, HF_WEIGHTS_INDEX)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": int(sum(v.nbytes for v in state.values()))},
+            "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
+        }
+        write_json(index_path, index)
+    stale = [HF_WEIGHTS, HF_WEIGHTS_INDEX] + [
+        f for f in os.listdir(directory) if f.startswith("model-") and
+        f.endswith(".safetensors")]
+    for name in stale:
+        if name not in names and not (name == HF_WEIGHTS_INDEX and len(shards) > 1):
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                os.remove(path)
     write_json(os.path.join(directory, HF_CONFIG), hf_config)
     if tokenizer is not None and hasattr(tokenizer, "save"):
         tokenizer.save(os.path.join(directory, "tokenizer.json"))

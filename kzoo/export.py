@@ -347,6 +347,18 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
         raise TypeError(f"`verbose` must be True or False; got verbose={verbose!r}.")
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; call it on inputs first.")
+    if format == "litert":
+        from kzoo.quantize import quantization_map
+
+        if quantization_map(model):
+            raise ValueError(
+                f"format='litert' cannot take a quantized model ({model.name!r} has "
+                f"{len(quantization_map(model))} quantized layers): Keras' int8/int4 layers "
+                "multiply quantized activations, which LiteRT's builtin fully_connected "
+                "does not take. Export the float model and let the converter quantize it "
+                "(`optimizations=[tf.lite.Optimize.DEFAULT]`), or use 'tf_saved_model' / "
+                "'onnx', which take quantized models."
+            )
     dynamic = _DYNAMIC_AXES.get((backend, format))
     if input_signature is None:
         signature = globals()["input_signature"](model, shapes, dynamic=dynamic)

@@ -271,30 +271,49 @@ def _read_keras_weights(model, path):
         raise ValueError(f"The weights file {path!r} cannot be read: {e}") from e
 
 
-def save(model, directory, format="kzoo", overwrite=True):  # noqa: A002
-    """Write `model` to `directory` so that `load(directory)` rebuilds it.
+def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
+         max_shard_size=None, metrics=None):
+    """Write `model` to `directory` so that `load(directory)` rebuilds it, with a model card.
 
     `format="kzoo"` writes `kzoo_config.json` (family, task, configs, the weights file name,
     metadata) and `model.weights.h5`; `format="hf"` writes a Hugging Face checkpoint
-    (`config.json` + `model.safetensors`) that transformers loads. Files are written to a
-    temporary name first and renamed, so an interrupted save never leaves a half-written
-    checkpoint.
+    (`config.json` + `model.safetensors`) that transformers loads, in shards
+    `model-00001-of-0000N.safetensors` with `model.safetensors.index.json` when the weights
+    are larger than `max_shard_size` (bytes or a string such as "200MB", "5GB"; default
+    "5GB", as transformers). Both write `README.md`, a model card (see `model_card`), with
+    `metrics` (name -> number, e.g. `{"val_accuracy": 0.91}`) when given. Files are written
+    to a temporary name first and renamed, so an interrupted save never leaves a
+    half-written checkpoint.
 
     Example:
-    >>> kzoo.presets.save(model, "runs/my_gpt")
+    >>> kzoo.presets.save(model, "runs/my_gpt", metrics={"val_loss": 2.31})
     >>> same = kzoo.presets.load("runs/my_gpt")
+    >>> kzoo.presets.save(model, "runs/my_gpt_hf", format="hf", max_shard_size="200MB")
     """
     if format not in ("kzoo", "hf", "keras_hub"):
         raise ValueError(
             f"`format` must be 'kzoo', 'hf' or 'keras_hub'; got format={format!r}.")
+    if max_shard_size is not None and format != "hf":
+        raise ValueError(
+            f"`max_shard_size` applies to format='hf' (safetensors shards); got "
+            f"max_shard_size={max_shard_size!r} with format={format!r}."
+        )
+    metrics = _check_metrics(metrics)
+    if max_shard_size is not None:
+        checkpoints.parse_size(max_shard_size)  # checked before anything is written
     if format == "keras_hub":
-        return registry.keras_hub_converter().save(model, directory)
+        registry.keras_hub_converter().save(model, directory)
+        write_model_card(model, directory, format=format, metrics=metrics)
+        return directory
     family = registry.for_model(model)
     os.makedirs(directory, exist_ok=True)
     if format == "hf":
         hf_config, state = family.to_hf(model)
-        return checkpoints.write_hf(directory, hf_config, state,
-                                    tokenizer=getattr(model, "tokenizer", None))
+        checkpoints.write_hf(directory, hf_config, state,
+                             tokenizer=getattr(model, "tokenizer", None),
+                             max_shard_size=max_shard_size or checkpoints.DEFAULT_MAX_SHARD_SIZE)
+        write_model_card(model, directory, format=format, metrics=metrics)
+        return directory
     task, config, task_config = family.describe(model)
     config_path = os.path.join(directory, CONFIG_FILE)
     if os.path.exists(config_path) and not overwrite:
@@ -315,11 +334,126 @@ def save(model, directory, format="kzoo", overwrite=True):  # noqa: A002
     quantized = kzoo.quantize.quantization_map(model)
     if quantized:  # {layer path: quantized policy}; `load` quantizes these layers again
         meta["quantization"] = quantized
+    if metrics:
+        meta["metrics"] = metrics
     weights_tmp = os.path.join(directory, "tmp." + WEIGHTS_FILE)
     model.save_weights(weights_tmp, overwrite=True)
     os.replace(weights_tmp, os.path.join(directory, WEIGHTS_FILE))
     checkpoints.write_json(config_path, meta, default=_json_default)
+    write_model_card(model, directory, format=format, metrics=metrics)
     return directory
+
+
+MODEL_CARD = "README.md"
+
+
+def _check_metrics(metrics):
+    """`metrics` as a plain dict name -> float (or None), or a ValueError naming the bad
+    entry."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(
+            f"`metrics` must be a dict name -> number; got metrics={metrics!r} of type "
+            f"{type(metrics).__name__}."
+        )
+    checked = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`metrics` names must be non-empty strings; got {name!r}.")
+        if value is not None:
+            try:
+                is_number = not isinstance(value, (bool, str)) and float(value) == float(value)
+            except (TypeError, ValueError):
+                is_number = False
+            if not is_number:
+                raise ValueError(
+                    f"`metrics[{name!r}]` must be a number; got {value!r}."
+                )
+            value = float(value)
+        checked[name] = value
+    return checked
+
+
+def model_card(model, format="kzoo", metrics=None):  # noqa: A002
+    """The model card (`README.md` text) of `model` saved in `format`: family, task, the
+    configuration, parameter count, dtype and quantization, the kzoo / Keras versions, how
+    to load it, and `metrics` when given.
+
+    Example:
+    >>> print(kzoo.presets.model_card(model, metrics={"val_loss": 2.31}))
+    """
+    family = registry.for_model(model)
+    task, config, task_config = family.describe(model)
+    metrics = _check_metrics(metrics)
+    quantized = kzoo.quantize.quantization_map(model)
+    modes = sorted({str(policy).split("_from_")[0] for policy in quantized.values()})
+    library = "transformers" if format == "hf" else "keras"
+    lines = [
+        "---",
+        f"library_name: {library}",
+        f"tags: [kzoo, keras, {family.name}, {task}]",
+        "---",
+        "",
+        f"# {model.name}",
+        "",
+        f"A kzoo {family.name} model ({task}), saved by `kzoo.presets.save` in the "
+        f"{_FORMAT_NAMES[format]} format.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| family | {family.name} |",
+        f"| task | {task} |",
+        f"| parameters | {int(model.count_params()):,} |",
+        f"| dtype | {model.dtype_policy.name} |",
+        f"| quantization | {', '.join(f'{m} ({len(quantized)} layers)' for m in modes) if quantized else 'none'} |",
+        f"| kzoo | {kzoo.__version__} |",
+        f"| keras | {keras.__version__} ({keras.backend.backend()} backend) |",
+        "",
+        "## Configuration",
+        "",
+        "| field | value |",
+        "|---|---|",
+    ]
+    lines += [f"| {key} | `{_card_value(value)}` |"
+              for key, value in {**config, **task_config}.items()]
+    if metrics:
+        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {name} | {'n/a' if value is None else f'{value:.6g}'} |"
+                  for name, value in metrics.items()]
+    lines += ["", "## How to load", "", "```python", "import kzoo", "",
+              'model = kzoo.presets.load("path/to/this/directory")', "```"]
+    if format == "hf":
+        lines += ["", "With transformers:", "", "```python",
+                  "from transformers import AutoModel", "",
+                  'model = AutoModel.from_pretrained("path/to/this/directory")', "```"]
+    if format == "keras_hub":
+        lines += ["", "With keras-hub:", "", "```python", "import keras_hub", "",
+                  'model = keras_hub.models.Backbone.from_preset("path/to/this/directory")',
+                  "```"]
+    return "\n".join(lines) + "\n"
+
+
+_FORMAT_NAMES = {"kzoo": "kzoo", "hf": "Hugging Face", "keras_hub": "keras-hub preset"}
+
+
+def _card_value(value):
+    text = repr(value) if not isinstance(value, str) else value
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def write_model_card(model, directory, format="kzoo", metrics=None):  # noqa: A002
+    """Write `model_card(model, format, metrics)` to `directory/README.md`.
+
+    Example:
+    >>> kzoo.presets.write_model_card(model, "runs/my_gpt", metrics={"val_loss": 2.31})
+    """
+    path = os.path.join(os.fspath(directory), MODEL_CARD)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(model_card(model, format=format, metrics=metrics))
+    os.replace(tmp, path)
+    return path
 
 
 def _json_default(obj):
@@ -401,4 +535,5 @@ def _load_hf(path, task=None, dtype=None, overrides=None):
     return model
 
 
-__all__ = ["list", "info", "load", "save", "build", "load_keras_file"]
+__all__ = ["list", "info", "load", "save", "build", "load_keras_file", "model_card",
+           "write_model_card"]

@@ -94,6 +94,23 @@ def test_export_runs_in_its_runtime(family, format, tmp_path):
     np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_model_exports(format, tmp_path):  # noqa: A002
+    """An int8-quantized model exports with its quantized arithmetic (the outputs of the
+    quantized Keras model); LiteRT refuses it, saying what to do instead."""
+    model = build_model("gpt")
+    model.quantize("int8")
+    x = model_inputs("gpt")
+    path = str(tmp_path / f"q{SUFFIX[format]}")
+    if format == "litert":
+        with pytest.raises(ValueError, match=r"format='litert' cannot take a quantized"):
+            model.export(path, format=format, shapes=fixed_sizes("gpt", format))
+        return
+    model.export(path, format=format, shapes=fixed_sizes("gpt", format))
+    np.testing.assert_allclose(run_exported(format, path, feed(model, x)), to_numpy(model(x)),
+                               atol=1e-5, rtol=1e-5)
+
+
 def _gpt_inputs(batch, length, seed):
     r = np.random.default_rng(seed)
     mask = np.ones((batch, length), "int32")
@@ -102,13 +119,21 @@ def _gpt_inputs(batch, length, seed):
             "padding_mask": mask}
 
 
-@pytest.mark.parametrize("format", [f for f in FORMATS
-                                    if (backend(), f) not in exporting._DYNAMIC_AXES])
+DYNAMIC = [f for f in FORMATS if (backend(), f) not in exporting._DYNAMIC_AXES]
+
+
+@pytest.mark.parametrize("format", DYNAMIC or ["onnx"])
 def test_dynamic_batch_and_sequence(format, tmp_path):
     """A file exported without sizes serves other batch sizes and lengths than it was
-    traced with, with the outputs of Keras on those inputs."""
+    traced with, with the outputs of Keras on those inputs (on torch, where no format
+    keeps the sequence dynamic, an export without sizes is refused, naming them)."""
     model = build_model("gpt")
     path = str(tmp_path / f"gpt{SUFFIX[format]}")
+    if format not in DYNAMIC:
+        with pytest.raises(ValueError, match=r"needs a fixed size for the axes "
+                                             r"\['batch', 'sequence'\]|\['sequence'\]"):
+            model.export(path, format=format)
+        return
     model.export(path, format=format)
     for batch, length in ((1, 3), (3, 11)):
         x = _gpt_inputs(batch, length, seed=length)
@@ -194,3 +219,172 @@ def test_export_restores_kernel_and_checks(tmp_path):
     bad = dict(model_inputs("gpt"), token_ids=np.full((2, 8), 99, "int32"))
     with pytest.raises(ValueError, match="token_ids"):
         model(bad)
+
+
+# === Hugging Face export: sharded safetensors ===
+
+
+def test_parse_size_reads_transformers_units():
+    from kzoo.checkpoints import parse_size
+
+    assert parse_size(1234) == 1234
+    assert parse_size("200MB") == 200 * 10**6
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5kb") == 1500
+    for bad in ("5 parsecs", "GB", "-1MB", 0):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    with pytest.raises(TypeError, match="max_shard_size=1.5"):
+        parse_size(1.5)
+
+
+def hf_gpt():
+    """A tiny GPT-2 (the GPT that transformers' GPT2LMHeadModel reads), seeded."""
+    from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+
+    keras.utils.set_random_seed(0)
+    return GPTCausalLM(GPTBackbone(vocabulary_size=40, num_layers=1, num_heads=2,
+                                   hidden_dim=16, intermediate_dim=24, max_sequence_length=16,
+                                   dropout=0.0))
+
+
+def test_sharded_hf_export_loads_in_transformers_and_kzoo(tmp_path):
+    """Weights over `max_shard_size` go to model-0000i-of-0000N.safetensors + an index that
+    transformers reads (same logits) and kzoo reads back (same outputs); under it, one
+    model.safetensors and no index (stale shards of the earlier save removed)."""
+    import json
+    import os
+
+    import torch
+    import transformers
+
+    import kzoo
+    from tests.harness import assert_matches_transformers
+
+    model = hf_gpt()
+    x = model_inputs("gpt")
+    path = str(tmp_path / "hf")
+    sizes = {v.path: int(np.prod(v.shape)) * 4 for v in model.weights}
+    limit = max(sizes.values()) + 64  # every shard holds >= 1 tensor; several shards
+    kzoo.presets.save(model, path, format="hf", max_shard_size=limit)
+    files = sorted(os.listdir(path))
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) >= 3 and "model.safetensors" not in files
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    for shard in shards:
+        assert os.path.getsize(os.path.join(path, shard)) <= limit + 1024  # + JSON header
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    hf_model.eval()
+    assert_matches_transformers(model, hf_model, x, {"input_ids": x["token_ids"],
+                                                     "attention_mask": x["padding_mask"]})
+    again = kzoo.presets.load(path)
+    np.testing.assert_allclose(to_numpy(again(x)), to_numpy(model(x)), atol=1e-6)
+
+    kzoo.presets.save(model, path, format="hf")  # default 5GB: one file
+    files = sorted(os.listdir(path))
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+    assert not [f for f in files if f.startswith("model-")]
+    np.testing.assert_allclose(to_numpy(kzoo.presets.load(path)(x)), to_numpy(model(x)),
+                               atol=1e-6)
+
+
+def test_save_refuses_bad_shard_arguments(tmp_path):
+    import kzoo
+
+    model = hf_gpt()
+    with pytest.raises(ValueError, match=r"max_shard_size='lots'"):
+        kzoo.presets.save(model, str(tmp_path / "a"), format="hf", max_shard_size="lots")
+    with pytest.raises(ValueError, match=r"applies to format='hf'.*format='kzoo'"):
+        kzoo.presets.save(model, str(tmp_path / "b"), max_shard_size="1GB")
+
+
+# === transformers 5.x (its own environment) ===
+
+_HF5_SCRIPT = """
+import json, sys
+import numpy as np, torch, transformers
+assert int(transformers.__version__.split(".")[0]) >= 5, transformers.__version__
+cases = json.load(open(sys.argv[1]))
+result = {"version": transformers.__version__}
+for case in cases:
+    cls = getattr(transformers, case["auto_class"])
+    model = cls.from_pretrained(case["path"], dtype=torch.float32).eval()
+    inputs = {k: torch.tensor(v) for k, v in np.load(case["inputs"]).items()}
+    with torch.no_grad():
+        logits = model(**inputs).logits.numpy()
+    np.save(case["output"], logits)
+json.dump(result, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_hf_exports_load_in_transformers_5(tmp_path):
+    """kzoo's Hugging Face exports of GPT-2, BERT, T5 and ViT load in the current
+    transformers 5.x, installed in a virtual environment of its own (pip's cache holds
+    torch), with the logits of kzoo at 1e-5. (The pinned 4.57 is the test environment's:
+    the other parity tests.)"""
+    import json
+    import subprocess
+    import sys
+
+    import kzoo
+
+    def np_int64(x):
+        return np.asarray(x).astype("int64")
+
+    cases, expected = [], {}
+    for name, model, auto_class in (
+            ("gpt", hf_gpt(), "AutoModelForCausalLM"),
+            ("bert", build_model("bert"), "AutoModelForMaskedLM"),
+            ("t5", build_model("t5"), "AutoModelForSeq2SeqLM"),
+            ("vit", build_model("vit"), "AutoModelForImageClassification")):
+        x = model_inputs(name)
+        expected[name] = to_numpy(model(x))
+        if name in ("gpt",):
+            hf = {"input_ids": np_int64(x["token_ids"]),
+                  "attention_mask": np_int64(x["padding_mask"])}
+        elif name == "bert":
+            hf = {"input_ids": np_int64(x["token_ids"]),
+                  "token_type_ids": np_int64(x["segment_ids"]),
+                  "attention_mask": np_int64(x["padding_mask"])}
+        elif name == "t5":
+            hf = {"input_ids": np_int64(x["encoder_token_ids"]),
+                  "attention_mask": np_int64(x["encoder_padding_mask"]),
+                  "decoder_input_ids": np_int64(x["decoder_token_ids"]),
+                  "decoder_attention_mask": np_int64(x["decoder_padding_mask"])}
+        else:
+            hf = {"pixel_values": np.ascontiguousarray(x.transpose(0, 3, 1, 2))}
+        path = str(tmp_path / name)
+        kzoo.presets.save(model, path, format="hf")
+        np.savez(str(tmp_path / f"{name}_inputs.npz"), **hf)
+        cases.append({"name": name, "path": path, "auto_class": auto_class,
+                      "inputs": str(tmp_path / f"{name}_inputs.npz"),
+                      "output": str(tmp_path / f"{name}_hf5.npy")})
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "transformers>=5", "torch==2.13.0",
+         "safetensors", "numpy"], capture_output=True, text=True, timeout=1500)
+    assert install.returncode == 0, install.stderr[-3000:]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "run.py").write_text(_HF5_SCRIPT)
+    run = subprocess.run([python, str(tmp_path / "run.py"), str(tmp_path / "cases.json"),
+                          str(tmp_path / "result.json")], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    version = json.loads((tmp_path / "result.json").read_text())["version"]
+    for case in cases:
+        theirs = np.load(case["output"])
+        diff = float(np.abs(theirs - expected[case["name"]]).max())
+        print(f"[{backend()}] {case['name']}: transformers {version} vs kzoo max |diff| "
+              f"{diff:.2e}")
+        np.testing.assert_allclose(theirs, expected[case["name"]], atol=1e-5, rtol=1e-5,
+                                   err_msg=case["name"])

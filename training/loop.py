@@ -377,6 +377,7 @@ def _finish(cfg, plan, model, task, state, final, evaluate, report, extra_files,
             "refusing to save the model."
         )
     save_model(model, paths["model"], extra_files)
+    kzoo.presets.write_model_card(model, paths["model"], metrics=final)  # the card with metrics
     if state.history:
         plot_history(state.history, paths["plot"],
                      title=f"{cfg.recipe} ({keras.backend.backend()})")
