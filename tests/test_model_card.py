@@ -14,6 +14,11 @@ from tests.test_export import hf_gpt
 from tests.test_quantize import build_model
 
 
+def hf_inputs():
+    ids = np.arange(12, dtype="int32").reshape(2, 6) % 40
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+
+
 def read_card(directory):
     with open(os.path.join(directory, "README.md"), encoding="utf-8") as f:
         return f.read()
@@ -26,7 +31,7 @@ def table(card, section):
     return {cells[0].strip(): cells[1].strip() for cells in rows[1:]}
 
 
-@pytest.mark.parametrize("format", ["kzoo", "hf"])
+@pytest.mark.parametrize("format", ["kzoo", "hf", "keras_hub"])
 def test_card_in_every_saved_directory(format, tmp_path):  # noqa: A002
     model = hf_gpt()
     path = str(tmp_path / format)
@@ -46,6 +51,12 @@ def test_card_in_every_saved_directory(format, tmp_path):  # noqa: A002
     assert table(card, "Metrics") == {"val_loss": "2.5", "accuracy": "0.75"}
     assert 'kzoo.presets.load("path/to/this/directory")' in card
     assert ("AutoModel.from_pretrained" in card) == (format == "hf")
+    assert ("keras_hub.models.Backbone.from_preset" in card) == (format == "keras_hub")
+    # the card is no obstacle to loading the directory back
+    again = kzoo.presets.load(path)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(again(hf_inputs())),
+        keras.ops.convert_to_numpy(model(hf_inputs())), atol=1e-5, rtol=1e-5)
     if format == "kzoo":  # the metrics are kept with the config too
         meta = kzoo.checkpoints.read_json(os.path.join(path, "kzoo_config.json"))
         assert meta["metrics"] == {"val_loss": 2.5, "accuracy": 0.75}
