@@ -159,6 +159,7 @@ def test_a_flag_of_another_backend_says_which_backend_and_what_to_use_here(
         err = _error(capsys, ["--strategy", "mirrored", *out])
         assert "--strategy mirrored needs KERAS_BACKEND=tensorflow" in err, err
         assert repr(BACKEND) in err, err
+    if BACKEND != "torch":
         err = _error(capsys, out, monkeypatch, WORLD_SIZE="2")
         assert "WORLD_SIZE=2" in err and "needs KERAS_BACKEND=torch" in err, err
     if BACKEND == "torch":
@@ -180,6 +181,11 @@ def test_checks_of_this_backend_in_one_process(capsys, monkeypatch, tmp_path):
     elif BACKEND == "torch":  # torchrun's environment, refused before joining a group
         err = _error(capsys, ["--batch-size", "7", *out], monkeypatch, WORLD_SIZE="2")
         assert "--batch-size 7" in err and "WORLD_SIZE=2" in err and "multiple of 2" in err
+        for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key, raising=False)
+        err = _error(capsys, out, monkeypatch, WORLD_SIZE="2")  # not from torchrun
+        assert "WORLD_SIZE=2" in err and "'RANK', 'MASTER_ADDR', 'MASTER_PORT'" in err, err
+        assert "torchrun --nproc_per_node" in err, err
         monkeypatch.setenv("WORLD_SIZE", "x")
         err = _error(capsys, out)
         assert "WORLD_SIZE must be an integer" in err and "'x'" in err, err

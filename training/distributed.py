@@ -399,7 +399,10 @@ def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
         return Plan("mirrored", replicas, devices=devices, distribution=distribution)
     if world > 1:
         _check_batch(batch_size, world, f"torchrun's WORLD_SIZE={world}")
-        rank, world = kd.init_torch_process_group()
+        try:
+            rank, world = kd.init_torch_process_group()
+        except ValueError as error:  # torchrun's variables missing
+            _fail(f"WORLD_SIZE={world}: {error}")
         import torch
 
         device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
