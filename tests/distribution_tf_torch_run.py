@@ -9,7 +9,9 @@ object: the losses and step times (the first step, which traces/compiles, left o
 family and mode. torch: each process trains on its rows of the batch; its logged loss is
 the running mean over its rows, and the global loss is the mean over the processes.
 
-`KERAS_BACKEND=tensorflow|torch python tests/distribution_tf_torch_run.py [family ...]`
+`KERAS_BACKEND=tensorflow|torch python tests/distribution_tf_torch_run.py [--clipnorm C]
+[family ...]` (no clipping by default; with it, TensorFlow mirrored clips each replica's
+gradients before the all-reduce, Keras 3.15, and departs from one device once it clips).
 """
 
 import os
@@ -28,6 +30,9 @@ STEPS = 6
 WORLD = 2
 
 
+CLIPNORM = None  # --clipnorm C: measure with clipping (TensorFlow mirrored clips per replica)
+
+
 def compile_model(model, name):
     import keras
 
@@ -36,7 +41,7 @@ def compile_model(model, name):
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if name == "graphormer":
         loss = "mse"
-    model.compile(optimizer=keras.optimizers.AdamW(1e-2, clipnorm=1.0), loss=loss)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2, clipnorm=CLIPNORM), loss=loss)
 
 
 def int_masks(x):
@@ -95,7 +100,9 @@ def run_tensorflow(names):
     return out
 
 
-def _torch_worker(rank, names, initial_dir, port, queue):
+def _torch_worker(rank, names, initial_dir, port, queue, clipnorm):
+    global CLIPNORM
+    CLIPNORM = clipnorm
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import keras
@@ -149,7 +156,7 @@ def run_torch(names):
         context = mp.get_context("spawn")
         queue = context.Queue()
         workers = [context.Process(target=_torch_worker,
-                                   args=(r, names, initial_dir, port, queue))
+                                   args=(r, names, initial_dir, port, queue, CLIPNORM))
                    for r in range(WORLD)]
         for w in workers:
             w.start()
@@ -171,7 +178,13 @@ def main():
 
     from tests import distribution_run as run
 
-    names = sys.argv[1:] or list(run.CASES)
+    global CLIPNORM
+    args = sys.argv[1:]
+    if "--clipnorm" in args:
+        i = args.index("--clipnorm")
+        CLIPNORM = float(args[i + 1])
+        del args[i:i + 2]
+    names = args or list(run.CASES)
     backend = keras.backend.backend()
     if backend == "tensorflow":
         result = run_tensorflow(names)
@@ -181,6 +194,7 @@ def main():
         raise SystemExit("KERAS_BACKEND must be tensorflow or torch (JAX: "
                          "tests/distribution_run.py)")
     result["backend"] = backend
+    result["clipnorm"] = CLIPNORM
     print(json.dumps(result))
 
 

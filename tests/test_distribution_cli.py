@@ -125,7 +125,9 @@ def test_bad_mesh_or_batch_exits_before_compiling_naming_flag_value_and_allowed(
             "batch": ["--batch-size 6", "--data-parallel 4", "multiple of 4"],
         },
         "tensorflow": {"batch": ["--batch-size 7", "--strategy mirrored (2 replicas",
-                                 "multiple of 2"]},
+                                 "multiple of 2"],
+                       "clipnorm": ["--strategy mirrored needs --clipnorm 0",
+                                    "clipping norm 1", "before it all-reduces"]},
         "torch": {},
     }[BACKEND]
     assert errors.keys() == expected.keys()

@@ -333,7 +333,7 @@ def _cpu_devices(backend, count):
 
 
 def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
-                   strategy=None, cpu_devices=None, environ=None):
+                   strategy=None, cpu_devices=None, environ=None, clipnorm=None):
     """The `Plan` of a run from its flags and the environment (torchrun's `WORLD_SIZE`).
 
     Raises `DistributedError` (a `ValueError`) naming the flag, its value and what is
@@ -356,6 +356,12 @@ def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
                   "-m training ...`.")
     if strategy is not None and strategy != "mirrored":
         _fail(f"--strategy must be 'mirrored'; got {strategy!r}.")
+    if strategy == "mirrored" and clipnorm:
+        _fail(f"--strategy mirrored needs --clipnorm 0 (got the clipping norm {clipnorm:g}): "
+              f"Keras {keras.__version__}'s TensorFlow optimizer clips each replica's gradients "
+              "before it all-reduces them, so a clipped step would not be the one-device step "
+              "(docs/DISTRIBUTED.md). JAX (--data-parallel) and torch (torchrun) clip the "
+              "averaged gradients.")
     if strategy is not None and backend != "tensorflow":
         _fail(f"--strategy {strategy} needs KERAS_BACKEND=tensorflow (tf.distribute); got "
               f"KERAS_BACKEND={backend!r}. On JAX use --data-parallel N; on torch `torchrun "
