@@ -356,16 +356,16 @@ def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
                   "-m training ...`.")
     if strategy is not None and strategy != "mirrored":
         _fail(f"--strategy must be 'mirrored'; got {strategy!r}.")
+    if strategy is not None and backend != "tensorflow":
+        _fail(f"--strategy {strategy} needs KERAS_BACKEND=tensorflow (tf.distribute); got "
+              f"KERAS_BACKEND={backend!r}. On JAX use --data-parallel N; on torch `torchrun "
+              "--nproc_per_node N -m training ...`.")
     if strategy == "mirrored" and clipnorm:
         _fail(f"--strategy mirrored needs --clipnorm 0 (got the clipping norm {clipnorm:g}): "
               f"Keras {keras.__version__}'s TensorFlow optimizer clips each replica's gradients "
               "before it all-reduces them, so a clipped step would not be the one-device step "
               "(docs/DISTRIBUTED.md). JAX (--data-parallel) and torch (torchrun) clip the "
               "averaged gradients.")
-    if strategy is not None and backend != "tensorflow":
-        _fail(f"--strategy {strategy} needs KERAS_BACKEND=tensorflow (tf.distribute); got "
-              f"KERAS_BACKEND={backend!r}. On JAX use --data-parallel N; on torch `torchrun "
-              "--nproc_per_node N -m training ...`.")
     if world > 1 and backend != "torch":
         _fail(f"WORLD_SIZE={world} (several processes, as torchrun starts them) needs "
               f"KERAS_BACKEND=torch; got KERAS_BACKEND={backend!r}. On JAX use "
