@@ -179,7 +179,7 @@ def plan_from_args(args, cfg):
     return distributed.plan_from_args(
         args.recipe, cfg.batch_size, data_parallel=args.data_parallel,
         model_parallel=args.model_parallel, strategy=args.strategy,
-        cpu_devices=args.cpu_devices)
+        cpu_devices=args.cpu_devices, clipnorm=cfg.clipnorm)
 
 
 def build_parser():

@@ -333,7 +333,7 @@ def _cpu_devices(backend, count):
 
 
 def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
-                   strategy=None, cpu_devices=None, environ=None):
+                   strategy=None, cpu_devices=None, environ=None, clipnorm=None):
     """The `Plan` of a run from its flags and the environment (torchrun's `WORLD_SIZE`).
 
     Raises `DistributedError` (a `ValueError`) naming the flag, its value and what is
@@ -360,6 +360,12 @@ def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
         _fail(f"--strategy {strategy} needs KERAS_BACKEND=tensorflow (tf.distribute); got "
               f"KERAS_BACKEND={backend!r}. On JAX use --data-parallel N; on torch `torchrun "
               "--nproc_per_node N -m training ...`.")
+    if strategy == "mirrored" and clipnorm:
+        _fail(f"--strategy mirrored needs --clipnorm 0 (got the clipping norm {clipnorm:g}): "
+              f"Keras {keras.__version__}'s TensorFlow optimizer clips each replica's gradients "
+              "before it all-reduces them, so a clipped step would not be the one-device step "
+              "(docs/DISTRIBUTED.md). JAX (--data-parallel) and torch (torchrun) clip the "
+              "averaged gradients.")
     if world > 1 and backend != "torch":
         _fail(f"WORLD_SIZE={world} (several processes, as torchrun starts them) needs "
               f"KERAS_BACKEND=torch; got KERAS_BACKEND={backend!r}. On JAX use "
@@ -399,7 +405,10 @@ def plan_from_args(recipe, batch_size, data_parallel=None, model_parallel=None,
         return Plan("mirrored", replicas, devices=devices, distribution=distribution)
     if world > 1:
         _check_batch(batch_size, world, f"torchrun's WORLD_SIZE={world}")
-        rank, world = kd.init_torch_process_group()
+        try:
+            rank, world = kd.init_torch_process_group()
+        except ValueError as error:  # torchrun's variables missing
+            _fail(f"WORLD_SIZE={world}: {error}")
         import torch
 
         device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
