@@ -144,3 +144,39 @@ def test_each_step_uses_only_its_own_gradients(name):
         # The root cause, checked directly: `zero_grad` only clears registered parameters.
         params = {id(p) for p in model.parameters()}
         assert [v.path for v in model.variables if id(v.value) not in params] == []
+
+
+@pytest.mark.parametrize("name", ["bert_masked_lm", "t5_seq2seq_lm", "graphormer_predictor"])
+def test_one_adam_step_is_adam_of_the_summed_gradient(name):
+    """Tables looked up with repeated ids (BERT's segment embedding, T5's relative bias,
+    Graphormer's tables) get Adam's update of the gradient summed over the repeats. The
+    gradient comes from one SGD step (w0 - w1 at learning rate 1: SGD is linear, so sparse
+    and dense gradients agree); the Adam step is the formula in NumPy. Keras 3.15 on
+    TensorFlow squared each repeat separately (kzoo sums them first)."""
+    build, loss, data = CASES[name]
+    x, y = data(np.random.default_rng(0))
+    keras.utils.set_random_seed(0)
+    w0 = _weights(build())
+    sgd = _fresh(build, loss, w0, 1.0)
+    sgd.train_on_batch(x, y)
+    gradients = [a - b for a, b in zip(w0, _weights(sgd))]
+    lr, beta_1, beta_2, eps = 1e-2, 0.9, 0.999, 1e-7
+    keras.utils.set_random_seed(0)
+    model = build()
+    model.set_weights(w0)
+    model.compile(keras.optimizers.Adam(lr, beta_1=beta_1, beta_2=beta_2, epsilon=eps), loss)
+    model.train_on_batch(x, y)
+    checked = 0
+    for variable, w, g, after in zip(model.weights, w0, gradients, _weights(model)):
+        if not variable.trainable:
+            continue
+        g64 = g.astype("float64")
+        m, v = (1 - beta_1) * g64, (1 - beta_2) * g64 ** 2
+        step = lr * np.sqrt(1 - beta_2) / (1 - beta_1) * m / (np.sqrt(v) + eps)
+        # Where w0 - w1 resolves the gradient (float32 weights hold ~7 digits; an entry near
+        # eps would measure rounding, not Adam).
+        known = np.abs(g64) > 1e-4
+        checked += int(known.sum())
+        np.testing.assert_allclose(after[known], (w - step)[known], atol=2e-5, rtol=0,
+                                   err_msg=variable.path)
+    assert checked > 100
