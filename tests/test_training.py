@@ -226,6 +226,10 @@ def test_recipe_writes_its_outputs(recipe, tmp_path):
     assert record["run"]["steps"] == 2 and record["run"]["backend"] == keras.backend.backend()
     model = kzoo.presets.load(os.path.join(out, "model"))
     assert model.count_params() == record["run"]["params"]
+    # The model card carries the final numeric metrics.
+    with open(os.path.join(out, "model", "README.md"), encoding="utf-8") as f:
+        card = f.read()
+    assert f"| {FINAL_METRIC[recipe]} | {value:.6g} |" in card
     assert os.path.isdir(os.path.join(out, "best"))
     assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints"))[0][0] == 2
 

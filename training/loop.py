@@ -377,7 +377,10 @@ def _finish(cfg, plan, model, task, state, final, evaluate, report, extra_files,
             "refusing to save the model."
         )
     save_model(model, paths["model"], extra_files)
-    kzoo.presets.write_model_card(model, paths["model"], metrics=final)  # the card with metrics
+    # The card lists the numeric metrics (not e.g. the demo's sample texts).
+    numeric = {k: v for k, v in final.items()
+               if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+    kzoo.presets.write_model_card(model, paths["model"], metrics=numeric)
     if state.history:
         plot_history(state.history, paths["plot"],
                      title=f"{cfg.recipe} ({keras.backend.backend()})")
