@@ -92,6 +92,26 @@ def test_document_helpers_refuse_bad_ids():
         document_positions(np.array([[1, -1, 2]]))
 
 
+def test_position_layers_take_per_token_positions():
+    from kzoo.layers import PositionEmbedding, RotaryEmbedding
+
+    positions = np.array([[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]], "int32")
+    x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype("float32")
+    layer = PositionEmbedding(8)
+    got = to_numpy(layer(x, start_index=positions))
+    np.testing.assert_array_equal(got, to_numpy(layer.embeddings)[positions])
+    with pytest.raises(ValueError, match="sequence length must be <= sequence_length=4"):
+        PositionEmbedding(4)(x, start_index=positions)
+    # RoPE, rotate-half pairing, written out in NumPy.
+    heads = np.random.default_rng(1).normal(size=(2, 6, 3, 8)).astype("float32")
+    angles = positions[..., None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (2, 6, 4)
+    cos, sin = np.cos(angles)[:, :, None], np.sin(angles)[:, :, None]
+    x1, x2 = heads[..., :4], heads[..., 4:]
+    expected = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    got = to_numpy(RotaryEmbedding()(heads, start_index=positions))
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
 # === Models ===
 
 
