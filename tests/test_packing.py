@@ -402,3 +402,51 @@ def test_pack_refuses_bad_input():
         kzoo.data.pack([[1]], 4, max_documents_per_row=0)
     with pytest.raises(ValueError, match="packed.*document_ids"):
         kzoo.data.next_token_targets({"token_ids": np.ones((1, 3), "int32")})
+
+
+# === The recipes' document tasks (--documents / --pack) ===
+
+
+@pytest.mark.parametrize("mode", ["documents", "pack"])
+def test_recipe_document_tasks(mode):
+    from training import data as D
+    from training.loop import RunConfig
+    from training.recipes import bert_mlm, gpt_text
+
+    options = {"text": "pydoc", "tokenizer": "byte", "max_chars": 6000, "seq_len": 48,
+               mode: True}
+    cfg = RunConfig(recipe="gpt_text", out="unused", batch_size=4, options=options)
+    tokenizer, _, task = gpt_text.text_task(cfg)
+    packed = mode == "pack"
+    x, y, w = task.train_batch(0)
+    assert ("document_ids" in x) == packed
+    assert x["token_ids"].shape == (4, 48) and task.info["documents"] == (
+        "packed" if packed else "padded")
+    docs = x["document_ids"] if packed else x["padding_mask"]
+    # A target is the next token of the same document, never across a boundary.
+    for b in range(4):
+        for i in range(47):
+            same = docs[b, i] != 0 and docs[b, i + 1] == docs[b, i]
+            assert w[b, i] == float(same) and (not same or y[b, i] == x["token_ids"][b, i + 1])
+        assert w[b, 47] == 0
+    assert (task.info["padding_fraction"] < 0.05) == packed
+    # BERT: [CLS] ... [SEP] documents, padding and special tokens never picked.
+    cfg = RunConfig(recipe="bert_mlm", out="unused", batch_size=4, preset="bert_tiny_uncased",
+                    options=options)
+    task = bert_mlm.document_task(cfg, tokenizer, *_text_documents(options), 48)
+    x, y, w = task.train_batch(3)
+    assert ("document_ids" in x) == packed
+    assert (w[x["padding_mask"] == 0] == 0).all() and w.sum() > 0
+    assert not np.isin(y[w > 0], tokenizer.special_ids).any()
+    starts = (x["document_ids"] if packed else x["padding_mask"])
+    first = np.diff(np.pad(starts, ((0, 0), (1, 0))), axis=1) != 0
+    np.testing.assert_array_equal(y[first & (starts != 0)], tokenizer.bos_id)
+    assert D.bert_documents([np.arange(10)], 6, tokenizer)[2].tolist() == [
+        tokenizer.bos_id, 8, 9, tokenizer.eos_id]
+
+
+def _text_documents(options):
+    from training.recipes import _text
+
+    _, train_docs, val_docs, _ = _text.load_documents(options)
+    return train_docs, val_docs
