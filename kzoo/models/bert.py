@@ -26,9 +26,9 @@ from typing import Optional
 import keras
 from keras import ops
 
+from kzoo.inputs import DocumentIdInput
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
-from kzoo.inputs import DocumentIdInput
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import PositionEmbedding

@@ -33,11 +33,13 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.inputs import DocumentIdInput
 from kzoo.layers import fast_decode
 from kzoo.layers.fast_decode import decode_block
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_at_most,
@@ -50,8 +52,6 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
-from kzoo.inputs import DocumentIdInput
 from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "gpt"
