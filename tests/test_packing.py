@@ -256,10 +256,17 @@ def _check_packed_ids(model, x):
     bad[0, 1] = 0
     with pytest.raises(ValueError, match=r"document id 0 at batch row 0, token 1.*>= 1"):
         call(document_ids=bad)
+    bad = ids.copy()
+    bad[0, 0] = -3
     with pytest.raises(ValueError, match=r"document_ids. \(fit.s x\) holds document id -3"):
-        bad = ids.copy()
-        bad[0, 0] = -3
         model.fit({**x, "document_ids": bad}, x["token_ids"], verbose=0)
+    # A tf.data pipeline is checked batch by batch, on the host.
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices({**x, "document_ids": bad}).batch(1)
+    with pytest.raises(ValueError, match=r"document_ids. \(a batch of predict.s x\) holds "
+                                         r"document id -3"):
+        model.predict(dataset, verbose=0)
 
 
 def test_bad_document_ids_raise_clear_errors():
