@@ -92,6 +92,26 @@ def test_document_helpers_refuse_bad_ids():
         document_positions(np.array([[1, -1, 2]]))
 
 
+def test_position_layers_take_per_token_positions():
+    from kzoo.layers import PositionEmbedding, RotaryEmbedding
+
+    positions = np.array([[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]], "int32")
+    x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype("float32")
+    layer = PositionEmbedding(8)
+    got = to_numpy(layer(x, start_index=positions))
+    np.testing.assert_array_equal(got, to_numpy(layer.embeddings)[positions])
+    with pytest.raises(ValueError, match="sequence length must be <= sequence_length=4"):
+        PositionEmbedding(4)(x, start_index=positions)
+    # RoPE, rotate-half pairing, written out in NumPy.
+    heads = np.random.default_rng(1).normal(size=(2, 6, 3, 8)).astype("float32")
+    angles = positions[..., None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (2, 6, 4)
+    cos, sin = np.cos(angles)[:, :, None], np.sin(angles)[:, :, None]
+    x1, x2 = heads[..., :4], heads[..., 4:]
+    expected = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    got = to_numpy(RotaryEmbedding()(heads, start_index=positions))
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
 # === Models ===
 
 
@@ -236,10 +256,17 @@ def _check_packed_ids(model, x):
     bad[0, 1] = 0
     with pytest.raises(ValueError, match=r"document id 0 at batch row 0, token 1.*>= 1"):
         call(document_ids=bad)
+    bad = ids.copy()
+    bad[0, 0] = -3
     with pytest.raises(ValueError, match=r"document_ids. \(fit.s x\) holds document id -3"):
-        bad = ids.copy()
-        bad[0, 0] = -3
         model.fit({**x, "document_ids": bad}, x["token_ids"], verbose=0)
+    # A tf.data pipeline is checked batch by batch, on the host.
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices({**x, "document_ids": bad}).batch(1)
+    with pytest.raises(ValueError, match=r"document_ids. \(a batch of predict.s x\) holds "
+                                         r"document id -3"):
+        model.predict(dataset, verbose=0)
 
 
 def test_bad_document_ids_raise_clear_errors():
@@ -300,7 +327,7 @@ def _repetitive_documents(count, seed):
 
 
 def test_gpt_fit_on_packed_data_lowers_the_loss():
-    model = GPTCausalLM(GPTBackbone(**GPT_SMALL, packed_inputs=True))
+    model = GPTCausalLM(GPTBackbone(**{**GPT_SMALL, "num_layers": 1}, packed_inputs=True))
     x, y, w = kzoo.data.next_token_targets(kzoo.data.pack(_repetitive_documents(48, 6), 16))
     check_fit_lowers_loss(model, x, y, loss=TokenCrossentropy("mean_with_sample_weight"),
                           sample_weight=w, epochs=5, batch_size=8, min_drop=0.5)
@@ -382,3 +409,51 @@ def test_pack_refuses_bad_input():
         kzoo.data.pack([[1]], 4, max_documents_per_row=0)
     with pytest.raises(ValueError, match="packed.*document_ids"):
         kzoo.data.next_token_targets({"token_ids": np.ones((1, 3), "int32")})
+
+
+# === The recipes' document tasks (--documents / --pack) ===
+
+
+@pytest.mark.parametrize("mode", ["documents", "pack"])
+def test_recipe_document_tasks(mode):
+    from training import data as D
+    from training.loop import RunConfig
+    from training.recipes import bert_mlm, gpt_text
+
+    options = {"text": "pydoc", "tokenizer": "byte", "max_chars": 6000, "seq_len": 48,
+               mode: True}
+    cfg = RunConfig(recipe="gpt_text", out="unused", batch_size=4, options=options)
+    tokenizer, _, task = gpt_text.text_task(cfg)
+    packed = mode == "pack"
+    x, y, w = task.train_batch(0)
+    assert ("document_ids" in x) == packed
+    assert x["token_ids"].shape == (4, 48) and task.info["documents"] == (
+        "packed" if packed else "padded")
+    docs = x["document_ids"] if packed else x["padding_mask"]
+    # A target is the next token of the same document, never across a boundary.
+    for b in range(4):
+        for i in range(47):
+            same = docs[b, i] != 0 and docs[b, i + 1] == docs[b, i]
+            assert w[b, i] == float(same) and (not same or y[b, i] == x["token_ids"][b, i + 1])
+        assert w[b, 47] == 0
+    assert (task.info["padding_fraction"] < 0.05) == packed
+    # BERT: [CLS] ... [SEP] documents, padding and special tokens never picked.
+    cfg = RunConfig(recipe="bert_mlm", out="unused", batch_size=4, preset="bert_tiny_uncased",
+                    options=options)
+    task = bert_mlm.document_task(cfg, tokenizer, *_text_documents(options), 48)
+    x, y, w = task.train_batch(3)
+    assert ("document_ids" in x) == packed
+    assert (w[x["padding_mask"] == 0] == 0).all() and w.sum() > 0
+    assert not np.isin(y[w > 0], tokenizer.special_ids).any()
+    starts = (x["document_ids"] if packed else x["padding_mask"])
+    first = np.diff(np.pad(starts, ((0, 0), (1, 0))), axis=1) != 0
+    np.testing.assert_array_equal(y[first & (starts != 0)], tokenizer.bos_id)
+    assert D.bert_documents([np.arange(10)], 6, tokenizer)[2].tolist() == [
+        tokenizer.bos_id, 8, 9, tokenizer.eos_id]
+
+
+def _text_documents(options):
+    from training.recipes import _text
+
+    _, train_docs, val_docs, _ = _text.load_documents(options)
+    return train_docs, val_docs

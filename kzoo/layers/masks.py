@@ -7,6 +7,10 @@ own `ops.dot_product_attention` reads them differently per backend).
 Positions: query `i` sits at absolute position `offset + i` and key `j` at position `j`.
 When `offset` is omitted it is `k_len - q_len` ("bottom-right" alignment), which is what
 incremental decoding with a key/value cache needs: the last query sees every key.
+
+Packed rows (several documents a row, `document_ids` 1, 2, ... and 0 for padding):
+`document_mask` keeps each token inside its document, `document_positions` restarts the
+positions at 0 at each document.
 """
 
 import keras

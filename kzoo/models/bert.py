@@ -11,7 +11,8 @@ Language Understanding", https://arxiv.org/abs/1810.04805).
 Inputs follow keras-hub: `{"token_ids", "segment_ids", "padding_mask"}`, each
 `(batch, seq)` int32 (`padding_mask` 1/True for real tokens). Models with
 `attention="longformer"` take one more, optional, input: `"global_attention_mask"` (Hugging
-Face's name; 1 for global tokens), which may be left out of the dict.
+Face's name; 1 for global tokens), which may be left out of the dict. Models with
+`packed_inputs=True` take `"document_ids"` too (several documents a row, see `BertBackbone`).
 
 Example:
 >>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
@@ -25,9 +26,9 @@ from typing import Optional
 import keras
 from keras import ops
 
+from kzoo.inputs import DocumentIdInput
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
-from kzoo.inputs import DocumentIdInput
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import PositionEmbedding

@@ -11,9 +11,9 @@
 
 Classes:
 
-- `GPTBackbone`: inputs `{"token_ids", "padding_mask"}` `(batch, seq)` int32, output the final
-  hidden states `(batch, seq, hidden_dim)`; `call_with_cache` runs it incrementally on a
-  key/value cache.
+- `GPTBackbone`: inputs `{"token_ids", "padding_mask"}` `(batch, seq)` int32 (and
+  `"document_ids"` for packed rows, `packed_inputs=True`), output the final hidden states
+  `(batch, seq, hidden_dim)`; `call_with_cache` runs it incrementally on a key/value cache.
 - `GPTCausalLM`: next-token logits `(batch, seq, vocabulary_size)`, and `generate(...)`
   (greedy / temperature / top-k / top-p / beam search decoding on the key/value cache, in
   the one decode loop of `kzoo.generation`).
@@ -33,11 +33,13 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.inputs import DocumentIdInput
 from kzoo.layers import fast_decode
 from kzoo.layers.fast_decode import decode_block
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_at_most,
@@ -50,8 +52,6 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
-from kzoo.inputs import DocumentIdInput
 from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
 FAMILY = "gpt"
@@ -562,8 +562,9 @@ class GPTCausalLM(TaskModel):
         backbone: a `GPTBackbone`.
         dtype: dtype policy (defaults to the backbone's).
 
-    Inputs: `{"token_ids", "padding_mask"}` `(batch, seq)`. Output: logits
-    `(batch, seq, vocabulary_size)`.
+    Inputs: `{"token_ids", "padding_mask"}` `(batch, seq)`, and `"document_ids"` when the
+    backbone has `packed_inputs=True` (train on `kzoo.data.pack` rows with
+    `kzoo.data.next_token_targets`). Output: logits `(batch, seq, vocabulary_size)`.
 
     If the model has a `tokenizer` attribute (a `tokenizers.Tokenizer`, set by
     `kzoo.presets.load` for Hugging Face checkpoints that ship one), `generate` also takes
