@@ -238,7 +238,8 @@ def test_get_config_is_exactly_the_arguments():
     config = backbone.get_config()
     expected = {**TINY, "dropout": 0.2, "attention_dropout": None, "layer_norm_epsilon": 1e-12,
                 "activation": "gelu", "initializer_range": 0.02, "attention": "full",
-                "attention_options": None}
+                "attention_options": None, "packed_inputs": False, "remat": False,
+                "layerdrop": 0.0}
     assert {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")} \
         == expected
     clone = BertBackbone.from_config(config)

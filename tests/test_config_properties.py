@@ -57,6 +57,8 @@ ATTENTION_TYPES = ("full", "sliding_window", "strided", "longformer", "block_spa
                    "bigbird", "linear", "performer")
 OPTIONS = "attention_options"
 ATTENTION_FIELDS = dict(attention=("choice", ATTENTION_TYPES), attention_options=(OPTIONS, True))
+# The memory savers every family has (gradient checkpointing, LayerDrop).
+SAVERS = dict(remat=(BOOL, False), layerdrop=(RATE, False))
 
 KINDS = {
     "gpt": dict(
@@ -71,7 +73,7 @@ KINDS = {
         num_experts=(POS_INT, True), top_k=(POS_INT, False), capacity_factor=(POS_FLOAT, True),
         expert_type=("choice", ("plain", "gated")), tie_embeddings=(BOOL, False),
         attention_scale=(POS_FLOAT, True), initializer_range=(POS_FLOAT, False),
-        **ATTENTION_FIELDS,
+        **ATTENTION_FIELDS, packed_inputs=(BOOL, False), **SAVERS,
     ),
     "bert": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -80,6 +82,7 @@ KINDS = {
         num_segments=(POS_INT, False), dropout=(RATE, False), attention_dropout=(RATE, True),
         layer_norm_epsilon=(POS_FLOAT, False), activation=("choice", ACTIVATIONS),
         initializer_range=(POS_FLOAT, False), **ATTENTION_FIELDS,
+        packed_inputs=(BOOL, False), **SAVERS,
     ),
     "t5": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -89,7 +92,7 @@ KINDS = {
         layer_norm_epsilon=(POS_FLOAT, False), feedforward=("choice", T5_FEEDFORWARDS),
         relative_attention_num_buckets=(POS_INT, False),  # and >= 4 (see CROSS)
         relative_attention_max_distance=(POS_INT, False),  # and > buckets // 2 (see CROSS)
-        tie_embeddings=(BOOL, False), kernel=("choice", KERNELS),
+        tie_embeddings=(BOOL, False), kernel=("choice", KERNELS), **SAVERS,
     ),
     "vit": dict(
         image_size=(PAIR, False), patch_size=(PAIR, False), num_channels=(POS_INT, False),
@@ -97,7 +100,7 @@ KINDS = {
         intermediate_dim=(POS_INT, False), dropout=(RATE, False),
         attention_dropout=(RATE, False), layer_norm_epsilon=(POS_FLOAT, False),
         activation=("choice", ACTIVATIONS), use_class_token=(BOOL, False),
-        qkv_bias=(BOOL, False), **ATTENTION_FIELDS,
+        qkv_bias=(BOOL, False), **ATTENTION_FIELDS, **SAVERS,
     ),
     "graphormer": dict(
         num_atoms=(POS_INT, False), num_in_degree=(POS_INT, False),
@@ -112,6 +115,7 @@ KINDS = {
         encoder_normalize_before=(BOOL, False), embed_scale=(NUMBER, True),
         apply_graphormer_init=(BOOL, False), use_attention_bias=(BOOL, False),
         num_frozen_layers=(NONNEG_INT, False),  # and <= num_layers (see CROSS)
+        **SAVERS,
     ),
 }
 
