@@ -126,13 +126,13 @@ def main(argv=None):
             pair.append(r)
             results.append(r)
         (p1, p2), (r1, r2) = pair[0]["steps"], pair[1]["steps"]
-        def ratio(a, b):
-            return f"{a / b:.2f}" if b > 1 else "-"
+        def ratio(a, b, floor=1.0):
+            return f"{a / b:.2f}" if b > floor else "-"
 
         print(f"{backend:<11} remat/plain: peak growth step 1 "
               f"{ratio(r1['peak_growth_mib'], p1['peak_growth_mib'])}, step 2 "
               f"{ratio(r2['peak_growth_mib'], p2['peak_growth_mib'])}; step-2 time "
-              f"{ratio(r2['seconds'], p2['seconds'])}", flush=True)
+              f"{ratio(r2['seconds'], p2['seconds'], 0.0)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
