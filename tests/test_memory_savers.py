@@ -483,11 +483,18 @@ def test_mixed_precision_on_every_family(family, policy):
     x = inputs_of(family)
     # float32 variables, low-precision activations (every block's output)
     assert all(v.dtype == "float32" for v in model.trainable_variables)
-    with Tap(record_attention=False, record_blocks=True) as tap:
+    with Tap(record_attention=True, record_blocks=True) as tap:
         model(x)
-    assert tap.block_records
+    assert tap.block_records and tap.attention_records
     for record in tap.block_records:
         assert keras.backend.standardize_dtype(record.output.dtype) == compute
+    # softmax in float32: the probabilities (the exact formula a tap sees) are float32 and
+    # their rows sum to 1 at float32 precision (half-precision probabilities miss by ~1e-3)
+    for record in tap.attention_records:
+        assert keras.backend.standardize_dtype(record.weights.dtype) == "float32"
+        sums = to_numpy(keras.ops.sum(record.weights, axis=-1))
+        real = sums > 0.5  # rows of padded queries may be all zero
+        np.testing.assert_allclose(sums[real], 1.0, atol=1e-5)
     # norm statistics in float32: inputs ~1000 + 5 N(0,1), where half-precision means and
     # variances are off by whole standard deviations (bf16's spacing at 1000 is 8;
     # float16 sums overflow at 65504); compare with the float32 formula on the same
