@@ -18,7 +18,14 @@ buffer is not silently reused from a heap that never shrinks. The table also pri
 ratio remat / plain of the peak growth and of the step-2 time. On JAX the resident set
 mostly shows compilation (XLA's CPU client keeps its buffers between steps), so the table
 adds XLA's own figure: the temporary-buffer size (`memory_analysis()`) of the compiled
-loss-and-gradient function.
+loss-and-gradient function, which XLA's CPU runtime allocates whole at the first run.
+
+Measured (2-core CPU, Keras 3.15, Nov 2026; 8 layers, width 512, batch 8 x 512): torch
+2769 -> 1182 MiB (0.43) at 1.49x the step time; TensorFlow 3425 -> 885 MiB (0.26, step 1);
+JAX 4704 -> 4704 MiB: XLA's CPU scheduler places every recomputation before the backward
+pass that needs it (a pure-JAX chain of `jax.checkpoint` layers shows the same: 244 MiB
+either way), so on the CPU backend JAX recomputes (2.9x the step time) without saving
+memory. GPU/TPU schedulers are memory-aware; not measured here.
 """
 
 import argparse
