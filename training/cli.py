@@ -108,9 +108,9 @@ def _common_arguments(parser, defaults):
                         help=f"kzoo preset or saved preset directory (default: "
                              f"{defaults.get('preset')})")
     parser.add_argument("--batch-size", type=_positive_int("--batch-size"),
-                        help=f"examples per step (default: {defaults.get('batch_size', 32)})")
-    parser.add_argument("--mixed-precision", action="store_true",
-                        help="compute in bfloat16 (dtype policy mixed_bfloat16)")
+                        help=f"examples per step, the micro-batch when --accumulate N > 1 "
+                             f"(default: {defaults.get('batch_size', 32)})")
+    _memory_arguments(parser)
     parser.add_argument("--out", help="output directory (default: runs/<recipe>)")
     parser.add_argument("--seed", type=_non_negative_int("--seed"), default=0,
                         help="seed of the initialisation, data order, masking, dropout")
@@ -182,6 +182,39 @@ def plan_from_args(args, cfg):
         cpu_devices=args.cpu_devices, clipnorm=cfg.clipnorm)
 
 
+# === Memory savers (--mixed-precision, --remat, --accumulate) ===
+
+MIXED_PRECISION = ("bfloat16", "float16")
+
+
+def _mixed_precision(text):
+    if text not in MIXED_PRECISION:
+        raise argparse.ArgumentTypeError(
+            f"--mixed-precision must be one of {list(MIXED_PRECISION)} (or given alone, "
+            f"meaning bfloat16); got {text!r}")
+    return text
+
+
+def _memory_arguments(parser):
+    parser.add_argument("--mixed-precision", type=_mixed_precision, nargs="?",
+                        const="bfloat16", default=None, metavar="{bfloat16,float16}",
+                        help="compute in bfloat16 (the bare flag; dtype policy "
+                             "mixed_bfloat16) or float16 (mixed_float16, with Keras' dynamic "
+                             "loss scaling); variables, softmax and norm statistics stay "
+                             "float32")
+    parser.add_argument("--remat", action="store_true",
+                        help="gradient checkpointing: each transformer block recomputes its "
+                             "activations in the backward pass (less memory, ~1/3 more "
+                             "compute; the same as --override remat=true)")
+    parser.add_argument("--accumulate", type=_positive_int("--accumulate"), default=1,
+                        metavar="N",
+                        help="gradient accumulation: the optimizer updates once every N "
+                             "batches with the mean of their gradients, so the effective "
+                             "batch is N x --batch-size; --steps/--epochs/--save-every count "
+                             "batches, --warmup-steps counts updates (default 1: update "
+                             "every batch)")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m training",
@@ -203,6 +236,7 @@ def build_parser():
 
 
 COMMON = {"recipe", "steps", "epochs", "preset", "batch_size", "mixed_precision", "out",
+          "remat", "accumulate",
           "seed", "learning_rate", "warmup_steps", "weight_decay", "clipnorm",
           "label_smoothing", "save_every", "max_epoch_steps", "override", "fresh", "verbose",
           "lora_rank", "lora_targets", *DISTRIBUTED}
@@ -217,6 +251,8 @@ def config_from_args(args):
     overrides = dict(defaults.pop("overrides", {}))
     options = dict(defaults.pop("options", {}))
     overrides.update(dict(args.override))
+    if args.remat:
+        overrides["remat"] = True
     for key, value in vars(args).items():
         if key not in COMMON:
             options[key] = value
@@ -233,7 +269,8 @@ def config_from_args(args):
         recipe=args.recipe,
         out=args.out or os.path.join("runs", args.recipe),
         seed=args.seed,
-        mixed_precision=args.mixed_precision,
+        mixed_precision=args.mixed_precision or False,
+        accumulate=args.accumulate,
         overrides=overrides,
         options=options,
         fresh=args.fresh,

@@ -52,7 +52,7 @@ class RunConfig:
     epochs: int = None
     batch_size: int = 32
     seed: int = 0
-    mixed_precision: bool = False
+    mixed_precision: object = False  # False, "bfloat16" (True means it too) or "float16"
     learning_rate: float = 1e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
@@ -69,6 +69,21 @@ class RunConfig:
     # How the run is spread over devices / processes (`training.distributed.Plan`; None:
     # one device). Not in the fingerprint: a checkpoint resumes under any mode.
     plan: object = None
+    accumulate: int = 1  # gradient accumulation: one optimizer update every `accumulate` steps
+
+    def __post_init__(self):
+        if self.mixed_precision is True:
+            self.mixed_precision = "bfloat16"
+        if self.mixed_precision not in (False, None, "bfloat16", "float16"):
+            raise ValueError(
+                "`mixed_precision` must be False, 'bfloat16' (or True) or 'float16'; got "
+                f"mixed_precision={self.mixed_precision!r}.")
+        self.mixed_precision = self.mixed_precision or False
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) \
+                or self.accumulate < 1:
+            raise ValueError(
+                "`accumulate` (--accumulate) must be a positive integer (1: no gradient "
+                f"accumulation); got accumulate={self.accumulate!r}.")
 
     def fingerprint(self):
         """What a checkpoint must agree on to be resumed (not the run length)."""
@@ -77,13 +92,19 @@ class RunConfig:
                 "max_epoch_steps", "overrides", "options")
         out = {k: getattr(self, k) for k in keys}
         out["backend"] = keras.backend.backend()
+        # Checkpoints written before float16 and accumulation existed stay resumable:
+        # bfloat16 keeps its old record (True), accumulation is recorded only when used.
+        if self.mixed_precision == "bfloat16":
+            out["mixed_precision"] = True
+        if self.accumulate > 1:
+            out["accumulate"] = self.accumulate
         if self.lora_rank:
             out["lora"] = {"rank": self.lora_rank, "targets": list(self.lora_targets)}
         return json.loads(json.dumps(out, sort_keys=True, default=str))
 
     @property
     def dtype(self):
-        return "mixed_bfloat16" if self.mixed_precision else "float32"
+        return f"mixed_{self.mixed_precision}" if self.mixed_precision else "float32"
 
 
 def set_seed(seed):
@@ -92,20 +113,69 @@ def set_seed(seed):
     keras.utils.set_random_seed(int(seed))
 
 
+@keras.saving.register_keras_serializable(package="kzoo")
+class PerUpdateSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """`schedule` counted in optimizer updates under gradient accumulation.
+
+    With `gradient_accumulation_steps=N`, Keras' optimizers call their learning-rate
+    schedule with the count of *batches* (`optimizer._iterations`), while the update that
+    the N-th batch makes is one step of the N-times-larger batch (and `optimizer.iterations`,
+    which drives Adam's bias correction, counts updates). This evaluates `schedule` at
+    `batches // N`, so the k-th update uses the learning rate of step k, as the large
+    batch would.
+
+    Example:
+    >>> PerUpdateSchedule(WarmupInverseSqrt(1e-3, warmup_steps=100), accumulate=4)(399)
+    """
+
+    def __init__(self, schedule, accumulate):
+        self.schedule = schedule
+        self.accumulate = int(accumulate)
+
+    def __call__(self, step):
+        return self.schedule(keras.ops.floor_divide(step, self.accumulate))
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule),
+                "accumulate": self.accumulate}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
+        return cls(**config)
+
+
 def make_optimizer(cfg):
     """AdamW on warmup + inverse-square-root decay, global-norm gradient clipping; no
-    weight decay on biases, norms and embeddings' position tables."""
+    weight decay on biases, norms and embeddings' position tables.
+
+    With `cfg.accumulate = N > 1` the optimizer accumulates gradients (Keras'
+    `gradient_accumulation_steps`): every N-th batch it applies the mean of the N batches'
+    gradients (clipped, then one weight decay), the update of one batch N times larger;
+    the schedule counts updates (`PerUpdateSchedule`). A loss that is a mean over each
+    batch's examples (the recipes' losses) then gives exactly the large batch's update when
+    the batches hold the same number of counted examples. Under `mixed_precision="float16"`
+    the optimizer is wrapped in Keras' `LossScaleOptimizer` (dynamic loss scaling)."""
+    schedule = WarmupInverseSqrt(peak_learning_rate=float(cfg.learning_rate),
+                                 warmup_steps=int(cfg.warmup_steps))
+    accumulate = int(getattr(cfg, "accumulate", 1) or 1)
     optimizer = keras.optimizers.AdamW(
-        learning_rate=WarmupInverseSqrt(peak_learning_rate=float(cfg.learning_rate),
-                                        warmup_steps=int(cfg.warmup_steps)),
+        learning_rate=PerUpdateSchedule(schedule, accumulate) if accumulate > 1 else schedule,
         weight_decay=float(cfg.weight_decay),
         beta_1=0.9,
         beta_2=0.98,
         epsilon=1e-9 if not cfg.mixed_precision else 1e-6,
         clipnorm=float(cfg.clipnorm) if cfg.clipnorm else None,
+        gradient_accumulation_steps=accumulate if accumulate > 1 else None,
     )
     optimizer.exclude_from_weight_decay(
         var_names=["bias", "gamma", "beta", "norm", "scale", "position", "token"])
+    if cfg.mixed_precision == "float16":
+        # Dynamic loss scaling (float16's range is too small for raw gradients). Keras adds
+        # it in `compile` only when the compiled model's own policy is mixed_float16, and a
+        # task model may keep its head in float32 on a float16 backbone.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
 
 
@@ -399,6 +469,8 @@ def _finish(cfg, plan, model, task, state, final, evaluate, report, extra_files,
             "batch_size": task.batch_size,
             "seed": cfg.seed,
             "dtype": cfg.dtype,
+            "accumulate": cfg.accumulate,
+            "effective_batch_size": task.batch_size * cfg.accumulate,
             "params": int(model.count_params()),
             "trainable_params": _count(model.trainable_weights),
             "lora": ({"rank": cfg.lora_rank, "targets": list(cfg.lora_targets)}

@@ -120,6 +120,16 @@ class TransformerBlock(keras.layers.Layer):
             gated: `gate_dense`, `up_dense`; MoE: every expert's input kernels).
         feedforward_output_initializer: feed-forward output kernel (MoE: every expert's).
         router_initializer: MoE router kernel.
+        remat: rematerialise the block (gradient checkpointing): the backward pass runs
+            the block again instead of keeping its activations (`keras.remat`:
+            `jax.checkpoint`, `torch.utils.checkpoint`, `tf.recompute_grad`); the same
+            gradients (the recomputation replays the dropout masks), less memory, about a
+            third more compute. Cached decoding and calls under a `Tap` run plainly.
+        layerdrop: LayerDrop rate (Fan et al. 2019, "Reducing Transformer Depth on Demand
+            with Structured Dropout"): in training, the whole block is the identity with
+            this probability, one draw per call (the whole batch); in inference the block
+            always runs, unscaled. A traced `keras.ops.cond`, so it works inside a compiled
+            `fit` and a skipped block costs no compute; its weights get zero gradients.
 
     Call args:
         inputs: `(batch, seq, dim)`.
@@ -144,6 +154,7 @@ class TransformerBlock(keras.layers.Layer):
     >>> block(keras.random.normal((2, 10, 64))).shape
     (2, 10, 64)
     >>> vit_layer = TransformerBlock(num_heads=4, intermediate_dim=256, qkv_bias=False)
+    >>> deep = TransformerBlock(num_heads=4, intermediate_dim=256, remat=True, layerdrop=0.1)
     """
 
     def __init__(
