@@ -553,3 +553,35 @@ def test_mixed_precision_compiled_training_step(family, policy):
     assert all(np.isfinite(w).all() for w in after)
     assert all(v.dtype == "float32" for v in model.trainable_variables)
     assert max(np.abs(a - b).max() for a, b in zip(after, before)) > 0
+
+
+@pytest.mark.slow
+def test_accumulation_resumes_mid_update_from_a_checkpoint(tmp_path):
+    """A run stopped after 4 batches of `--accumulate 3` (one batch into the second update:
+    the checkpoint holds the accumulated gradient and the optimizer's batch counter) and
+    resumed to 8 ends with the weights of an uninterrupted 8-batch run."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["gpt_text", "--batch-size", "4", "--accumulate", "3", "--remat", "--seq-len",
+            "32", "--max-chars", "20000", "--override", "num_layers=1", "--override",
+            "layerdrop=0.3", "--verbose", "0", "--sample-tokens", "2", "--save-every", "2",
+            "--max-epoch-steps", "4"]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+
+    def train(out, steps):
+        subprocess.run([sys.executable, "-m", "training", *args, "--steps", str(steps),
+                        "--out", str(out)], env=env, check=True, capture_output=True)
+
+    train(tmp_path / "full", 8)
+    train(tmp_path / "resumed", 4)
+    train(tmp_path / "resumed", 8)
+    with open(tmp_path / "resumed" / "metrics.json") as f:
+        run = json.load(f)["run"]
+    assert run["resumed_from_step"] == 4 and run["accumulate"] == 3
+    assert run["effective_batch_size"] == 12
+    full = kzoo.presets.load(str(tmp_path / "full" / "model"))
+    resumed = kzoo.presets.load(str(tmp_path / "resumed" / "model"))
+    for a, b in zip(full.weights, resumed.weights):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
