@@ -477,7 +477,7 @@ def _write_hf(directory, config, state):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("layerdrop", 0.1), ("q_noise", 0.1), ("freeze_embeddings", True),
+    ("q_noise", 0.1), ("freeze_embeddings", True),
     ("share_input_output_embed", True), ("kdim", 8), ("activation_fn", "mish"),
     ("pad_token_id", 3),
 ])
