@@ -20,6 +20,7 @@ from kzoo import checkpoints  # noqa: E402
 from kzoo import convert  # noqa: E402
 from kzoo import data  # noqa: E402
 from kzoo import distribution  # noqa: E402
+from kzoo import export  # noqa: E402
 from kzoo import generation  # noqa: E402
 from kzoo import graphs  # noqa: E402
 from kzoo import inputs  # noqa: E402
@@ -38,6 +39,7 @@ from kzoo import schedules  # noqa: E402
 SUBMODULES = (
     "checkpoints", "convert", "data", "generation", "graphs", "inputs", "interpret", "layers",
     "distribution",
+    "export",
     "lora",
     "losses",
     "models",
