@@ -22,9 +22,11 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
   system makes all 4 x 128 (new tokens/s; prompts are not counted).
 - BERT of the same size (kzoo `bert_tiny_uncased` resized, keras-hub `BertMaskedLM`,
   transformers `BertForMaskedLM`): `train` and `forward` at 8 x 256, masked-LM loss on 15%
-  of the positions. kzoo and transformers compute the LM head at every position;
-  keras-hub's head computes it at `mask_positions` only, so it is given every position
-  (with the loss weighted to the same 15%), so that all three do the same arithmetic.
+  of the positions (38 a row). `train`: each library's own way to train that loss: kzoo and
+  keras-hub take the masked positions as `mask_positions` and run the LM head and the loss
+  there only; transformers' `BertForMaskedLM` has no such input: its head runs at every
+  position and the loss ignores the unmasked ones (labels -100). `forward`: logits at every
+  position for all three (keras-hub is given every position as `mask_positions`).
 - T5 v1.0 style: width 256, 4 heads of 64, ReLU feed-forward 1024, 4 + 4 layers,
   vocabulary 8192 (kzoo `t5_small` resized, keras-hub `T5Seq2SeqLM`, transformers
   `T5ForConditionalGeneration.generate`): `decode` as for GPT, from encoder inputs of 32.
@@ -125,8 +127,20 @@ def forward_flops_per_token(model, size):
     raise ValueError(f"`model` must be 'gpt' or 'bert' (trained here); got model={model!r}.")
 
 
+def masked_count(size):
+    """Masked positions a BERT row has in the benchmark's data (15% of `seq`, at least 1)."""
+    return max(1, round(0.15 * size["seq"]))
+
+
 def train_flops_per_token(model, size):
-    """Forward + backward: three times the forward matmuls."""
+    """Forward + backward: three times the forward matmuls the loss needs. BERT's head
+    (transform and LM head) counts at the masked positions only: the loss reads no other
+    logits (transformers computes them anyway; that work is not counted as useful)."""
+    if model == "bert":
+        d, vocab = size["width"], size["vocab"]
+        head = 2 * d * d + 2 * d * vocab
+        share = masked_count(size) / size["seq"]
+        return 3 * (forward_flops_per_token(model, size) - head + head * share)
     return 3 * forward_flops_per_token(model, size)
 
 
@@ -269,13 +283,15 @@ def _data(size, seed=0):
     b, t, v = size["batch"], size["seq"], size["vocab"]
     tokens = rng.integers(2, v, (b, t + 1)).astype("int32")
     masked = np.zeros((b, t), bool)
-    count = max(1, round(0.15 * t))
+    count = masked_count(size)
     for row in masked:
         row[rng.choice(t, count, replace=False)] = True
     mlm_inputs = np.where(masked, v - 1, tokens[:, :t]).astype("int32")  # id v-1: [MASK]
     prompts = rng.integers(2, v, (size["prompts"], size["prompt_len"])).astype("int32")
+    mask_positions = np.stack([np.flatnonzero(row) for row in masked]).astype("int32")
     return dict(tokens=tokens, masked=masked, mlm_inputs=mlm_inputs, mlm_targets=tokens[:, :t],
-                prompts=prompts)
+                prompts=prompts, mask_positions=mask_positions,
+                masked_targets=np.take_along_axis(tokens[:, :t], mask_positions, axis=1))
 
 
 def _keras_matmul(backend, n):
@@ -312,12 +328,15 @@ def _keras_optimizer():
     return keras.optimizers.AdamW(learning_rate=1e-4, weight_decay=0.01)
 
 
-def _keras_train_forward(model, x, y, w, size):
-    """(train tokens/s, forward tokens/s) of a compiled Keras model."""
+def _keras_train_forward(model, x, y, w, size, forward_x=None):
+    """(train tokens/s, forward tokens/s) of a compiled Keras model: `train_on_batch(x, y,
+    sample_weight=w)`, then `predict_on_batch(forward_x)` (default `x`)."""
     tokens = size["batch"] * size["seq"]
     step = _median_time(lambda: model.train_on_batch(x, y, sample_weight=w),
                         size["steps"], size["warmup"])
-    fwd = _median_time(lambda: model.predict_on_batch(x), size["steps"], size["warmup"])
+    forward_x = x if forward_x is None else forward_x
+    fwd = _median_time(lambda: model.predict_on_batch(forward_x), size["steps"],
+                       size["warmup"])
     return tokens / step, tokens / fwd
 
 
@@ -350,8 +369,9 @@ def _kzoo_worker(models, size, data):
         model.compile(optimizer=_keras_optimizer())  # kzoo's default loss
         x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
              "padding_mask": data["mlm_inputs"] >= 0}
-        w = data["masked"].astype("float32")
-        train, fwd = _keras_train_forward(model, x, data["mlm_targets"], w, size)
+        train_x = {**x, "mask_positions": data["mask_positions"]}
+        train, fwd = _keras_train_forward(model, train_x, data["masked_targets"], None, size,
+                                          forward_x=x)
         results["bert"] = dict(train=train, forward=fwd)
     if "t5" in models:
         model = kzoo.presets.load(
@@ -404,10 +424,11 @@ def _keras_hub_worker(models, size, data):
         model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
         model.compile(optimizer=_keras_optimizer(), loss=loss, weighted_metrics=None)
         x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
-             "padding_mask": data["mlm_inputs"] >= 0,
-             "mask_positions": np.arange(t, dtype="int32")[None].repeat(size["batch"], 0)}
-        w = data["masked"].astype("float32")
-        train, fwd = _keras_train_forward(model, x, data["mlm_targets"], w, size)
+             "padding_mask": data["mlm_inputs"] >= 0}
+        every = np.arange(t, dtype="int32")[None].repeat(size["batch"], 0)
+        train, fwd = _keras_train_forward(
+            model, {**x, "mask_positions": data["mask_positions"]}, data["masked_targets"],
+            None, size, forward_x={**x, "mask_positions": every})
         results["bert"] = dict(train=train, forward=fwd)
     if "t5" in models:
         if not hasattr(keras_hub.models, "T5Seq2SeqLM"):

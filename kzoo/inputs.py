@@ -102,6 +102,54 @@ class DocumentIdInput:
     axes: tuple = ("batch row", "token")
 
 
+@dataclasses.dataclass(frozen=True)
+class PositionInput:
+    """Positions into the sequence of another input (e.g. `mask_positions` into
+    `token_ids`): integer dtype, `(batch, n)` with the batch of `like`, every value in
+    `[0, seq)`, `seq` the length of `like`.
+
+    Args:
+        key: the input's key (e.g. "mask_positions").
+        like: the key of the input whose sequence the positions index (e.g. "token_ids").
+        axes: names of the array's axes, for messages.
+    """
+
+    key: str
+    like: str
+    axes: tuple = ("batch row", "entry")
+
+
+def check_positions(values, spec, source="model input"):
+    """Raise `ValueError` unless `values[spec.key]` (if given) are valid positions into
+    `values[spec.like]` (see `PositionInput`); symbolic inputs are skipped."""
+    value = values.get(spec.key)
+    like = values.get(spec.like)
+    if value is None or is_symbolic(value):
+        return
+    array = to_host(value)
+    check_integer_dtype(array, spec.key, source)
+    if like is None or is_symbolic(like):
+        return
+    shape = tuple(np.shape(to_host(like)))
+    if array.ndim != 2 or len(shape) < 2 or array.shape[0] != shape[0]:
+        raise ValueError(
+            f"`{spec.key}` ({source}) must have shape (batch, n) with the batch of "
+            f"`{spec.like}` {shape}; got shape {tuple(array.shape)}."
+        )
+    if array.size == 0:
+        return
+    length = shape[1]
+    bad = (array < 0) | (array >= length)
+    if not bad.any():
+        return
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), array.shape))
+    raise ValueError(
+        f"`{spec.key}` ({source}) holds position {int(array[index])} at "
+        f"{_where(index, spec.axes)}; positions must lie in [0, {length}) (the length of "
+        f"`{spec.like}`). A gather would silently clip or wrap it."
+    )
+
+
 def check_document_ids(values, spec, source="model input"):
     """Raise `ValueError` unless `values[spec.key]` are valid document ids (see
     `DocumentIdInput`); symbolic inputs are skipped."""
@@ -281,6 +329,9 @@ def check_inputs(inputs, specs, source="model input"):
     for spec in specs:
         if isinstance(spec, DocumentIdInput):
             check_document_ids(values, spec, source)
+            continue
+        if isinstance(spec, PositionInput):
+            check_positions(values, spec, source)
             continue
         value = values.get(spec.key)
         if value is None or is_symbolic(value):

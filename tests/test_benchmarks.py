@@ -60,6 +60,10 @@ def test_flops_per_token_by_hand():
     assert peers.forward_flops_per_token("gpt", TINY) == 288 + 2 * 4 * 10  # + tied LM head
     assert peers.forward_flops_per_token("bert", TINY) == 288 + 32 + 80  # + head transform
     assert peers.train_flops_per_token("gpt", TINY) == 3 * 368
+    # BERT trains its head at the masked positions only: 1 of the 2 here (15% of 2 -> 1).
+    assert peers.masked_count(TINY) == 1
+    assert peers.train_flops_per_token("bert", TINY) == 3 * (288 + (32 + 80) / 2)
+    assert peers.masked_count({**TINY, "seq": 256}) == 38
     with pytest.raises(ValueError, match="model='t5'"):
         peers.forward_flops_per_token("t5", TINY)
 

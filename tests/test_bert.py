@@ -649,3 +649,62 @@ def test_wordpiece_tokenizer_is_attached(tmp_path):
     out = os.path.join(tmp_path, "export")
     kzoo.presets.save(model, out, format="hf")
     assert kzoo.presets.load(out).tokenizer.encode(text).ids == expected
+
+
+# --- mask_positions: the masked-LM head at given positions only ---------------------------
+
+
+def test_mask_positions_match_transformers_logits_at_those_positions(tmp_path):
+    reference = hf_model("BertForMaskedLM")
+    model = kzoo.presets.load(hf_checkpoint(os.path.join(tmp_path, "hf"), reference))
+    inputs = hf_inputs()
+    expected = hf_outputs(reference, inputs)[0]  # (batch, seq, vocab), every position
+    positions = np.array([[0, 5, 10], [6, 1, 1], [3, 2, 0]], "int32")  # real tokens, repeats
+    got = to_numpy(model({**inputs, "mask_positions": positions}))
+    assert got.shape == positions.shape + (expected.shape[-1],)
+    want = np.take_along_axis(expected, positions[..., None], axis=1)
+    print("mask_positions max |diff| vs transformers:", np.abs(got - want).max())
+    assert_close(got, want, atol=1e-5)
+    # Left out, the head runs at every position (the dict needs no None entry).
+    assert to_numpy(model(inputs)).shape == expected.shape
+    assert model.predict({**inputs, "mask_positions": positions}, verbose=0).shape == got.shape
+
+
+def test_mask_positions_training_equals_weighted_every_position():
+    """One SGD step with targets at `mask_positions` equals one with targets everywhere and
+    the loss weighted to those positions (the same loss up to the normalisation, which the
+    weights' sum fixes: Keras divides a weighted loss by the number of entries)."""
+    inputs = make_inputs(batch=4, lengths=(9, 9, 9, 9))
+    positions = np.array([[1, 4], [0, 8], [2, 3], [7, 5]], "int32")
+    labels = rng(3).integers(0, 61, size=(4, 9)).astype("int32")
+    weights = np.zeros((4, 9), "float32")
+    np.put_along_axis(weights, positions, 1.0, axis=1)
+    grads = []
+    for x, y, w in (({**inputs, "mask_positions": positions},
+                     np.take_along_axis(labels, positions, axis=1), None),
+                    (inputs, labels, weights * (9 / 2))):  # mean over 9 vs over 2 entries
+        model = BertMaskedLM(tiny_backbone(dropout=0.0, attention_dropout=0.0))
+        randomize(model)
+        model.compile(keras.optimizers.SGD(learning_rate=1.0), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        before = [to_numpy(v) for v in model.trainable_variables]
+        model.train_on_batch(x, y, sample_weight=w)
+        grads.append([b - to_numpy(v) for b, v in zip(before, model.trainable_variables)])
+    moved = max(np.abs(g).max() for g in grads[0])
+    assert moved > 1e-3
+    for a, b in zip(*grads):
+        assert_close(a, b, atol=2e-6)
+
+
+@pytest.mark.parametrize("positions, fragment", [
+    (np.array([[0, 9], [1, 2], [3, 4]], "int32"), "holds position 9 at batch row 0, entry 1"),
+    (np.array([[0, 1], [-1, 2], [3, 4]], "int32"), "holds position -1 at batch row 1"),
+    (np.array([[0.0, 1.0], [1, 2], [3, 4]]), "must hold integer ids"),
+    (np.array([[0], [1]], "int32"), "must have shape (batch, n) with the batch of `token_ids`"),
+])
+def test_mask_positions_refused_with_a_clear_error(positions, fragment):
+    model = BertMaskedLM(tiny_backbone())
+    inputs = make_inputs()
+    for run in (lambda x: model(x), lambda x: model.predict(x, verbose=0)):
+        with pytest.raises(ValueError, match="mask_positions") as info:
+            run({**inputs, "mask_positions": positions})
+        assert fragment in str(info.value)

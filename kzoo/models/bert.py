@@ -26,7 +26,7 @@ from typing import Optional
 import keras
 from keras import ops
 
-from kzoo.inputs import DocumentIdInput
+from kzoo.inputs import DocumentIdInput, PositionInput
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
@@ -46,6 +46,9 @@ from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, Tas
 FAMILY = "bert"
 # The optional input of attention="longformer" models: which tokens are global, per example.
 GLOBAL_MASK_INPUT = "global_attention_mask"
+# The optional input of `BertMaskedLM`: the positions whose logits to compute.
+MASK_POSITIONS_INPUT = "mask_positions"
+_OPTIONAL_INPUTS = (GLOBAL_MASK_INPUT, MASK_POSITIONS_INPUT)
 
 
 def bert_kernel_initializer(stddev=0.02):
@@ -106,15 +109,47 @@ class OutputBias(keras.layers.Layer):
         return tuple(input_shape)
 
 
+@keras.saving.register_keras_serializable(package="kzoo")
+class GatherPositions(keras.layers.Layer):
+    """`x[b, positions[b, p]]`: the rows of `x` at `positions`, per example; `x` itself when
+    `positions` is None.
+
+    Call args:
+        inputs: `(batch, seq, dim)`.
+        positions: `(batch, num_positions)` integers in `[0, seq)`, or None.
+
+    Returns:
+        `(batch, num_positions, dim)`, or `inputs` when `positions` is None.
+
+    Example:
+    >>> x = keras.ops.reshape(keras.ops.arange(12.0), (1, 4, 3))
+    >>> GatherPositions()(x, keras.ops.convert_to_tensor([[3, 1]])).shape  # rows 3 and 1
+    (1, 2, 3)
+    """
+
+    def call(self, inputs, positions=None):
+        if positions is None:
+            return inputs
+        index = ops.expand_dims(ops.cast(positions, "int32"), -1)
+        return ops.take_along_axis(inputs, index, axis=1)
+
+    def compute_output_shape(self, inputs_shape, positions_shape=None):
+        if positions_shape is None:
+            return tuple(inputs_shape)
+        return (inputs_shape[0], positions_shape[1], inputs_shape[-1])
+
+
 class _OptionalGlobalMask:
-    """Lets the input dict of a model with a `global_attention_mask` input leave it out
-    (Keras' optional inputs must otherwise be given, as None): `model(x)`, `fit`,
-    `predict`, ... then run with None, i.e. the `global_tokens` option of the attention."""
+    """Lets the input dict of a model leave out its optional inputs (`global_attention_mask`,
+    `mask_positions`; Keras' optional inputs must otherwise be given, as None): `model(x)`,
+    `fit`, `predict`, ... then run with None (the `global_tokens` option of the attention;
+    the masked-LM head at every position)."""
 
     def _with_global_mask(self, inputs):
-        if (isinstance(inputs, dict) and GLOBAL_MASK_INPUT not in inputs
-                and isinstance(self.input, dict) and GLOBAL_MASK_INPUT in self.input):
-            inputs = {**inputs, GLOBAL_MASK_INPUT: None}
+        if isinstance(inputs, dict) and isinstance(self.input, dict):
+            missing = [k for k in _OPTIONAL_INPUTS if k in self.input and k not in inputs]
+            if missing:
+                inputs = {**inputs, **{k: None for k in missing}}
         return inputs
 
     def __call__(self, *args, **kwargs):
@@ -420,18 +455,24 @@ def _check_backbone(backbone):
 
 @keras.saving.register_keras_serializable(package="kzoo")
 class BertMaskedLM(_BertTask):
-    """BERT with its masked-language-model head: vocabulary logits at every position.
+    """BERT with its masked-language-model head: vocabulary logits at every position, or at
+    the positions given as `mask_positions`.
 
     `logits = LayerNorm(act(Dense(h))) @ E^T + b`, with `E` the backbone's token embedding
     matrix (tied) and `b` an output bias, exactly Hugging Face's `BertForMaskedLM` layout
     (the pooler of the backbone is unused). Train with a sparse categorical cross-entropy
-    on the masked positions (e.g. via `sample_weight`).
+    on the masked positions: either targets at every position weighted by `sample_weight`,
+    or (cheaper: the head and the loss run on those positions only, as in keras-hub)
+    `mask_positions` `(batch, num_masked)` in the inputs and targets `(batch, num_masked)`.
 
     Args:
         backbone: a `BertBackbone`.
         dtype: dtype policy of the head (defaults to the backbone's).
 
-    Inputs: the backbone's dict. Output: logits `(batch, seq, vocabulary_size)`.
+    Inputs: the backbone's dict, plus optionally `"mask_positions"`: `(batch, num_masked)`
+    integers in `[0, seq)` (repeat a position, with a zero sample weight, to pad rows with
+    fewer masked tokens). Output: logits `(batch, seq, vocabulary_size)`, or
+    `(batch, num_masked, vocabulary_size)` with `mask_positions`.
 
     Example:
     >>> backbone = BertBackbone(vocabulary_size=1000, num_layers=2, num_heads=2,
@@ -462,11 +503,21 @@ class BertMaskedLM(_BertTask):
         )
         self.output_bias = OutputBias(dtype=policy, name="mlm_output_bias")
         # === Functional Model ===
-        inputs = backbone.input
-        hidden = self.transform(backbone(inputs)["sequence_output"])
+        inputs = dict(backbone.input)
+        positions = keras.Input(shape=(None,), dtype="int32", name=MASK_POSITIONS_INPUT,
+                                optional=True)
+        inputs[MASK_POSITIONS_INPUT] = positions
+        backbone_inputs = {k: v for k, v in inputs.items() if k != MASK_POSITIONS_INPUT}
+        sequence = backbone(backbone_inputs)["sequence_output"]
+        self.gather_positions = GatherPositions(dtype=policy, name="mask_positions_gather")
+        hidden = self.transform(self.gather_positions(sequence, positions))
         logits = self.output_bias(backbone.token_embedding(hidden, reverse=True))
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
         self.dtype_policy = policy
+
+    def id_inputs(self):
+        """The backbone's id inputs, and `mask_positions` in `[0, seq)` when given."""
+        return super().id_inputs() + (PositionInput(MASK_POSITIONS_INPUT, like="token_ids"),)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
