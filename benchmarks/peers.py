@@ -39,6 +39,13 @@ elsewhere; keras-hub: Keras' `SparseCategoricalCrossentropy(from_logits=True)`),
 `train_on_batch`, `predict_on_batch` and each library's `generate`; transformers runs a
 plain eager loop with `torch.optim.AdamW` and its models' own loss.
 
+Matmul floor: each kzoo worker (and transformers', for torch) also times the step's matmuls
+alone (`gemm_shapes`: fused q/k/v, output projection, feed-forward, the two attention products,
+the head; the backward pass's two products per matmul for `train`) on its backend's own kernels
+(one `jax.jit` / `tf.function` program, eager torch). No implementation on that backend can
+run a step faster than its matmuls, so `floor / transformers` bounds the kzoo/transformers
+ratio reachable there; `kzoo / floor` says how much of the step is matmul time.
+
 Training utilisation: each training row's model FLOPs per token (matmuls only: 2 x
 multiply-adds forward, 3x that for forward + backward; attention counted over all keys, the
 PaLM convention, embedding lookups not counted) times tokens/s, as GFLOP/s and as a fraction
@@ -144,6 +151,36 @@ def train_flops_per_token(model, size):
     return 3 * forward_flops_per_token(model, size)
 
 
+def gemm_shapes(model, size, train=False):
+    """The matmuls of one step of `model` ("gpt" or "bert") at `size`, as `(batch, m, k, n)`
+    (`batch` independent `(m, k) @ (k, n)` products): fused q/k/v and the output projection,
+    the two feed-forward matmuls, the two attention products per head, and the head (GPT's
+    tied LM head; BERT's transform and LM head, at the masked positions when `train`).
+    `train` adds the backward pass: each `A @ B -> C` also computes `dC @ B^T` and `A^T @ dC`.
+    """
+    d, ff, layers, t, vocab = (size[k] for k in ("width", "ff", "layers", "seq", "vocab"))
+    b, h = size["batch"], size["heads"]
+    rows, hd = b * t, d // h
+    per_layer = [(1, rows, d, 3 * d), (1, rows, d, d), (1, rows, d, ff), (1, rows, ff, d),
+                 (b * h, t, hd, t), (b * h, t, t, hd)]
+    if model == "gpt":
+        head = [(1, rows, d, vocab)]
+    elif model == "bert":
+        head_rows = b * masked_count(size) if train else rows
+        head = [(1, head_rows, d, d), (1, head_rows, d, vocab)]
+    else:
+        raise ValueError(f"`model` must be 'gpt' or 'bert' (trained here); got model={model!r}.")
+    forward = per_layer * layers + head
+    if not train:
+        return forward
+    return forward + [(n, m, q, k) for n, m, k, q in forward] + [
+        (n, k, m, q) for n, m, k, q in forward]
+
+
+def gemm_flops(shapes):
+    return sum(2 * n * m * k * q for n, m, k, q in shapes)
+
+
 def matmul_peak(medians):
     """(best GFLOP/s, {backend: GFLOP/s}) of the workers' matmuls."""
     per_backend = {}
@@ -167,6 +204,27 @@ def comparison_rows(medians, backends, models):
                 kh = medians.get(system_key("keras-hub", backend), {}).get(model, {}).get(
                     metric)
                 rows.append((model, metric, backend, kz, kh, hf, ratio(kz, hf), ratio(kz, kh)))
+    return rows
+
+
+def floor_rows(medians, backends, models):
+    """Rows (model, metric, backend, floor tokens/s, kzoo tokens/s, kzoo/floor,
+    floor/transformers): how close kzoo runs to a step of nothing but its matmuls on that
+    backend, and the largest kzoo/transformers ratio such a step would allow."""
+    rows = []
+    hf = medians.get(system_key("transformers", "torch"), {})
+    for model in models:
+        for metric in ("train", "forward"):
+            if metric not in METRICS[model]:
+                continue
+            for backend in backends:
+                kz = medians.get(system_key("kzoo", backend), {}).get(model, {})
+                floor = kz.get(f"{metric}_floor")
+                if floor is None:
+                    continue
+                rows.append((model, metric, backend, floor, kz.get(metric),
+                             ratio(kz.get(metric), floor),
+                             ratio(floor, hf.get(model, {}).get(metric))))
     return rows
 
 
@@ -246,6 +304,17 @@ def report(medians, backends, models, size, rounds, notes=()):
         text.append(format_table(
             ("model", "system", "train tokens/s", "GFLOP/s", "of peak"),
             [(m, s, _fmt(t), _fmt(g), _fmt(f, "pct")) for m, s, t, g, f in util], left=2))
+    floors = floor_rows(medians, backends, models)
+    if floors:
+        text.append("")
+        text.append("Matmul floor: tokens/s of a step that ran only its matmuls (same shapes, the "
+                    "backend's own kernels, nothing else); 'floor/transformers' is the largest "
+                    "kzoo/transformers ratio any implementation on that backend could reach.")
+        text.append(format_table(
+            ("model", "metric", "backend", "floor tokens/s", "kzoo tokens/s", "kzoo/floor",
+             "floor/transformers"),
+            [(m, k, b, _fmt(f), _fmt(kz), _fmt(r1, "pct"), _fmt(r2, "ratio"))
+             for m, k, b, f, kz, r1, r2 in floors]))
     if notes:
         text.append("")
         text.extend(f"note: {n}" for n in notes)
@@ -320,6 +389,52 @@ def _torch_matmul(n):
 
     x = torch.randn(n, n)
     return 2 * n ** 3 / _median_time(lambda: torch.mm(x, x), 3, 1) / 1e9
+
+
+def _gemm_seconds(backend, shapes, calls=5):
+    """Median seconds of running just `shapes`' matmuls (see `gemm_shapes`), one after the
+    other, on `backend`'s own kernels: one `jax.jit` / `tf.function` program, or eager torch
+    (no autograd). The floor under a step that does these matmuls and nothing else."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pairs = [(rng.normal(size=(n, m, k)[n == 1:]).astype("float32"),  # 2-D when n == 1
+              rng.normal(size=(n, k, q)[n == 1:]).astype("float32")) for n, m, k, q in shapes]
+    if backend == "jax":
+        import jax
+
+        f = jax.jit(lambda ps: [a @ b for a, b in ps])
+        args = [(jax.numpy.asarray(a), jax.numpy.asarray(b)) for a, b in pairs]
+        run = lambda: jax.block_until_ready(f(args))  # noqa: E731
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        args = [(tf.constant(a), tf.constant(b)) for a, b in pairs]
+        f = tf.function(lambda ps: [tf.linalg.matmul(a, b) for a, b in ps])
+        run = lambda: [tf.reshape(o, [-1])[0].numpy() for o in f(args)]  # noqa: E731
+    else:
+        import torch
+
+        args = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in pairs]
+
+        def run():
+            with torch.no_grad():
+                return [torch.matmul(a, b) for a, b in args]
+
+    return _median_time(run, calls, 1)
+
+
+def _gemm_floors(backend, models, size):
+    """{model: {"train_floor", "forward_floor"}}: tokens/s of a step that did only its
+    matmuls, on `backend` (see `gemm_shapes`)."""
+    tokens = size["batch"] * size["seq"]
+    out = {}
+    for model in models:
+        if "train" in METRICS[model]:
+            out[model] = {
+                f"{kind}_floor": tokens / _gemm_seconds(backend, gemm_shapes(
+                    model, size, train=kind == "train")) for kind in ("train", "forward")}
+    return out
 
 
 def _keras_optimizer():
@@ -549,13 +664,18 @@ def run_worker(library, models, size):
     if library == "transformers":
         results = _transformers_worker(models, size, data)
         results["matmul"] = _torch_matmul(size["matmul"])
-        return results
-    import keras
+        backend = "torch"
+    else:
+        import keras
 
-    keras.utils.set_random_seed(0)
-    worker = _kzoo_worker if library == "kzoo" else _keras_hub_worker
-    results = worker(models, size, data)
-    results["matmul"] = _keras_matmul(keras.backend.backend(), size["matmul"])
+        keras.utils.set_random_seed(0)
+        worker = _kzoo_worker if library == "kzoo" else _keras_hub_worker
+        results = worker(models, size, data)
+        backend = keras.backend.backend()
+        results["matmul"] = _keras_matmul(backend, size["matmul"])
+    if library != "keras-hub":  # one floor per backend: kzoo's workers and transformers'
+        for model, floors in _gemm_floors(backend, models, size).items():
+            results.setdefault(model, {}).update(floors)
     return results
 
 

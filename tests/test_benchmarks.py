@@ -122,3 +122,29 @@ def test_token_count_notes_flag_short_decodes():
     assert peers.token_count_notes(med, ["gpt"], 512) == [
         "keras-hub/jax gpt: decoded 500 new tokens, not 512; its decode rate is not comparable."]
     assert peers.token_count_notes(med, ["t5"], 512) == []
+
+
+def test_gemm_shapes_by_hand():
+    # TINY: d=4, ff=8, heads=1, t=2, b=1, vocab=10; rows = 2.
+    layer = [(1, 2, 4, 12), (1, 2, 4, 4), (1, 2, 4, 8), (1, 2, 8, 4), (1, 2, 4, 2), (1, 2, 2, 4)]
+    assert peers.gemm_shapes("gpt", TINY) == layer + [(1, 2, 4, 10)]
+    # The forward FLOPs agree with the utilisation's count (fused q/k/v = 3 projections).
+    assert peers.gemm_flops(peers.gemm_shapes("gpt", TINY)) == peers.forward_flops_per_token(
+        "gpt", TINY) * TINY["seq"]
+    train = peers.gemm_shapes("bert", TINY, train=True)
+    forward = layer + [(1, 1, 4, 4), (1, 1, 4, 10)]  # head at the 1 masked position
+    assert train[:len(forward)] == forward
+    assert (1, 2, 12, 4) in train and (1, 4, 2, 12) in train  # dA = dC B^T, dB = A^T dC
+    assert peers.gemm_flops(train) == 3 * peers.gemm_flops(forward)
+    assert peers.gemm_flops(train) == peers.train_flops_per_token("bert", TINY) * TINY["seq"]
+
+
+def test_floor_rows():
+    med = {"kzoo/jax": {"gpt": {"train": 50.0, "train_floor": 100.0, "forward": 80.0,
+                                "forward_floor": 160.0}},
+           "transformers/torch": {"gpt": {"train": 40.0, "forward": 200.0}}}
+    rows = peers.floor_rows(med, ["jax", "torch"], ["gpt", "t5"])
+    assert rows == [("gpt", "train", "jax", 100.0, 50.0, 0.5, 2.5),
+                    ("gpt", "forward", "jax", 160.0, 80.0, 0.5, 0.8)]
+    text = peers.report(med, ["jax"], ["gpt"], {**TINY, "matmul": 8}, 1)
+    assert "Matmul floor" in text and "0.80x" in text and "50.0%" in text
