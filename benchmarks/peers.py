@@ -46,6 +46,11 @@ the head; the backward pass's two products per matmul for `train`) on its backen
 run a step faster than its matmuls, so `floor / transformers` bounds the kzoo/transformers
 ratio reachable there; `kzoo / floor` says how much of the step is matmul time.
 
+Training memory: the resident set's high-water mark over the training calls (warm-up and
+compilation included; reset through /proc/self/clear_refs first) minus the resident set
+before them: the activations, gradients, optimizer state and compiler buffers that training
+adds to a process holding the model.
+
 Training utilisation: each training row's model FLOPs per token (matmuls only: 2 x
 multiply-adds forward, 3x that for forward + backward; attention counted over all keys, the
 PaLM convention, embedding lookups not counted) times tokens/s, as GFLOP/s and as a fraction
@@ -228,6 +233,24 @@ def floor_rows(medians, backends, models):
     return rows
 
 
+def memory_rows(medians, backends, models):
+    """Rows (model, backend, kzoo MiB, keras-hub MiB, transformers MiB, kzoo/transformers,
+    kzoo/keras-hub) of the training peak (`train_peak_mib`; lower is better)."""
+    rows = []
+    for model in models:
+        if "train" not in METRICS[model]:
+            continue
+        hf = medians.get(system_key("transformers", "torch"), {}).get(model, {}).get(
+            "train_peak_mib")
+        for backend in backends:
+            kz, kh = (medians.get(system_key(lib, backend), {}).get(model, {}).get(
+                "train_peak_mib") for lib in ("kzoo", "keras-hub"))
+            if kz is None and kh is None:
+                continue
+            rows.append((model, backend, kz, kh, hf, ratio(kz, hf), ratio(kz, kh)))
+    return rows
+
+
 def utilisation_rows(medians, size, models, peak):
     """Rows (model, system, train tokens/s, GFLOP/s, fraction of `peak`) for trained models."""
     rows = []
@@ -304,6 +327,17 @@ def report(medians, backends, models, size, rounds, notes=()):
         text.append(format_table(
             ("model", "system", "train tokens/s", "GFLOP/s", "of peak"),
             [(m, s, _fmt(t), _fmt(g), _fmt(f, "pct")) for m, s, t, g, f in util], left=2))
+    memory = memory_rows(medians, backends, models)
+    if memory:
+        text.append("")
+        text.append("Training memory: MiB the training calls added to the process' resident set "
+                    "at their peak (compilation included); lower is better, ratios < 1: kzoo "
+                    "uses less.")
+        text.append(format_table(
+            ("model", "backend", "kzoo", "keras-hub", "transformers(torch)",
+             "kzoo/transformers", "kzoo/keras-hub"),
+            [(m, b, _fmt(kz), _fmt(kh), _fmt(hf), _fmt(r1, "ratio"), _fmt(r2, "ratio"))
+             for m, b, kz, kh, hf, r1, r2 in memory], left=2))
     floors = floor_rows(medians, backends, models)
     if floors:
         text.append("")
@@ -443,16 +477,38 @@ def _keras_optimizer():
     return keras.optimizers.AdamW(learning_rate=1e-4, weight_decay=0.01)
 
 
+def _memory_mib():
+    """(resident set, its high-water mark) of this process, MiB (Linux /proc)."""
+    with open("/proc/self/status") as f:
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in f
+               if line.startswith(("VmRSS", "VmHWM"))}
+    return kib["VmRSS"] / 1024, kib["VmHWM"] / 1024
+
+
+def _timed_training(step, size):
+    """(median seconds of `step`, peak MiB): the peak is the resident set's high-water mark
+    over all the training calls (warm-up and compilation included) above the resident set
+    before the first, i.e. what training adds to a process holding the model."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # the high-water mark := now
+            f.write("5")
+    except OSError:
+        pass
+    before, _ = _memory_mib()
+    seconds = _median_time(step, size["steps"], size["warmup"])
+    return seconds, _memory_mib()[1] - before
+
+
 def _keras_train_forward(model, x, y, w, size, forward_x=None):
-    """(train tokens/s, forward tokens/s) of a compiled Keras model: `train_on_batch(x, y,
-    sample_weight=w)`, then `predict_on_batch(forward_x)` (default `x`)."""
+    """{"train": tokens/s, "train_peak_mib", "forward": tokens/s} of a compiled Keras model:
+    `train_on_batch(x, y, sample_weight=w)`, then `predict_on_batch(forward_x)` (default
+    `x`)."""
     tokens = size["batch"] * size["seq"]
-    step = _median_time(lambda: model.train_on_batch(x, y, sample_weight=w),
-                        size["steps"], size["warmup"])
+    step, peak = _timed_training(lambda: model.train_on_batch(x, y, sample_weight=w), size)
     forward_x = x if forward_x is None else forward_x
     fwd = _median_time(lambda: model.predict_on_batch(forward_x), size["steps"],
                        size["warmup"])
-    return tokens / step, tokens / fwd
+    return {"train": tokens / step, "train_peak_mib": peak, "forward": tokens / fwd}
 
 
 def _kzoo_worker(models, size, data):
@@ -466,7 +522,7 @@ def _kzoo_worker(models, size, data):
             t, size["prompt_len"] + size["new_tokens"]), **shape)
         model.compile(optimizer=_keras_optimizer())  # kzoo's default loss
         x = {"token_ids": data["tokens"][:, :t], "padding_mask": data["tokens"][:, :t] >= 0}
-        train, fwd = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
+        rates = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
         prompts = data["prompts"].tolist()
         new = {}
 
@@ -476,8 +532,7 @@ def _kzoo_worker(models, size, data):
             new["n"] = count_new_tokens(out)
 
         seconds = _median_time(decode, size["decode_calls"], 1)
-        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds,
-                              new_tokens=new["n"])
+        results["gpt"] = dict(**rates, decode=new["n"] / seconds, new_tokens=new["n"])
     if "bert" in models:
         model = kzoo.presets.load("bert_tiny_uncased", dropout=0.0, attention_dropout=0.0,
                                   max_sequence_length=t, **shape)
@@ -485,9 +540,8 @@ def _kzoo_worker(models, size, data):
         x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
              "padding_mask": data["mlm_inputs"] >= 0}
         train_x = {**x, "mask_positions": data["mask_positions"]}
-        train, fwd = _keras_train_forward(model, train_x, data["masked_targets"], None, size,
-                                          forward_x=x)
-        results["bert"] = dict(train=train, forward=fwd)
+        results["bert"] = _keras_train_forward(model, train_x, data["masked_targets"], None,
+                                               size, forward_x=x)
     if "t5" in models:
         model = kzoo.presets.load(
             "t5_small", dropout=0.0, num_decoder_layers=size["layers"],
@@ -521,7 +575,7 @@ def _keras_hub_worker(models, size, data):
         model.compile(optimizer=_keras_optimizer(), loss=loss, weighted_metrics=None,
                       sampler="greedy")
         x = {"token_ids": data["tokens"][:, :t], "padding_mask": data["tokens"][:, :t] >= 0}
-        train, fwd = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
+        rates = _keras_train_forward(model, x, data["tokens"][:, 1:], None, size)
         ids = np.zeros((b, p + n), "int32")
         ids[:, :p] = data["prompts"]
         inputs = {"token_ids": ids, "padding_mask": np.arange(p + n)[None].repeat(b, 0) < p}
@@ -532,8 +586,7 @@ def _keras_hub_worker(models, size, data):
             new["n"] = int(np.sum(np.asarray(out["padding_mask"]))) - b * p
 
         seconds = _median_time(decode, size["decode_calls"], 1)
-        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds,
-                              new_tokens=new["n"])
+        results["gpt"] = dict(**rates, decode=new["n"] / seconds, new_tokens=new["n"])
     if "bert" in models:
         backbone = keras_hub.models.BertBackbone(dropout=0.0, max_sequence_length=t, **shape)
         model = keras_hub.models.BertMaskedLM(backbone=backbone, preprocessor=None)
@@ -541,10 +594,9 @@ def _keras_hub_worker(models, size, data):
         x = {"token_ids": data["mlm_inputs"], "segment_ids": 0 * data["mlm_inputs"],
              "padding_mask": data["mlm_inputs"] >= 0}
         every = np.arange(t, dtype="int32")[None].repeat(size["batch"], 0)
-        train, fwd = _keras_train_forward(
+        results["bert"] = _keras_train_forward(
             model, {**x, "mask_positions": data["mask_positions"]}, data["masked_targets"],
             None, size, forward_x={**x, "mask_positions": every})
-        results["bert"] = dict(train=train, forward=fwd)
     if "t5" in models:
         if not hasattr(keras_hub.models, "T5Seq2SeqLM"):
             results["t5"] = dict(decode=None, note="keras-hub has no T5 generate")
@@ -589,7 +641,7 @@ def _transformers_worker(models, size, data):
             opt.step()
 
         model.train()
-        train = _median_time(step, size["steps"], size["warmup"])
+        train, peak = _timed_training(step, size)
         model.eval()
 
         def forward():
@@ -597,7 +649,8 @@ def _transformers_worker(models, size, data):
                 model(**inputs).logits
 
         fwd = _median_time(forward, size["steps"], size["warmup"])
-        return tokens_per_batch / train, tokens_per_batch / fwd
+        return {"train": tokens_per_batch / train, "train_peak_mib": peak,
+                "forward": tokens_per_batch / fwd}
 
     def decode_rate(model, inputs, prompt_width):
         model.eval()
@@ -621,12 +674,11 @@ def _transformers_worker(models, size, data):
         model = transformers.GPT2LMHeadModel(config)
         ids = torch.as_tensor(data["tokens"][:, :t], dtype=torch.long)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        train, fwd = train_forward(model, inputs, ids)
+        rates = train_forward(model, inputs, ids)
         prompts = torch.as_tensor(data["prompts"], dtype=torch.long)
         new, seconds = decode_rate(
             model, {"input_ids": prompts, "attention_mask": torch.ones_like(prompts)}, p)
-        results["gpt"] = dict(train=train, forward=fwd, decode=new["n"] / seconds,
-                              new_tokens=new["n"])
+        results["gpt"] = dict(**rates, decode=new["n"] / seconds, new_tokens=new["n"])
     if "bert" in models:
         config = transformers.BertConfig(
             vocab_size=size["vocab"], hidden_size=size["width"],
@@ -639,8 +691,7 @@ def _transformers_worker(models, size, data):
         labels = torch.where(torch.as_tensor(data["masked"]), labels, -100)
         inputs = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
                   "attention_mask": torch.ones_like(ids)}
-        train, fwd = train_forward(model, inputs, labels)
-        results["bert"] = dict(train=train, forward=fwd)
+        results["bert"] = train_forward(model, inputs, labels)
     if "t5" in models:
         config = transformers.T5Config(
             vocab_size=size["vocab"], d_model=size["width"], d_kv=size["width"] // size["heads"],

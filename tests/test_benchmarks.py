@@ -148,3 +148,23 @@ def test_floor_rows():
                     ("gpt", "forward", "jax", 160.0, 80.0, 0.5, 0.8)]
     text = peers.report(med, ["jax"], ["gpt"], {**TINY, "matmul": 8}, 1)
     assert "Matmul floor" in text and "0.80x" in text and "50.0%" in text
+
+
+def test_memory_rows_and_report():
+    med = {"kzoo/jax": {"gpt": {"train": 5.0, "train_peak_mib": 300.0}},
+           "keras-hub/jax": {"gpt": {"train": 4.0, "train_peak_mib": 600.0}},
+           "transformers/torch": {"gpt": {"train": 4.0, "train_peak_mib": 200.0}}}
+    rows = peers.memory_rows(med, ["jax", "torch"], ["gpt", "t5"])
+    assert rows == [("gpt", "jax", 300.0, 600.0, 200.0, 1.5, 0.5)]
+    text = peers.report(med, ["jax"], ["gpt"], {**TINY, "matmul": 8}, 1)
+    assert "Training memory" in text and "1.50x" in text and "0.50x" in text
+
+
+def test_timed_training_reports_the_memory_a_step_adds():
+    import numpy as np
+
+    held = []
+    seconds, peak = peers._timed_training(
+        lambda: held.append(np.ones(16 * 2 ** 20 // 8)),  # 16 MiB a call, kept
+        {"steps": 3, "warmup": 1})
+    assert seconds >= 0 and 4 * 16 * 0.9 <= peak <= 4 * 16 + 32
