@@ -122,13 +122,25 @@ def check_format(format, backend=None):  # noqa: A002 - Keras' own argument name
 # === Input signature ===
 
 
+def _is_optional(tensor):
+    """True for a `keras.Input(..., optional=True)` (e.g. BERT's `mask_positions`)."""
+    history = getattr(tensor, "_keras_history", None)
+    layer = getattr(history, "operation", None)
+    return bool(getattr(layer, "optional", False))
+
+
 def _inputs_struct(model):
+    """The model's functional inputs less the optional ones: an exported program has fixed
+    inputs, and kzoo's models run without their optional inputs (BERT's masked-LM head at
+    every position, Longformer without global tokens)."""
     struct = getattr(model, "_inputs_struct", None)
     if struct is None:
         raise ValueError(
             f"Model {model.name!r} has no functional inputs to export; kzoo exports its "
             "functional models (backbones and task models)."
         )
+    if isinstance(struct, dict):
+        struct = {key: tensor for key, tensor in struct.items() if not _is_optional(tensor)}
     return struct
 
 

@@ -388,3 +388,20 @@ def test_hf_exports_load_in_transformers_5(tmp_path):
               f"{diff:.2e}")
         np.testing.assert_allclose(theirs, expected[case["name"]], atol=1e-5, rtol=1e-5,
                                    err_msg=case["name"])
+
+
+def test_optional_inputs_are_left_out_of_the_export(tmp_path):
+    """BERT's masked-LM model has an optional `mask_positions` input: the exported program
+    takes the required inputs only and computes the logits at every position."""
+    model = build_model("bert")
+    assert "mask_positions" in model.input
+    assert sorted(_flat_specs(model)) == ["padding_mask", "segment_ids", "token_ids"]
+    x = model_inputs("bert")
+    assert "mask_positions" not in x
+    format = FORMATS[0]  # noqa: A001
+    path = str(tmp_path / f"bert{SUFFIX[format]}")
+    model.export(path, format=format, shapes=fixed_sizes("bert", format))
+    expected = to_numpy(model(x))
+    assert expected.shape[:2] == np.shape(x["token_ids"])
+    np.testing.assert_allclose(run_exported(format, path, feed(model, x)), expected,
+                               atol=1e-5, rtol=1e-5)
