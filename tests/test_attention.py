@@ -582,12 +582,16 @@ def test_mha_layer_harness(kwargs):
                 reference=lambda layer, x: _np_mha(layer, x, causal=True), atol=2e-5)
 
 
-def test_mha_cache_decoding_equals_full_pass():
+@pytest.mark.parametrize("form", ["stacked", "pair"])
+def test_mha_cache_decoding_equals_full_pass(form):
     r = np.random.default_rng(0)
     x = r.normal(size=(2, 6, 16)).astype("float32")
     layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_max_wavelength=10000)
     full = to_numpy(layer(x, use_causal_mask=True))
-    cache = ops.zeros((2, 2, 2, 6, 4))  # (batch, k/v, kv_heads, length, head_dim)
+    if form == "stacked":
+        cache = ops.zeros((2, 2, 2, 6, 4))  # (batch, k/v, kv_heads, length, head_dim)
+    else:  # (keys, values), each (batch, kv_heads, length, head_dim)
+        cache = (ops.zeros((2, 2, 6, 4)), ops.zeros((2, 2, 6, 4)))
     # Prefill 4 tokens, then decode two one at a time.
     out, cache = layer(x[:, :4], use_causal_mask=True, cache=cache, cache_index=0)
     steps = [to_numpy(out)]
@@ -595,6 +599,16 @@ def test_mha_cache_decoding_equals_full_pass():
         out, cache = layer(x[:, i:i + 1], use_causal_mask=True, cache=cache, cache_index=i)
         steps.append(to_numpy(out))
     np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
+    # The cache comes back in the form it was given, holding the projected keys/values.
+    keys, values = layer.project_key_value(x)
+    if form == "pair":
+        assert isinstance(cache, tuple) and len(cache) == 2
+        got_keys, got_values = to_numpy(cache[0]), to_numpy(cache[1])
+    else:
+        assert tuple(cache.shape) == (2, 2, 2, 6, 4)
+        got_keys, got_values = to_numpy(cache[:, 0]), to_numpy(cache[:, 1])
+    np.testing.assert_allclose(got_values, to_numpy(values).transpose(0, 2, 1, 3), atol=1e-6)
+    assert got_keys.shape == (2, 2, 6, 4)  # (rotated keys: compared through `full` above)
 
 
 def test_mha_returns_weights_and_validates():
