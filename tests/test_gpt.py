@@ -241,9 +241,10 @@ def test_generation_prefill_and_steps_equal_full_recompute(kind):
     logits, state, constants = lm.generation_prefill(
         {"token_ids": prompt, "padding_mask": mask, "position_offset": offset}, 3
     )
-    caches = state["cache"]  # one (batch, 2, kv_heads, slots, head_dim) cache per layer
-    assert len(caches) == 2 and all(tuple(c.shape)[:2] + tuple(c.shape)[3:4] == (2, 2, 8)
-                                    for c in caches)
+    caches = state["cache"]  # per layer: (keys, values), each (batch, kv_heads, slots, dim)
+    assert len(caches) == 2 and all(isinstance(c, tuple) and len(c) == 2 for c in caches)
+    assert all(tuple(part.shape)[0] == 2 and tuple(part.shape)[2] == 8
+               for c in caches for part in c)
     got0, got1 = [to_numpy(logits)[0]], [to_numpy(logits)[1]]
     for i in range(5, 8):
         tokens = np.array([[ids[0, i]], [row1[i - 2] if i - 2 < 6 else 0]], "int32")

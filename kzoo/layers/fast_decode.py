@@ -186,9 +186,12 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True):
     batch, q_len = x.shape[0], x.shape[1]
     heads, kv_heads, head_dim = layer.num_heads, layer._kv_heads, layer._head_dim
     q = _dense(layer.query_dense, x).view(batch, q_len, heads, head_dim)
-    # The cache is `(batch, 2, kv_heads, length, head_dim)` (see `MultiHeadAttention`).
+    # The cache is `(batch, 2, kv_heads, length, head_dim)` or the pair form `(keys, values)`
+    # of `(batch, kv_heads, length, head_dim)` (see `MultiHeadAttention`): views either way.
+    k_cache, v_cache = cache if isinstance(cache, (tuple, list)) else (cache[:, 0],
+                                                                       cache[:, 1])
     if cache_index is None:  # cross-attention: precomputed keys and values
-        k, v = cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+        k, v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     else:
         k = _dense(layer.key_dense, x).view(batch, q_len, kv_heads, head_dim)
         v = _dense(layer.value_dense, x).view(batch, q_len, kv_heads, head_dim)
@@ -197,9 +200,9 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True):
             k = layer.rotary(k, start_index=cache_index)
             q = layer.rotary(q, start_index=cache_index)
         slots = index + torch.arange(q_len, device=x.device)
-        cache[:, 0].index_copy_(2, slots, k.transpose(1, 2).to(cache.dtype))
-        cache[:, 1].index_copy_(2, slots, v.transpose(1, 2).to(cache.dtype))
-        k, v = cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+        k_cache.index_copy_(2, slots, k.transpose(1, 2).to(k_cache.dtype))
+        v_cache.index_copy_(2, slots, v.transpose(1, 2).to(v_cache.dtype))
+        k, v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         if causal:  # over the cache: query i (slot index + i) sees the slots <= its own
             allowed = torch.arange(k.shape[1], device=x.device)[None, :] <= slots[:, None]
             allowed = allowed[None, None]

@@ -438,9 +438,10 @@ class GPTBackbone(Backbone):
     def init_cache(self, batch_size, max_length, per_layer=False):
         """An all-zero key/value cache `(batch, num_layers, 2, kv_heads, max_length, head_dim)`.
 
-        With `per_layer=True`, a list of `num_layers` caches `(batch, 2, kv_heads,
-        max_length, head_dim)` instead: what the decode loop of `kzoo.generation` carries, so
-        that each layer's keys/values are written in place and never re-stacked.
+        With `per_layer=True`, a list of `num_layers` caches in pair form `(keys, values)`,
+        each `(batch, kv_heads, max_length, head_dim)` (see `MultiHeadAttention`): what the
+        decode loop of `kzoo.generation` carries, so that each layer's keys and values are
+        written in place and read without a copy, never re-stacked or sliced.
 
         Efficient attention types keep their own caches (`MultiHeadAttention.init_cache`):
         "sliding_window" `min(window, max_length)` rolling slots instead of `max_length`;
@@ -460,7 +461,10 @@ class GPTBackbone(Backbone):
         shape = (batch_size, 2, self.num_kv_heads or self.num_heads, max_length,
                  self.head_dim)
         if per_layer:
-            return [ops.zeros(shape, dtype=self.compute_dtype) for _ in range(self.num_layers)]
+            half = shape[:1] + shape[2:]
+            return [(ops.zeros(half, dtype=self.compute_dtype),
+                     ops.zeros(half, dtype=self.compute_dtype))
+                    for _ in range(self.num_layers)]
         return ops.zeros(shape[:1] + (self.num_layers,) + shape[1:], dtype=self.compute_dtype)
 
     def call_with_cache(
