@@ -412,9 +412,11 @@ class T5Backbone(Backbone):
             batch_size: rows.
             max_length: decoder positions the self-attention cache holds.
             encoder_outputs: `(batch, enc_len, hidden_dim)` from `encode`.
-            per_layer: return lists of per-layer caches (`(batch, 2, ...)` each) instead of
-                stacked tensors: what the decode loop of `kzoo.generation` carries, so that
-                each layer's keys/values are written in place and never re-stacked.
+            per_layer: return lists of per-layer caches in pair form `(keys, values)`,
+                each `(batch, num_heads, length, key_value_dim)` (see `MultiHeadAttention`),
+                instead of stacked tensors: what the decode loop of `kzoo.generation`
+                carries, so that each layer's keys/values are written in place and read
+                without a copy, never re-stacked or sliced.
 
         Returns:
             `(self_cache, cross_cache)`: zeros `(batch, num_decoder_layers, 2, num_heads,
@@ -426,15 +428,21 @@ class T5Backbone(Backbone):
         >>> self_cache, cross_cache = backbone.init_cache(1, 20, enc)
         """
         dtype = self.compute_dtype
-        shape = (batch_size, 2, self.num_heads, max_length, self.key_value_dim)
-        self_caches = [ops.zeros(shape, dtype) for _ in self.decoder_layers]
+        half = (batch_size, self.num_heads, max_length, self.key_value_dim)
+        self_caches = [(ops.zeros(half, dtype), ops.zeros(half, dtype))
+                       for _ in self.decoder_layers]
         cross_caches = []
         for block in self.decoder_layers:
             k, v = block.cross_attention_layer.project_key_value(encoder_outputs)
-            cross_caches.append(ops.cast(MultiHeadAttention.key_value_cache(k, v), dtype))
+            cross_caches.append(tuple(ops.cast(part, dtype)
+                                      for part in MultiHeadAttention.key_value_pair(k, v)))
         if per_layer:
             return self_caches, cross_caches
-        return ops.stack(self_caches, axis=1), ops.stack(cross_caches, axis=1)
+
+        def stacked(pairs):  # (batch, layers, 2, heads, length, key_value_dim)
+            return ops.stack([ops.stack(pair, axis=1) for pair in pairs], axis=1)
+
+        return stacked(self_caches), stacked(cross_caches)
 
     def decode_step(
         self,
