@@ -477,11 +477,16 @@ class T5Backbone(Backbone):
         x = fast_decode.embed(self.token_embedding, token_ids)
         if not fast:
             x = self.decoder_embedding_dropout(x, training=training)
-        # Keys of the first layer `(batch, max_length, heads, head_dim)`: only their length
-        # is read (the bias spans the whole cache).
-        keys = MultiHeadAttention.cached_key_value(self_cache[0] if per_layer
-                                                   else self_cache[:, 0])[0]
-        bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
+        causal_bias = fast and decoder_padding_mask is None
+        if causal_bias:
+            bias = self._causal_bias_rows(self_cache[0] if per_layer else self_cache[:, 0],
+                                          cache_index, x.shape[1])
+        else:
+            # Keys of the first layer `(batch, max_length, heads, head_dim)`: only their
+            # length is read (the bias spans the whole cache).
+            keys = MultiHeadAttention.cached_key_value(self_cache[0] if per_layer
+                                                       else self_cache[:, 0])[0]
+            bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
         encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         caches = []
         for i, block in enumerate(self.decoder_layers):
@@ -495,12 +500,36 @@ class T5Backbone(Backbone):
                 cache_index=cache_index,
                 cross_cache=cross_cache[i] if per_layer else cross_cache[:, i],
                 training=training,
+                causal_bias=causal_bias,
             )
             caches.append(layer_cache)
         x = fast_decode.norm(self.decoder_output_norm, x)
         if not fast:
             x = self.decoder_output_dropout(x, training=training)
         return x, caches if per_layer else ops.stack(caches, axis=1)
+
+    def _causal_bias_rows(self, cache, cache_index, q_len):
+        """The torch fast path's decoder self-attention bias for queries at `cache_index ..
+        cache_index + q_len - 1` over a cache `(batch, 2, heads, length, head_dim)`: rows of
+        one `(1, heads, length, length)` table of the relative position bias with the keys
+        after each query set to the dtype's minimum (the causal mask folded in), made once
+        per decode loop (`fast_decode.memo`) instead of bucketed again at every step."""
+        import torch
+
+        layer = self.decoder_relative_attention_bias
+        length = cache.shape[3]
+
+        def make():
+            positions = ops.zeros((1, length, 1), layer.compute_dtype)
+            table = layer(positions, positions)  # (1, heads, length, length)
+            future = torch.ones((length, length), dtype=torch.bool,
+                                device=table.device).triu(1)
+            return table.masked_fill(future, torch.finfo(table.dtype).min)
+
+        table = fast_decode.memo(("t5_causal_bias", id(layer), length),
+                                 [fast_decode._value(layer.embeddings)], make)
+        start = torch.as_tensor(cache_index, dtype=torch.long, device=table.device)
+        return table.narrow(2, start, q_len)
 
     # === Config ===
 
