@@ -138,6 +138,13 @@ def _norm(layer, x):
         y = F.layer_norm(x.float(), (x.shape[-1],), weight, bias, layer.epsilon)
         return y.to(_torch_dtype(layer.compute_dtype))
     if isinstance(layer, RMSNorm):
+        import torch
+
+        weight = None if layer.scale is None else _value(layer.scale)
+        if x.dtype == torch.float32 and layer.compute_dtype == "float32" and (
+                weight is None or weight.dtype == torch.float32):
+            # (one kernel; the same float32 formula as below)
+            return F.rms_norm(x, (x.shape[-1],), weight, layer.epsilon)
         h = x.float()
         y = h * (h.square().mean(-1, keepdim=True) + layer.epsilon).rsqrt()
         if layer.scale is not None:
@@ -374,6 +381,10 @@ def embed(layer, ids):
     return table[ids].to(_torch_dtype(layer.compute_dtype))
 
 
+# Largest tied embedding table (bytes) that `unembed` copies transposed for a decode loop.
+_COPY_LIMIT = 256 * 2 ** 20
+
+
 def unembed(layer, hidden):
     """`layer(hidden, reverse=True)` of a `TokenEmbedding`: the logits."""
     if not enabled():
@@ -381,7 +392,16 @@ def unembed(layer, hidden):
     dtype = _torch_dtype(layer.reverse_dtype or layer.compute_dtype)
     hidden = hidden.to(dtype)
     if layer.tie_weights:
-        logits = hidden @ _value(layer.embeddings).to(dtype).T
+        table = _value(layer.embeddings)
+        if table.device.type == "cpu" and table.numel() * table.element_size() <= _COPY_LIMIT:
+            # On CPU `h @ E.T` of a row-major table runs at about 60% of the speed of the
+            # same product with a row-major `E.T` (MKL, batch 4, 8192 x 256): that copy,
+            # made once per loop.
+            table = memo(("unembed_t", id(layer), dtype), [table],
+                         lambda: table.to(dtype).T.contiguous())
+            logits = hidden @ table
+        else:
+            logits = hidden @ table.to(dtype).T
     else:
         logits = hidden @ _value(layer.reverse_embeddings).to(dtype)
     if layer.logit_soft_cap is not None:
