@@ -290,6 +290,30 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True, causal_
     if cache_index is None:  # cross-attention: precomputed keys and values
         q = _dense(layer.query_dense, x).view(batch, q_len, heads, head_dim)
         k, v = cache[:, 0], cache[:, 1]
+    elif type(cache_index) is int:
+        # A host index: the new keys/values written with one copy, and only the slots
+        # written so far attended to (the others are masked out anyway).
+        q, k, v = _project_qkv(layer, x)
+        q = q.reshape(batch, q_len, heads, head_dim)
+        k = k.reshape(batch, q_len, kv_heads, head_dim)
+        v = v.reshape(batch, q_len, kv_heads, head_dim)
+        if layer.rotary is not None:
+            k = layer.rotary(k, start_index=cache_index)
+            q = layer.rotary(q, start_index=cache_index)
+        end = cache_index + q_len
+        cache.narrow(3, cache_index, q_len).copy_(torch.stack((k, v), 1).transpose(2, 3))
+        live = cache.narrow(3, 0, end) if end < cache.shape[3] else cache
+        k, v = live[:, 0], live[:, 1]
+        if bias is not None and bias.shape[-1] > end:
+            bias = bias[..., :end]
+        if mask is not None and mask.shape[-1] > end:
+            mask = mask[..., :end]
+        rows_visible = mask is None  # (with a causal mask each query sees its own slot)
+        if causal and not causal_bias and q_len > 1:
+            allowed = torch.ones((q_len, end), dtype=torch.bool,
+                                 device=x.device).tril(cache_index)[None, None]
+            mask = allowed if mask is None else torch.logical_and(mask, allowed)
+        # (one query at slot `cache_index` sees every slot written so far)
     else:
         q, k, v = _project_qkv(layer, x)
         q = q.reshape(batch, q_len, heads, head_dim)

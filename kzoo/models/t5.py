@@ -528,6 +528,8 @@ class T5Backbone(Backbone):
 
         table = fast_decode.memo(("t5_causal_bias", id(layer), length),
                                  [fast_decode._value(layer.embeddings)], make)
+        if type(cache_index) is int:  # only the keys written so far (see `block_step`)
+            return table[:, :, cache_index:cache_index + q_len, :cache_index + q_len]
         start = torch.as_tensor(cache_index, dtype=torch.long, device=table.device)
         return table.narrow(2, start, q_len)
 
@@ -653,7 +655,9 @@ class T5Seq2SeqLM(TaskModel):
         token and the new `{"cache"}`."""
         hidden, cache = self.backbone.decode_step(
             token_ids, constants["encoder_padding_mask"], state["cache"],
-            constants["cross_cache"], ops.cast(index, "int32") + 1,
+            constants["cross_cache"],
+            # (a Python int in PyTorch's loop: see `fast_decode.block_step`)
+            index + 1 if type(index) is int else ops.cast(index, "int32") + 1,
         )
         hidden = hidden[:, -1:, :]
         if self.lm_head is not None:
