@@ -29,7 +29,8 @@ The loop (`decode`) is written once with `keras.ops` and compiled whole:
   keep emitting padding, closed beams accept nothing). Inside this loop the models' blocks
   step through `kzoo.layers.fast_decode` (plain torch calls on the same variables, the
   keys/values written into the cache in place): Keras' per-layer Python overhead was 3/4 of
-  a step there (`KZOO_FAST_DECODE=0` turns it off).
+  a step there (`KZOO_FAST_DECODE=0` turns it off). The samplers' carry updates (and the
+  greedy argmax) are torch calls there too, the step a Python int.
 - `compile=False`: the same body in a Python loop, eagerly, testing the end at every step
   (for debugging; on PyTorch under `torch.no_grad()` too).
 
