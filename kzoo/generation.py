@@ -29,7 +29,8 @@ The loop (`decode`) is written once with `keras.ops` and compiled whole:
   keep emitting padding, closed beams accept nothing). Inside this loop the models' blocks
   step through `kzoo.layers.fast_decode` (plain torch calls on the same variables, the
   keys/values written into the cache in place): Keras' per-layer Python overhead was 3/4 of
-  a step there (`KZOO_FAST_DECODE=0` turns it off).
+  a step there (`KZOO_FAST_DECODE=0` turns it off). The samplers' carry updates (and the
+  greedy argmax) are torch calls there too, the step a Python int.
 - `compile=False`: the same body in a Python loop, eagerly, testing the end at every step
   (for debugging; on PyTorch under `torch.no_grad()` too).
 
@@ -260,8 +261,19 @@ def mask_finished(next_ids, finished, pad_id=0):
 # === Samplers ===
 
 
+def _eager_torch(t):
+    """Whether step `t` runs in PyTorch's Python loop (a Python int step on the torch
+    backend): there the samplers use torch calls (a `keras.ops` call costs some
+    microseconds of dispatch each, a tenth of a small model's step in all)."""
+    return isinstance(t, int) and keras.backend.backend() == "torch"
+
+
 def _set_column(tokens, column, values):
     """`tokens[..., column] = values` for a (possibly traced) scalar `column`."""
+    if _eager_torch(column):
+        tokens = tokens.clone()
+        tokens[..., column] = values.to(tokens.dtype)
+        return tokens
     width = tokens.shape[-1]
     here = ops.equal(ops.arange(width, dtype="int32"), ops.cast(column, "int32"))
     return ops.where(here, ops.expand_dims(ops.cast(values, tokens.dtype), -1), tokens)
@@ -269,6 +281,8 @@ def _set_column(tokens, column, values):
 
 def _column(tokens, column):
     """`tokens[..., column]` for a (possibly traced) scalar `column`."""
+    if isinstance(column, int):
+        return tokens[..., column]
     width = tokens.shape[-1]
     here = ops.equal(ops.arange(width, dtype="int32"), ops.cast(column, "int32"))
     return ops.sum(ops.where(here, tokens, ops.zeros_like(tokens)), axis=-1)
@@ -312,6 +326,8 @@ class Sampler:
         says which rows of the model state each row continues (beam search reorders)."""
         ids, carry = self.next_ids(logits, carry)
         finished = carry["finished"]
+        if _eager_torch(t):
+            return self._select_torch(ids, carry, t), None
         ids = mask_finished(ids, finished, self.pad_token_id)
         finished_now = update_finished(finished, ids, self.stops)
         ended = ops.logical_and(finished_now, ops.logical_not(finished))
@@ -320,6 +336,21 @@ class Sampler:
         carry["lengths"] = ops.where(ended, ops.cast(t + 1, "int32"), carry["lengths"])
         carry["finished"] = finished_now
         return carry, None
+
+    def _select_torch(self, ids, carry, t):
+        """`select`'s carry update in torch calls (the same integers)."""
+        import torch
+
+        finished = carry["finished"]
+        ids = torch.where(finished, self.pad_token_id, ids.to(torch.int32))
+        finished_now = finished
+        for stop in self.stops:
+            finished_now = finished_now | (ids == stop)
+        carry = dict(carry)
+        carry["tokens"] = _set_column(carry["tokens"], t, ids)
+        carry["lengths"] = torch.where(finished_now & ~finished, t + 1, carry["lengths"])
+        carry["finished"] = finished_now
+        return carry
 
     def last_tokens(self, carry, t):
         """The tokens chosen at step `t`, `(rows,)`: the model's next input."""
@@ -346,6 +377,13 @@ class GreedySampler(Sampler):
     """
 
     def next_ids(self, logits, carry):
+        if keras.backend.backend() == "torch":
+            import torch
+
+            if isinstance(logits, torch.Tensor) and logits.dtype != torch.bool:
+                # (`max(...).indices`: the first maximal index, like `argmax`, in 2/3 of
+                # its time on CPU)
+                return logits.max(dim=-1).indices.to(torch.int32), carry
         return ops.cast(ops.argmax(logits, axis=-1), "int32"), carry
 
 

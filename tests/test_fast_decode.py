@@ -39,8 +39,11 @@ def _no_grad():
     return contextlib.nullcontext()
 
 
-def _decode(block, x, enc, bias, pad):
-    """Step-by-step cached decoding of `x` through `decode_block` inside the loop context."""
+def _decode(block, x, enc, bias, pad, index="int", causal_bias=False):
+    """Step-by-step cached decoding of `x` through `decode_block` inside the loop context.
+    `index`: the cache index as a Python int (the host path of `block_step`) or as a scalar
+    tensor; `causal_bias`: the bias rows with the keys after each query set to the float32
+    minimum, passed with `causal_bias=True`."""
     b, t, _ = x.shape
     heads = block.self_attention._kv_heads
     cache = keras.ops.zeros((b, 2, heads, t, block.self_attention._head_dim))
@@ -52,9 +55,14 @@ def _decode(block, x, enc, bias, pad):
     with _no_grad(), fast_decode.fast_steps():
         for i in range(t):
             kwargs = dict(padding_mask=keras.ops.convert_to_tensor(pad), cache=cache,
-                          cache_index=i)
+                          cache_index=i if index == "int" else keras.ops.convert_to_tensor(
+                              i, "int32"))
             if bias is not None:
-                kwargs["attention_bias"] = keras.ops.convert_to_tensor(bias[:, :, i:i + 1])
+                rows = bias[:, :, i:i + 1].copy()
+                if causal_bias:
+                    rows[..., i + 1:] = np.finfo("float32").min
+                    kwargs["causal_bias"] = True
+                kwargs["attention_bias"] = keras.ops.convert_to_tensor(rows)
             if cross is not None:
                 kwargs.update(cross_cache=cross,
                               encoder_padding_mask=keras.ops.convert_to_tensor(
@@ -66,8 +74,9 @@ def _decode(block, x, enc, bias, pad):
     return np.concatenate(outs, 1)
 
 
+@pytest.mark.parametrize("index", ["int", "tensor"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_cached_steps_equal_the_full_causal_pass(name):
+def test_cached_steps_equal_the_full_causal_pass(name, index):
     kwargs = CONFIGS[name]
     r = np.random.default_rng(3)
     x = r.normal(size=(2, 6, 16)).astype("float32")
@@ -84,8 +93,11 @@ def test_cached_steps_equal_the_full_causal_pass(name):
     else:
         expected = _np_block(block, x, None, enc, None, bias)
         np.testing.assert_allclose(full, expected, atol=3e-5, rtol=1e-4)
-    got = _decode(block, x, enc, bias, pad)
+    got = _decode(block, x, enc, bias, pad, index=index)
     np.testing.assert_allclose(got, expected, atol=3e-5, rtol=1e-4)
+    if bias is not None:  # the same with the causal mask folded into the bias (T5's loop)
+        got = _decode(block, x, enc, bias, pad, index=index, causal_bias=True)
+        np.testing.assert_allclose(got, expected, atol=3e-5, rtol=1e-4)
 
 
 def test_padding_slots_are_not_attended():
@@ -94,9 +106,10 @@ def test_padding_slots_are_not_attended():
     block = TransformerBlock(num_heads=4, intermediate_dim=24, causal=True)
     block(x)
     pad = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], "int32")  # row 1 left-padded by 2
-    got = _decode(block, x, None, None, pad)
     expected = _np_block(block, x, pad.astype(bool))
-    np.testing.assert_allclose(got[:, 2:], expected[:, 2:], atol=3e-5, rtol=1e-4)
+    for index in ("int", "tensor"):
+        got = _decode(block, x, None, None, pad, index=index)
+        np.testing.assert_allclose(got[:, 2:], expected[:, 2:], atol=3e-5, rtol=1e-4)
 
 
 def test_fast_path_only_in_the_loop_without_autograd(monkeypatch):
@@ -140,3 +153,37 @@ def test_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch, styl
         monkeypatch.delenv("KZOO_FAST_DECODE")
         assert fast == slow
         assert all(len(row) == 12 for row in fast)
+
+
+def test_weights_written_during_a_loop_are_seen():
+    """What the fast path joins or copies once per loop (the q/k/v kernel side by side, the
+    transposed tied embeddings) follows a weight assigned in place inside the loop."""
+    from kzoo.layers.embedding import TokenEmbedding
+
+    r = np.random.default_rng(6)
+    block = TransformerBlock(num_heads=2, intermediate_dim=12, causal=True)
+    x = r.normal(size=(2, 1, 8)).astype("float32")
+    block(x)
+    embedding = TokenEmbedding(20, 8, tie_weights=True)
+    embedding(np.zeros((1, 1), "int32"))
+
+    def step():  # (inside one loop context: what was made for the first step is kept)
+        cache = keras.ops.zeros((2, 2, 2, 3, 4))
+        out, _ = fast_decode.decode_block(block, keras.ops.convert_to_tensor(x), cache=cache,
+                                          cache_index=0)
+        return to_numpy(out), to_numpy(fast_decode.unembed(embedding, out))
+
+    with _no_grad(), fast_decode.fast_steps():
+        first = step()
+        attention = block.self_attention
+        for dense in (attention.query_dense, attention.key_dense, attention.value_dense):
+            dense.kernel.assign(r.normal(size=tuple(dense.kernel.shape)).astype("float32"))
+        embedding.embeddings.assign(r.normal(size=(20, 8)).astype("float32"))
+        second = step()
+    # The Keras path on the new weights (one query over a one-slot cache).
+    cache = keras.ops.zeros((2, 2, 2, 3, 4))
+    out, _ = block(x, cache=cache, cache_index=0)
+    expected = (to_numpy(out), to_numpy(embedding(out, reverse=True)))
+    for got, want, before in zip(second, expected, first):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        assert np.abs(before - want).max() > 1e-2  # the weights did change the result

@@ -57,6 +57,40 @@ def test_greedy_is_argmax():
     np.testing.assert_array_equal(to_numpy(ids), logits.argmax(-1))
 
 
+def test_greedy_step_equals_numpy_with_ties_and_finished_rows(monkeypatch):
+    """One greedy `select` as the eager loop runs it (a Python int step: torch calls on
+    torch) and as the compiled loop does (a tensor step: `keras.ops`), against NumPy: the
+    first maximal logit (ties, +inf), padding for rows that had ended, a row ending at its
+    stop token, the others unchanged."""
+    logits = np.array([[1, 5, 5, 0], [2, 2, 2, 2], [0, np.inf, 3, np.inf], [4, 0, 9, 1],
+                       [7, 1, 1, 7]], "float32")
+    sampler = GreedySampler()
+    carry = sampler.start(5, 6, (2,), -1)
+    carry["finished"] = keras.ops.convert_to_tensor([False, True, False, False, False])
+    carry["lengths"] = keras.ops.convert_to_tensor([6, 2, 6, 6, 6], "int32")
+    tokens = np.full((5, 6), -1, "int32")
+    tokens[:, :3] = np.arange(15).reshape(5, 3)
+    carry["tokens"] = keras.ops.convert_to_tensor(tokens)
+    torch_calls = []
+    eager = generation.Sampler._select_torch
+    monkeypatch.setattr(generation.Sampler, "_select_torch",
+                        lambda *a: torch_calls.append(1) or eager(*a))
+    ids = logits.argmax(-1)  # [1, 0, 1, 2, 0]
+    ids[1] = -1  # ended before this step
+    want_tokens = tokens.copy()
+    want_tokens[:, 3] = ids
+    want = {"tokens": want_tokens, "lengths": [6, 2, 6, 4, 6],  # row 3 hit the stop (2)
+            "finished": [False, True, False, True, False]}
+    for step in (3, keras.ops.convert_to_tensor(3, "int32")):
+        new, rows = sampler.select(keras.ops.convert_to_tensor(logits), carry, step)
+        assert rows is None
+        for name, value in want.items():
+            np.testing.assert_array_equal(to_numpy(new[name]), value)
+        np.testing.assert_array_equal(to_numpy(sampler.last_tokens(new, step)), ids)
+    np.testing.assert_array_equal(to_numpy(carry["tokens"]), tokens)  # not written in place
+    assert len(torch_calls) == (1 if keras.backend.backend() == "torch" else 0)
+
+
 def test_top_k_one_equals_greedy():
     logits = _logits(64, 30, seed=1)
     gen = keras.random.SeedGenerator(3)

@@ -219,6 +219,47 @@ def test_cached_decoding_equals_full_recompute(version):
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_decode_loop_steps_equal_full_recompute(version, monkeypatch):
+    """The steps as the decode loop runs them (on torch: `fast_decode`'s path, with the
+    causal relative-bias table made once per loop, attending to the written slots only for
+    a Python int index), with a host or a tensor index, equal the full forward pass; a row
+    whose encoder input is all padding included."""
+    import contextlib
+
+    from kzoo.layers import fast_decode
+    from kzoo.models.t5 import T5Backbone
+
+    lm = shared_lm(version)
+    inputs = _batch(batch=3, enc_real=(9, 5, 0), dec_real=(7, 7, 7))
+    enc, enc_mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
+    dec = inputs["decoder_token_ids"]
+    dec[:, 0] = 0  # the decoder start token
+    full = _full_logits(lm, enc, enc_mask, dec)
+    torch = keras.backend.backend() == "torch"
+    calls = []
+    table_rows = T5Backbone._causal_bias_rows
+    monkeypatch.setattr(T5Backbone, "_causal_bias_rows",
+                        lambda *a: calls.append(1) or table_rows(*a))
+    for index in ("int", "tensor"):
+        no_grad = contextlib.nullcontext()
+        if torch:
+            import torch as th
+
+            no_grad = th.no_grad()
+        with no_grad, fast_decode.fast_steps():
+            logits, state, constants = lm.generation_prefill(
+                {"encoder_token_ids": enc, "encoder_padding_mask": enc_mask,
+                 "decoder_start_token_ids": dec[:, :1]}, 7)
+            steps = [to_numpy(logits)]
+            for t in range(6):
+                i = t if index == "int" else keras.ops.convert_to_tensor(t, "int32")
+                logits, state = lm.generation_step(dec[:, t + 1:t + 2], state, constants, i)
+                steps.append(to_numpy(logits))
+        np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert len(calls) == (14 if torch else 0)  # the fast path runs on torch only
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_generate_greedy_equals_recompute(version):
     lm = shared_lm(version)
     inputs = _batch()

@@ -485,11 +485,16 @@ class T5Backbone(Backbone):
         x = fast_decode.embed(self.token_embedding, token_ids)
         if not fast:
             x = self.decoder_embedding_dropout(x, training=training)
-        # Keys of the first layer `(batch, max_length, heads, head_dim)`: only their length
-        # is read (the bias spans the whole cache).
-        keys = MultiHeadAttention.cached_key_value(self_cache[0] if per_layer
-                                                   else self_cache[:, 0])[0]
-        bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
+        causal_bias = fast and decoder_padding_mask is None
+        if causal_bias:
+            bias = self._causal_bias_rows(self_cache[0] if per_layer else self_cache[:, 0],
+                                          cache_index, x.shape[1])
+        else:
+            # Keys of the first layer `(batch, max_length, heads, head_dim)`: only their
+            # length is read (the bias spans the whole cache).
+            keys = MultiHeadAttention.cached_key_value(self_cache[0] if per_layer
+                                                       else self_cache[:, 0])[0]
+            bias = self.decoder_relative_attention_bias(x, keys, start_index=cache_index)
         encoder_padding_mask = ops.convert_to_tensor(encoder_padding_mask)
         caches = []
         for i, block in enumerate(self.decoder_layers):
@@ -503,12 +508,40 @@ class T5Backbone(Backbone):
                 cache_index=cache_index,
                 cross_cache=cross_cache[i] if per_layer else cross_cache[:, i],
                 training=training,
+                causal_bias=causal_bias,
             )
             caches.append(layer_cache)
         x = fast_decode.norm(self.decoder_output_norm, x)
         if not fast:
             x = self.decoder_output_dropout(x, training=training)
         return x, caches if per_layer else ops.stack(caches, axis=1)
+
+    def _causal_bias_rows(self, cache, cache_index, q_len):
+        """The torch fast path's decoder self-attention bias for queries at `cache_index ..
+        cache_index + q_len - 1` over a cache (stacked `(batch, 2, heads, length, head_dim)`
+        or in pair form, see `MultiHeadAttention`): rows of
+        one `(1, heads, length, length)` table of the relative position bias with the keys
+        after each query set to the dtype's minimum (the causal mask folded in), made once
+        per decode loop (`fast_decode.memo`) instead of bucketed again at every step."""
+        import torch
+
+        layer = self.decoder_relative_attention_bias
+        keys = cache[0] if isinstance(cache, (tuple, list)) else cache[:, 0]
+        length = keys.shape[2]
+
+        def make():
+            positions = ops.zeros((1, length, 1), layer.compute_dtype)
+            table = layer(positions, positions)  # (1, heads, length, length)
+            future = torch.ones((length, length), dtype=torch.bool,
+                                device=table.device).triu(1)
+            return table.masked_fill(future, torch.finfo(table.dtype).min)
+
+        table = fast_decode.memo(("t5_causal_bias", id(layer), length),
+                                 [fast_decode._value(layer.embeddings)], make)
+        if type(cache_index) is int:  # only the keys written so far (see `block_step`)
+            return table[:, :, cache_index:cache_index + q_len, :cache_index + q_len]
+        start = torch.as_tensor(cache_index, dtype=torch.long, device=table.device)
+        return table.narrow(2, start, q_len)
 
     # === Config ===
 
@@ -632,7 +665,9 @@ class T5Seq2SeqLM(TaskModel):
         token and the new `{"cache"}`."""
         hidden, cache = self.backbone.decode_step(
             token_ids, constants["encoder_padding_mask"], state["cache"],
-            constants["cross_cache"], ops.cast(index, "int32") + 1,
+            constants["cross_cache"],
+            # (a Python int in PyTorch's loop: see `fast_decode.block_step`)
+            index + 1 if type(index) is int else ops.cast(index, "int32") + 1,
         )
         hidden = hidden[:, -1:, :]
         if self.lm_head is not None:
