@@ -327,28 +327,23 @@ def report(medians, backends, models, size, rounds, notes=()):
         text.append(format_table(
             ("model", "system", "train tokens/s", "GFLOP/s", "of peak"),
             [(m, s, _fmt(t), _fmt(g), _fmt(f, "pct")) for m, s, t, g, f in util], left=2))
-    memory = memory_rows(medians, backends, models)
-    if memory:
-        text.append("")
-        text.append("Training memory: MiB the training calls added to the process' resident set "
-                    "at their peak (compilation included); lower is better, ratios < 1: kzoo "
-                    "uses less.")
-        text.append(format_table(
+    def section(title, header, rows, left):
+        if rows:
+            text.extend(["", title, format_table(header, rows, left=left)])
+
+    section("Training memory: MiB the training calls added to the process' resident set at "
+            "their peak (compilation included); lower is better, ratios < 1: kzoo uses less.",
             ("model", "backend", "kzoo", "keras-hub", "transformers(torch)",
              "kzoo/transformers", "kzoo/keras-hub"),
             [(m, b, _fmt(kz), _fmt(kh), _fmt(hf), _fmt(r1, "ratio"), _fmt(r2, "ratio"))
-             for m, b, kz, kh, hf, r1, r2 in memory], left=2))
-    floors = floor_rows(medians, backends, models)
-    if floors:
-        text.append("")
-        text.append("Matmul floor: tokens/s of a step that ran only its matmuls (same shapes, the "
-                    "backend's own kernels, nothing else); 'floor/transformers' is the largest "
-                    "kzoo/transformers ratio any implementation on that backend could reach.")
-        text.append(format_table(
+             for m, b, kz, kh, hf, r1, r2 in memory_rows(medians, backends, models)], 2)
+    section("Matmul floor: tokens/s of a step that ran only its matmuls (same shapes, the "
+            "backend's own kernels, nothing else); 'floor/transformers' is the largest "
+            "kzoo/transformers ratio any implementation on that backend could reach.",
             ("model", "metric", "backend", "floor tokens/s", "kzoo tokens/s", "kzoo/floor",
              "floor/transformers"),
             [(m, k, b, _fmt(f), _fmt(kz), _fmt(r1, "pct"), _fmt(r2, "ratio"))
-             for m, k, b, f, kz, r1, r2 in floors]))
+             for m, k, b, f, kz, r1, r2 in floor_rows(medians, backends, models)], 3)
     if notes:
         text.append("")
         text.extend(f"note: {n}" for n in notes)
