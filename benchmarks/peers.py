@@ -49,7 +49,9 @@ ratio reachable there; `kzoo / floor` says how much of the step is matmul time.
 Training memory: the resident set's high-water mark over the training calls (warm-up and
 compilation included; reset through /proc/self/clear_refs first) minus the resident set
 before them: the activations, gradients, optimizer state and compiler buffers that training
-adds to a process holding the model.
+adds to a process holding the model. A worker trains GPT first and BERT after it in the same
+process, so BERT's row reuses memory that GPT's training left to the allocator and
+understates; the GPT rows are the comparable ones.
 
 Training utilisation: each training row's model FLOPs per token (matmuls only: 2 x
 multiply-adds forward, 3x that for forward + backward; attention counted over all keys, the
