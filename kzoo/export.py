@@ -37,6 +37,8 @@ import os
 import keras
 import numpy as np
 
+from kzoo.inputs import is_optional_input
+
 FORMATS = ("tf_saved_model", "onnx", "litert")
 
 # What each backend's Keras exporter can write here, and why not the rest.
@@ -122,13 +124,6 @@ def check_format(format, backend=None):  # noqa: A002 - Keras' own argument name
 # === Input signature ===
 
 
-def _is_optional(tensor):
-    """True for a `keras.Input(..., optional=True)` (e.g. BERT's `mask_positions`)."""
-    history = getattr(tensor, "_keras_history", None)
-    layer = getattr(history, "operation", None)
-    return bool(getattr(layer, "optional", False))
-
-
 def _inputs_struct(model):
     """The model's functional inputs less the optional ones: an exported program has fixed
     inputs, and kzoo's models run without their optional inputs (BERT's masked-LM head at
@@ -140,7 +135,8 @@ def _inputs_struct(model):
             "functional models (backbones and task models)."
         )
     if isinstance(struct, dict):
-        struct = {key: tensor for key, tensor in struct.items() if not _is_optional(tensor)}
+        struct = {key: tensor for key, tensor in struct.items()
+                  if not is_optional_input(tensor)}
     return struct
 
 

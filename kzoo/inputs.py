@@ -119,6 +119,14 @@ class PositionInput:
     axes: tuple = ("batch row", "entry")
 
 
+def is_optional_input(tensor):
+    """True for a functional model's `keras.Input(..., optional=True)` (e.g. BERT's
+    `mask_positions`): a model runs without it, so checks and exports may leave it out."""
+    history = getattr(tensor, "_keras_history", None)
+    layer = getattr(history, "operation", None)
+    return bool(getattr(layer, "optional", False))
+
+
 def check_positions(values, spec, source="model input"):
     """Raise `ValueError` unless `values[spec.key]` (if given) are valid positions into
     `values[spec.like]` (see `PositionInput`); symbolic inputs are skipped."""

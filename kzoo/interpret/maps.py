@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
+from kzoo.inputs import is_optional_input
 from kzoo.layers.taps import Tap, active_tap
 
 T5_KEYS = ("encoder", "decoder", "cross")
@@ -251,15 +252,20 @@ def _check_inputs(model, inputs):
                 f"`inputs` must be a dict with keys {sorted(expected)} for {model.name}; got "
                 f"{type(inputs).__name__}."
             )
-        missing = sorted(set(expected) - set(inputs))
+        optional = sorted(k for k, t in expected.items() if is_optional_input(t))
+        missing = sorted(set(expected) - set(inputs) - set(optional))
         unknown = sorted(set(inputs) - set(expected))
         if missing or unknown:
+            required = sorted(set(expected) - set(optional))
             raise ValueError(
-                f"`inputs` must have exactly the keys {sorted(expected)} for {model.name}; "
-                f"got keys {sorted(inputs)} (missing {missing}, unknown {unknown})."
+                f"`inputs` must have the keys {required}"
+                + (f" (optional: {optional})" if optional else "")
+                + f" for {model.name}; got keys {sorted(inputs)} (missing {missing}, "
+                f"unknown {unknown})."
             )
         checked = {key: _check_array(f"inputs[{key!r}]", inputs[key], expected[key], model)
-                   for key in expected}
+                   for key in expected if key in inputs
+                   and not (key in optional and inputs[key] is None)}
         batches = {key: _shape(value)[0] for key, value in checked.items()}
         if len(set(batches.values())) > 1:
             raise ValueError(
