@@ -26,7 +26,7 @@ from typing import Optional
 import keras
 from keras import ops
 
-from kzoo.inputs import DocumentIdInput, PositionInput
+from kzoo.inputs import DocumentIdInput, PositionInput, is_optional_input
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
@@ -48,7 +48,6 @@ FAMILY = "bert"
 GLOBAL_MASK_INPUT = "global_attention_mask"
 # The optional input of `BertMaskedLM`: the positions whose logits to compute.
 MASK_POSITIONS_INPUT = "mask_positions"
-_OPTIONAL_INPUTS = (GLOBAL_MASK_INPUT, MASK_POSITIONS_INPUT)
 
 
 def bert_kernel_initializer(stddev=0.02):
@@ -147,7 +146,8 @@ class _OptionalGlobalMask:
 
     def _with_global_mask(self, inputs):
         if isinstance(inputs, dict) and isinstance(self.input, dict):
-            missing = [k for k in _OPTIONAL_INPUTS if k in self.input and k not in inputs]
+            missing = [k for k, t in self.input.items()
+                       if k not in inputs and is_optional_input(t)]
             if missing:
                 inputs = {**inputs, **{k: None for k in missing}}
         return inputs
