@@ -234,3 +234,61 @@ def test_keras_file_roundtrip(tmp_path):
     for a, b in zip(restored([ids, images]), model([ids, images])):
         assert_close(a, to_numpy(b), atol=1e-6)
     assert [v.path for v in restored.weights] == [v.path for v in model.weights]
+
+
+def _value_and_grads(fn, *arrays):
+    """fn(*tensors) -> scalar, and its gradients with respect to every array, via the
+    backend's own autodiff."""
+    b = keras.backend.backend()
+    if b == "jax":
+        import jax
+
+        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(arrays))))(*arrays)
+        return float(value), [np.asarray(g) for g in grads]
+    if b == "torch":
+        import torch
+
+        ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+        value = fn(*ts)
+        value.backward()
+        return float(value), [t.grad.numpy() for t in ts]
+    import tensorflow as tf
+
+    ts = [tf.Variable(a) for a in arrays]
+    with tf.GradientTape() as tape:
+        value = fn(*ts)
+    return float(value), [g.numpy() for g in tape.gradient(value, ts)]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_embedding_reverse_logits_with_bias_value_and_gradients(tied):
+    """`reverse_logits(h, bias)` (BERT's decoder + output bias; one F.linear on torch when
+    tied) = h @ E^T + b, soft cap before the bias; gradients of sum(logits * w) w.r.t. the
+    table, the bias and h are w^T h, sum(w) and w E against NumPy."""
+    layer = TokenEmbedding(11, 4, tie_weights=tied, logit_soft_cap=None if tied else 2.0,
+                           embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0))
+    layer.build()
+    r = rng(5)
+    h = r.normal(size=(2, 3, 4)).astype("float32")
+    bias = r.normal(size=(11,)).astype("float32")
+    w = r.normal(size=(2, 3, 11)).astype("float32")
+    table = to_numpy(layer.embeddings).astype(np.float64)
+    kernel = table.T if tied else to_numpy(layer.reverse_embeddings).astype(np.float64)
+    pre = h.astype(np.float64) @ kernel
+    logits = (pre if tied else 2.0 * np.tanh(pre / 2.0)) + bias
+    got = keras.ops.convert_to_numpy(layer.reverse_logits(h, bias=bias))
+    assert_close(got, logits, atol=1e-5)
+    assert_close(keras.ops.convert_to_numpy(layer.reverse_logits(h)), logits - bias, atol=1e-5)
+    if not tied:
+        return
+
+    def loss(e, b, x):  # the table through a StatelessScope, as Keras' stateless_call does
+        with keras.StatelessScope(state_mapping=[(layer.embeddings, e)]):
+            return keras.ops.sum(keras.ops.multiply(layer.reverse_logits(x, bias=b), w))
+
+    value, (g_e, g_b, g_h) = _value_and_grads(loss, to_numpy(layer.embeddings), bias, h)
+    assert abs(value - float((logits * w).sum())) < 1e-3
+    flat_w, flat_h = w.reshape(-1, 11).astype(np.float64), h.reshape(-1, 4).astype(np.float64)
+    assert_close(g_b, flat_w.sum(0), atol=1e-5)
+    assert_close(g_e, flat_w.T @ flat_h, atol=1e-5)
+    assert_close(g_h, (flat_w @ table).reshape(h.shape), atol=1e-5)

@@ -92,20 +92,40 @@ class BertMaskedLMTransform(HeadTransform):
 class OutputBias(keras.layers.Layer):
     """Adds a learned bias (initialised to zeros) over the last axis, e.g. to logits.
 
+    `call(hidden, embedding=token_embedding)` (a `TokenEmbedding`) computes the tied logits
+    and the bias together, `embedding.reverse_logits(hidden, bias)`: one product with the
+    bias on torch instead of a second vocabulary-sized tensor. `units` (the bias' size,
+    default: the input's last axis) is needed then, the input being the hidden states.
+
     Example:
     >>> OutputBias()(keras.ops.zeros((2, 5, 100))).shape
     (2, 5, 100)
     """
 
+    def __init__(self, units=None, **kwargs):
+        super().__init__(**kwargs)
+        self.units = None if units is None else check_positive_int("units", units)
+
     def build(self, input_shape):
-        self.bias = self.add_weight(name="bias", shape=(input_shape[-1],), initializer="zeros")
+        size = self.units if self.units is not None else input_shape[-1]
+        self.bias = self.add_weight(name="bias", shape=(size,), initializer="zeros")
         self.built = True
 
-    def call(self, inputs):
-        return inputs + ops.cast(self.bias, inputs.dtype)
+    def call(self, inputs, embedding=None):
+        if embedding is None:
+            return inputs + ops.cast(self.bias, inputs.dtype)
+        return embedding.reverse_logits(inputs, bias=self.bias)
 
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape)
+    def compute_output_spec(self, inputs, embedding=None):
+        if embedding is None:
+            return keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        return embedding.compute_output_spec(inputs, reverse=True)
+
+    def get_config(self):
+        config = super().get_config()
+        if self.units is not None:
+            config["units"] = self.units
+        return config
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -501,7 +521,8 @@ class BertMaskedLM(_BertTask):
             dtype=policy,
             name="mlm_transform",
         )
-        self.output_bias = OutputBias(dtype=policy, name="mlm_output_bias")
+        self.output_bias = OutputBias(units=backbone.vocabulary_size, dtype=policy,
+                                      name="mlm_output_bias")
         # === Functional Model ===
         inputs = dict(backbone.input)
         positions = keras.Input(shape=(None,), dtype="int32", name=MASK_POSITIONS_INPUT,
@@ -511,7 +532,8 @@ class BertMaskedLM(_BertTask):
         sequence = backbone(backbone_inputs)["sequence_output"]
         self.gather_positions = GatherPositions(dtype=policy, name="mask_positions_gather")
         hidden = self.transform(self.gather_positions(sequence, positions))
-        logits = self.output_bias(backbone.token_embedding(hidden, reverse=True))
+        # The tied decoder and the bias in one call (one product with its bias on torch).
+        logits = self.output_bias(hidden, embedding=backbone.token_embedding)
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
         self.dtype_policy = policy
 
