@@ -187,3 +187,94 @@ def test_weights_written_during_a_loop_are_seen():
     for got, want, before in zip(second, expected, first):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         assert np.abs(before - want).max() > 1e-2  # the weights did change the result
+
+
+# === Whole-sequence forward passes (predict / no_grad model calls) ===
+
+FORWARD_CONFIGS = {
+    "gpt2": dict(norm_first=True, causal=True),
+    "bert": dict(norm_first=False, activation="gelu"),
+    "llama": dict(norm="rmsnorm", feedforward="gated", activation="silu", use_bias=False,
+                  num_kv_heads=2, causal=True, rope_max_wavelength=10000),
+    "t5_encoder": dict(norm="rmsnorm", activation="relu", use_bias=False, attention_scale=1.0,
+                       head_dim=3),
+    "moe": dict(causal=True, feedforward="moe", num_experts=4, top_k=2),
+}
+
+
+def _block_model(block, with_bias):
+    """A Functional model around `block` (the fast forward runs inside a model's call)."""
+    x = keras.Input((6, 16))
+    pad = keras.Input((6,), dtype="int32")
+    inputs = [x, pad]
+    kwargs = {"padding_mask": pad}
+    if with_bias:
+        bias = keras.Input((4, 6, 6))
+        inputs.append(bias)
+        kwargs["attention_bias"] = bias
+    return keras.Model(inputs, block(x, **kwargs))
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_CONFIGS))
+def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
+    """A model call under no_grad runs each block through `block_forward` on torch (counted)
+    and gives the NumPy block's numbers, with padded rows (left and right padding) and, for
+    T5's encoder, a relative-position bias. The rotary and MoE blocks, which the NumPy block
+    lacks, are checked against their Keras call with autograd on (where the fast path never
+    runs)."""
+    kwargs = FORWARD_CONFIGS[name]
+    r = np.random.default_rng(7)
+    x = r.normal(size=(2, 6, 16)).astype("float32")
+    pad = np.array([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]], "int32")
+    with_bias = name == "t5_encoder"
+    bias = r.normal(size=(2, 4, 6, 6)).astype("float32")
+    block = TransformerBlock(num_heads=4, intermediate_dim=24, **kwargs)
+    model = _block_model(block, with_bias)
+    for w in block.weights:  # non-trivial biases and norm scales
+        if "seed" not in w.path:
+            w.assign(r.normal(scale=0.3, size=w.shape).astype(w.dtype))
+    inputs = [x, pad] + ([bias] if with_bias else [])
+    calls = []
+    real = fast_decode.block_forward
+    monkeypatch.setattr(fast_decode, "block_forward",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    with _no_grad():
+        got = to_numpy(model(inputs, training=False))
+    assert len(calls) == (1 if TORCH else 0)
+    keep = pad.astype(bool)
+    if "rope_max_wavelength" in kwargs or kwargs.get("feedforward") == "moe":
+        expected = to_numpy(model(inputs, training=False))  # autograd on: the Keras path
+        assert len(calls) == (1 if TORCH else 0)
+    else:
+        expected = _np_block(block, x, keep, bias=bias if with_bias else None)
+    np.testing.assert_allclose(got[keep], expected[keep], atol=3e-5, rtol=1e-4)
+
+
+def test_forward_path_only_in_inference_inside_a_model_call(monkeypatch):
+    """Not when training, not with autograd on, not for a block called on its own, not with
+    a packed-document mask, not with KZOO_FAST_DECODE=0; the model's training flag counts
+    when the block's call has none."""
+    block = TransformerBlock(num_heads=2, intermediate_dim=8, causal=True)
+    x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
+    block(x)
+    calls = []
+    real = fast_decode.block_forward
+    monkeypatch.setattr(fast_decode, "block_forward",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    inp = keras.Input((4, 8))
+    model = keras.Model(inp, block(inp))
+    mask_in = keras.Input((1, 4, 4), dtype="bool")
+    packed = keras.Model([inp, mask_in], block(inp, attention_mask=mask_in))
+    with _no_grad():
+        block(x)  # the outermost layer
+        model(x, training=True)
+        packed([x, np.ones((1, 1, 4, 4), bool)])
+        monkeypatch.setenv("KZOO_FAST_DECODE", "0")
+        model(x)
+        monkeypatch.delenv("KZOO_FAST_DECODE")
+        assert calls == []
+        model(x)
+        model.predict_on_batch(x)
+    assert len(calls) == (2 if TORCH else 0)
+    model(x)  # autograd on
+    assert len(calls) == (2 if TORCH else 0)

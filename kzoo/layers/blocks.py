@@ -28,6 +28,7 @@ import re
 import keras
 from keras import ops
 
+from kzoo.layers import fast_decode
 from kzoo.layers.attention import MultiHeadAttention
 from kzoo.layers.efficient_attention import check_attention
 from kzoo.layers.feedforward import FeedForward, GatedFeedForward
@@ -349,6 +350,13 @@ class TransformerBlock(keras.layers.Layer):
         self.built = True
 
     # === Forward ===
+
+    def __call__(self, inputs, *args, **kwargs):
+        # torch inference inside a model call (predict, evaluate, no_grad): the block in torch
+        # calls, without a Keras call per sub-layer (`fast_decode.block_forward`).
+        if fast_decode.forward_applies(self, inputs, args, kwargs):
+            return fast_decode.block_forward(self, inputs, **kwargs)
+        return super().__call__(inputs, *args, **kwargs)
 
     def call(
         self,

@@ -37,6 +37,14 @@ the largest), SDPA 0.2, and some 950 small torch calls (views, copies, norms) mo
 rest; before the per-loop memo and the host index, 4.1 ms and 1,400 calls.
 
 The models call `decode_block(block, x, training=..., **kwargs)`, which picks the path.
+
+Whole-sequence passes in inference take a shorter version of the same idea: inside a model's
+call on torch with autograd off (`predict`, `evaluate`, a `torch.no_grad()` model call, the
+encoder of a prompt), `TransformerBlock.__call__` runs `block_forward` when
+`forward_applies`: the block's sub-layers in torch calls (q/k/v in one product, the biases
+inside the products) and the same `dot_product_attention` kernel as the Keras call. Measured
+(2 cores, 8 x 256 tokens, `predict_on_batch`, 14 interleaved rounds): GPT 13,123 -> 13,483
+and BERT 13,099 -> 14,479 tokens/s.
 """
 
 import contextlib
@@ -116,6 +124,78 @@ def decode_block(block, x, training=False, causal_bias=False, **kwargs):
     return block(x, training=training, **kwargs)
 
 
+# === Whole-sequence forward passes in inference (predict, evaluate, a prompt's encoder) ===
+
+# The keyword arguments of `TransformerBlock.call` that `block_forward` handles.
+_FORWARD_KWARGS = frozenset({"padding_mask", "attention_bias", "training"})
+
+
+def forward_applies(block, inputs, args, kwargs):
+    """Whether `TransformerBlock.__call__(inputs, *args, **kwargs)` may run as
+    `block_forward`: torch, autograd off, inference (`training` false here and in the
+    enclosing model call), no tap, `KZOO_FAST_DECODE` not "0", a built block of full
+    self-attention without cross-attention, called inside a model's call (the block is not
+    the outermost layer) on a torch tensor of its compute dtype, with only `padding_mask`
+    and `attention_bias` (no packed-document mask, cache or position index)."""
+    if args or not _FORWARD_KWARGS.issuperset(kwargs) or kwargs.get("training"):
+        return False
+    if keras.backend.backend() != "torch" or not block.built or block.cross_attention:
+        return False
+    import torch
+
+    if (not isinstance(inputs, torch.Tensor) or torch.is_grad_enabled()
+            or block.self_attention.attention != "full"
+            or os.environ.get("KZOO_FAST_DECODE", "1") == "0" or active_tap() is not None):
+        return False
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    if context is None or (kwargs.get("training") is None and context.get_value("training")):
+        return False
+    if inputs.dtype != _torch_dtype(block.compute_dtype):
+        return False
+    return all(v is None or isinstance(v, torch.Tensor)
+               for k, v in kwargs.items() if k != "training")
+
+
+def block_forward(block, x, padding_mask=None, attention_bias=None, training=None):
+    """`block(x, padding_mask=..., attention_bias=...)` in inference, in torch calls (see
+    `forward_applies`): the same layers' variables and the same attention kernel
+    (`dot_product_attention` with the layer's `kernel`), without the Keras layer call of each
+    sub-layer (about 0.2 ms each on this CPU; a GPT/BERT block has a dozen)."""
+    from kzoo.layers.kernels import dot_product_attention
+    from kzoo.layers.masks import normalize_mask
+
+    layer = block.self_attention
+    batch, length = x.shape[0], x.shape[1]
+    residual = x
+    h = _norm(block.self_attention_norm, x) if block.norm_first else x
+    q, k, v = _project_qkv(layer, h)
+    q = q.reshape(batch, length, layer.num_heads, layer._head_dim)
+    k = k.reshape(batch, length, layer._kv_heads, layer._head_dim)
+    v = v.reshape(batch, length, layer._kv_heads, layer._head_dim)
+    if layer.rotary is not None:
+        k = layer.rotary(k, start_index=0)
+        q = layer.rotary(q, start_index=0)
+    out = dot_product_attention(
+        q, k, v, mask=normalize_mask(padding_mask, "attention_mask"), bias=attention_bias,
+        is_causal=block.causal, scale=layer.scale, kernel=layer.kernel)
+    h = _dense(layer.output_dense, out.reshape(batch, length, -1))
+    x = residual + h
+    if not block.norm_first:
+        x = _norm(block.self_attention_norm, x)
+    residual = x
+    h = _norm(block.feedforward_norm, x) if block.norm_first else x
+    if block.feedforward == "moe":  # (routes the real tokens only, as the Keras call)
+        h = block.feedforward_layer(h, padding_mask=padding_mask, training=False)
+    else:
+        h = _feedforward(block.feedforward_layer, h)
+    x = residual + h
+    if not block.norm_first:
+        x = _norm(block.feedforward_norm, x)
+    return x
+
+
 # === Pieces (torch tensors in, torch tensors out) ===
 
 
@@ -133,11 +213,12 @@ def _dense(layer, x):
     if (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
             or layer.activation is not keras.activations.linear):
         return layer(x)
+    import torch.nn.functional as F
+
     kernel = _value(layer._kernel)
-    y = x.to(kernel.dtype) @ kernel
-    if layer.bias is not None:
-        y = y + _value(layer.bias)
-    return y
+    # (one `addmm` with the bias: no second output tensor for the bias add)
+    return F.linear(x.to(kernel.dtype), kernel.t(),
+                    None if layer.bias is None else _value(layer.bias))
 
 
 def _norm(layer, x):
@@ -264,9 +345,7 @@ def _project_qkv(layer, x):
         return torch.cat(kernels, 1), bias
 
     kernel, bias = memo(("qkv", id(layer)), sources, make)
-    y = x.to(kernel.dtype) @ kernel
-    if bias is not None:
-        y = y + bias
+    y = torch.nn.functional.linear(x.to(kernel.dtype), kernel.t(), bias)
     sizes = [k.shape[1] for k in kernels]
     return y.split(sizes, -1)
 
