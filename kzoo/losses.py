@@ -5,12 +5,18 @@
 `keras.losses.SparseCategoricalCrossentropy(from_logits=True)` computes (float32, the same
 reductions and sample weights), faster on torch:
 
-- torch: `torch.nn.functional.cross_entropy` on the logits flattened to `(tokens, vocab)`.
-  Keras' own op moves the class axis to position 1 (`(batch, vocab, seq)`, a strided view)
-  before calling it, and the backward pass of that view copied the whole logits gradient
-  and filled a broadcast buffer: measured on the 2-core CPU, a BERT/GPT training step of
-  8 x 256 tokens, width 256, vocabulary 8192 took 0.79-0.87 s with Keras' loss and 0.60-0.66 s
-  with this one.
+- torch: on the logits flattened to `(tokens, vocab)`, `logsumexp - logit[target]` forward
+  and `softmax - one_hot` (scaled by the incoming gradient) backward, in one autograd
+  function. Keras' own op moves the class axis to position 1 (`(batch, vocab, seq)`, a
+  strided view) before calling `F.cross_entropy`, and the backward pass of that view copied
+  the whole logits gradient and filled a broadcast buffer: measured on the 2-core CPU, a
+  BERT/GPT training step of 8 x 256 tokens, width 256, vocabulary 8192 took 0.79-0.87 s with
+  Keras' loss and 0.60-0.66 s with `F.cross_entropy` on the flat logits. `F.cross_entropy`
+  itself writes four vocabulary-sized tensors a step (the log-softmax, the zero-filled
+  gradient of the picked entries, the log-softmax gradient, and the logits' own); this
+  function writes one (the gradient), besides a temporary of `logsumexp`: each such tensor
+  is 64 MiB at that size, and on this machine the page faults of a fresh 64 MiB buffer cost
+  about as much as the arithmetic on it.
 - JAX and TensorFlow: Keras' `ops.sparse_categorical_crossentropy` (there it was as fast as
   any formulation tried: a gather of the log-softmax was 5-15% slower on TensorFlow).
 
@@ -55,12 +61,47 @@ class TokenCrossentropy(keras.losses.Loss):
             logits = ops.convert_to_tensor(y_pred)
             labels = ops.convert_to_tensor(y_true)
             vocab = logits.shape[-1]
-            losses = F.cross_entropy(logits.reshape(-1, vocab).float(),
-                                     labels.reshape(-1).long(), reduction="none")
+            losses = _torch_cross_entropy().apply(logits.reshape(-1, vocab).float(),
+                                                  labels.reshape(-1).long())
             return losses.reshape(labels.shape)
         return ops.sparse_categorical_crossentropy(
             ops.cast(y_true, "int32"), ops.cast(y_pred, "float32"), from_logits=True
         )
+
+
+_FUNCTION = []
+
+
+def _torch_cross_entropy():
+    """The torch autograd function of `TokenCrossentropy` (made once, on first use):
+    `apply(logits (n, vocab) float, labels (n,) long)` -> `(n,)` losses; a label of -100
+    gives a zero loss and gradient (`F.cross_entropy`'s `ignore_index`), another label
+    outside `[0, vocab)` raises (`gather`'s index check, as `F.cross_entropy`)."""
+    if _FUNCTION:
+        return _FUNCTION[0]
+    import torch
+
+    class TokenCrossEntropyFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, labels):
+            ignored = labels == -100
+            picked = labels.masked_fill(ignored, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            losses = (lse - logits.gather(1, picked[:, None])[:, 0]).masked_fill(ignored, 0.0)
+            ctx.save_for_backward(logits, lse, picked, ignored)
+            return losses
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad):
+            logits, lse, picked, ignored = ctx.saved_tensors
+            scale = grad.masked_fill(ignored, 0.0)[:, None]
+            d = torch.sub(logits, lse[:, None]).exp_().mul_(scale)  # softmax * grad
+            d.scatter_add_(1, picked[:, None], -scale)               # - one_hot * grad
+            return d, None
+
+    _FUNCTION.append(TokenCrossEntropyFunction)
+    return TokenCrossEntropyFunction
 
 
 __all__ = ["TokenCrossentropy"]

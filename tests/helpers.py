@@ -34,3 +34,27 @@ def roundtrip_layer(layer):
 
 def rng(seed=0):
     return np.random.default_rng(seed)
+
+
+def value_and_grads(fn, *arrays):
+    """fn(*tensors) -> scalar, and its gradients with respect to every array, via the
+    backend's own autodiff."""
+    b = keras.backend.backend()
+    if b == "jax":
+        import jax
+
+        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(arrays))))(*arrays)
+        return float(value), [np.asarray(g) for g in grads]
+    if b == "torch":
+        import torch
+
+        ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+        value = fn(*ts)
+        value.backward()
+        return float(value), [t.grad.numpy() for t in ts]
+    import tensorflow as tf
+
+    ts = [tf.Variable(a) for a in arrays]
+    with tf.GradientTape() as tape:
+        value = fn(*ts)
+    return float(value), [g.numpy() for g in tape.gradient(value, ts)]

@@ -8,6 +8,7 @@ import pytest
 from kzoo.losses import TokenCrossentropy
 from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from tests.harness import to_numpy
+from tests.helpers import value_and_grads
 
 
 def _np_token_ce(y, logits):
@@ -38,6 +39,55 @@ def test_matches_the_formula_and_keras(shape, reduction):
                                                             reduction=reduction)
     np.testing.assert_allclose(got, to_numpy(keras_loss(y, logits, sample_weight=w)),
                                rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight"])
+def test_gradient_is_softmax_minus_one_hot(reduction):
+    """d loss / d logits = w * (softmax(logits) - one_hot(y)) / normaliser, against NumPy
+    (large logits too: the softmax must not overflow); on torch this is the loss' own
+    backward function."""
+    r = np.random.default_rng(11)
+    logits = (6 * r.normal(size=(3, 4, 9))).astype("float32")
+    logits[0, 0, 2] = 80.0
+    y = r.integers(0, 9, (3, 4)).astype("int32")
+    w = r.uniform(size=(3, 4)).astype("float32")
+    loss = TokenCrossentropy(reduction=reduction)
+    value, (grad,) = value_and_grads(lambda z: loss(y, z, sample_weight=w), logits)
+    z = logits.astype("float64")
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    norm = y.size if reduction == "sum_over_batch_size" else w.sum()
+    expected = w[..., None] * (p - np.eye(9)[y]) / norm
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(value, (_np_token_ce(y, logits) * w).sum() / norm, rtol=1e-5)
+
+
+def test_torch_function_ignore_index_and_out_of_range_targets():
+    """The torch path's autograd function (pure torch, so checked under every backend): a
+    target of -100 gives a zero loss and gradient (`F.cross_entropy`'s ignore_index), the
+    others equal `F.cross_entropy`'s losses and gradients, and any other target outside the
+    vocabulary raises."""
+    import torch
+    import torch.nn.functional as F
+
+    from kzoo.losses import _torch_cross_entropy
+
+    fn = _torch_cross_entropy()
+    data = np.random.default_rng(2).normal(size=(4, 5)).astype("float32")
+    ours = torch.tensor(data, requires_grad=True)
+    theirs = torch.tensor(data, requires_grad=True)
+    y = torch.tensor([1, -100, 4, 0])
+    weights = torch.tensor([0.5, 2.0, 1.0, 3.0])
+    losses = fn.apply(ours, y)
+    reference = F.cross_entropy(theirs, y, reduction="none")
+    assert float(losses[1]) == 0.0
+    torch.testing.assert_close(losses, reference, rtol=1e-6, atol=1e-6)
+    (losses * weights).sum().backward()
+    (reference * weights).sum().backward()
+    assert float(ours.grad[1].abs().sum()) == 0.0
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError):
+        fn.apply(torch.tensor(data), torch.tensor([1, 5, 0, 0]))
 
 
 def test_targets_with_a_trailing_axis_and_half_logits():

@@ -8,6 +8,7 @@ from kzoo.layers.embedding import PatchEmbedding
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.norm import RMSNorm
 from tests.harness import assert_close, check_layer, ref, rng, roundtrip_layer, to_numpy
+from tests.helpers import value_and_grads
 
 
 # === RMSNorm ===
@@ -236,29 +237,6 @@ def test_keras_file_roundtrip(tmp_path):
     assert [v.path for v in restored.weights] == [v.path for v in model.weights]
 
 
-def _value_and_grads(fn, *arrays):
-    """fn(*tensors) -> scalar, and its gradients with respect to every array, via the
-    backend's own autodiff."""
-    b = keras.backend.backend()
-    if b == "jax":
-        import jax
-
-        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(arrays))))(*arrays)
-        return float(value), [np.asarray(g) for g in grads]
-    if b == "torch":
-        import torch
-
-        ts = [torch.tensor(a, requires_grad=True) for a in arrays]
-        value = fn(*ts)
-        value.backward()
-        return float(value), [t.grad.numpy() for t in ts]
-    import tensorflow as tf
-
-    ts = [tf.Variable(a) for a in arrays]
-    with tf.GradientTape() as tape:
-        value = fn(*ts)
-    return float(value), [g.numpy() for g in tape.gradient(value, ts)]
-
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_token_embedding_reverse_logits_with_bias_value_and_gradients(tied):
@@ -286,7 +264,7 @@ def test_token_embedding_reverse_logits_with_bias_value_and_gradients(tied):
         with keras.StatelessScope(state_mapping=[(layer.embeddings, e)]):
             return keras.ops.sum(keras.ops.multiply(layer.reverse_logits(x, bias=b), w))
 
-    value, (g_e, g_b, g_h) = _value_and_grads(loss, to_numpy(layer.embeddings), bias, h)
+    value, (g_e, g_b, g_h) = value_and_grads(loss, to_numpy(layer.embeddings), bias, h)
     assert abs(value - float((logits * w).sum())) < 1e-3
     flat_w, flat_h = w.reshape(-1, 11).astype(np.float64), h.reshape(-1, 4).astype(np.float64)
     assert_close(g_b, flat_w.sum(0), atol=1e-5)
