@@ -70,6 +70,23 @@ class TokenCrossentropy(keras.losses.Loss):
 
 
 _FUNCTION = []
+# Rows of a CPU logsumexp at a time: its temporary (x - max) then stays at 4 MiB or less,
+# which malloc reuses, instead of one vocabulary-sized buffer mapped afresh every step.
+_CHUNK_BYTES = 4 * 2 ** 20
+
+
+def _logsumexp_rows(logits):
+    """`torch.logsumexp(logits, -1)` of a `(n, vocab)` tensor; on CPU in blocks of rows."""
+    import torch
+
+    n, vocab = logits.shape
+    rows = max(1, _CHUNK_BYTES // (vocab * logits.element_size()))
+    if logits.device.type != "cpu" or n <= rows:
+        return torch.logsumexp(logits, dim=-1)
+    out = torch.empty(n, dtype=logits.dtype, device=logits.device)
+    for start in range(0, n, rows):
+        torch.logsumexp(logits[start:start + rows], dim=-1, out=out[start:start + rows])
+    return out
 
 
 def _torch_cross_entropy():
@@ -86,7 +103,7 @@ def _torch_cross_entropy():
         def forward(ctx, logits, labels):
             ignored = labels == -100
             picked = labels.masked_fill(ignored, 0)
-            lse = torch.logsumexp(logits, dim=-1)
+            lse = _logsumexp_rows(logits)
             losses = (lse - logits.gather(1, picked[:, None])[:, 0]).masked_fill(ignored, 0.0)
             ctx.save_for_backward(logits, lse, picked, ignored)
             return losses
