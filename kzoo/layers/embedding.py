@@ -139,11 +139,13 @@ class TokenEmbedding(keras.layers.Layer):
             import torch.nn.functional as F
 
             return F.linear(hidden, ops.cast(self.embeddings, dtype), bias)
-        if self.tie_weights:
-            kernel = ops.transpose(ops.cast(self.embeddings, dtype))
+        if self.tie_weights and keras.backend.backend() == "jax":
+            logits = _jax_tied_logits()(hidden, ops.convert_to_tensor(
+                ops.cast(self.embeddings, dtype)))
+        elif self.tie_weights:
+            logits = ops.matmul(hidden, ops.transpose(ops.cast(self.embeddings, dtype)))
         else:
-            kernel = ops.cast(self.reverse_embeddings, dtype)
-        logits = ops.matmul(hidden, kernel)
+            logits = ops.matmul(hidden, ops.cast(self.reverse_embeddings, dtype))
         if self.logit_soft_cap is not None:
             cap = ops.cast(self.logit_soft_cap, dtype)
             logits = cap * ops.tanh(logits / cap)
@@ -171,6 +173,43 @@ class TokenEmbedding(keras.layers.Layer):
             }
         )
         return config
+
+
+_JAX_TIED = []
+
+
+def _jax_tied_logits():
+    """`f(hidden (..., dim), table (vocab, dim)) = hidden @ table.T` with a hand-written
+    backward pass (JAX only; made once): `d_hidden = d @ table` and
+    `d_table = (hidden^T @ d)^T`. Differentiated by JAX itself, XLA on CPU computed
+    `d_table = d^T @ hidden` by first writing the whole `(tokens, vocab)` logits gradient
+    transposed: a 64 MiB strided copy that took 59 ms of a 780 ms GPT step at 8 x 256
+    tokens, vocabulary 8192 (jax.profiler). Here the large operand `d` is read in its own
+    row-major layout and only `(dim, vocab)` is transposed: the step measured 2,829 ->
+    3,070 tokens/s (interleaved, quiet machine)."""
+    if _JAX_TIED:
+        return _JAX_TIED[0]
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def tied_logits(hidden, table):
+        return jnp.einsum("...d,vd->...v", hidden, table)
+
+    def forward(hidden, table):
+        return tied_logits(hidden, table), (hidden, table)
+
+    def backward(saved, d):
+        hidden, table = saved
+        d_hidden = jnp.einsum("...v,vd->...d", d, table)
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        flat_d = d.reshape(-1, d.shape[-1])
+        d_table = jnp.matmul(flat_h.T, flat_d).T
+        return d_hidden.astype(hidden.dtype), d_table.astype(table.dtype)
+
+    tied_logits.defvjp(forward, backward)
+    _JAX_TIED.append(tied_logits)
+    return tied_logits
 
 
 def _patch_pair(patch_size):
