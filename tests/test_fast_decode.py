@@ -252,8 +252,8 @@ def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
 
 def test_forward_path_only_in_inference_inside_a_model_call(monkeypatch):
     """Not when training, not with autograd on, not for a block called on its own, not with
-    a packed-document mask, not with KZOO_FAST_DECODE=0; the model's training flag counts
-    when the block's call has none."""
+    a packed-document mask, not with KZOO_FAST_DECODE=0, not under mixed precision; the
+    model's training flag counts when the block's call has none."""
     block = TransformerBlock(num_heads=2, intermediate_dim=8, causal=True)
     x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
     block(x)
@@ -278,3 +278,11 @@ def test_forward_path_only_in_inference_inside_a_model_call(monkeypatch):
     assert len(calls) == (2 if TORCH else 0)
     model(x)  # autograd on
     assert len(calls) == (2 if TORCH else 0)
+    # (two blocks: the second one is handed bfloat16 hidden states by the first)
+    mixed = [TransformerBlock(num_heads=2, intermediate_dim=8, causal=True,
+                              dtype="mixed_bfloat16") for _ in range(2)]
+    mixed_model = keras.Model(inp, mixed[1](mixed[0](inp)))
+    with _no_grad():
+        out = mixed_model(x)  # mixed precision: the Keras layers' autocast, bfloat16 out
+    assert len(calls) == (2 if TORCH else 0)
+    assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"

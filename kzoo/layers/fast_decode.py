@@ -134,8 +134,9 @@ def forward_applies(block, inputs, args, kwargs):
     """Whether `TransformerBlock.__call__(inputs, *args, **kwargs)` may run as
     `block_forward`: torch, autograd off, inference (`training` false here and in the
     enclosing model call), no tap, `KZOO_FAST_DECODE` not "0", a built block of full
-    self-attention without cross-attention, called inside a model's call (the block is not
-    the outermost layer) on a torch tensor of its compute dtype, with only `padding_mask`
+    self-attention without cross-attention and without mixed precision, called inside a
+    model's call (the block is not the outermost layer) on a torch tensor of its compute
+    dtype, with only `padding_mask`
     and `attention_bias` (no packed-document mask, cache or position index)."""
     if args or not _FORWARD_KWARGS.issuperset(kwargs) or kwargs.get("training"):
         return False
@@ -152,8 +153,9 @@ def forward_applies(block, inputs, args, kwargs):
     context = global_state.get_global_attribute("current_call_ctx")
     if context is None or (kwargs.get("training") is None and context.get_value("training")):
         return False
-    if inputs.dtype != _torch_dtype(block.compute_dtype):
-        return False
+    if (inputs.dtype != _torch_dtype(block.compute_dtype)
+            or block.compute_dtype != block.variable_dtype):
+        return False  # (mixed precision: the Keras layers' autocast decides the dtypes)
     return all(v is None or isinstance(v, torch.Tensor)
                for k, v in kwargs.items() if k != "training")
 
