@@ -136,8 +136,8 @@ def forward_applies(block, inputs, args, kwargs):
     enclosing model call), no tap, `KZOO_FAST_DECODE` not "0", a built block of full
     self-attention without cross-attention and without mixed precision, called inside a
     model's call (the block is not the outermost layer) on a torch tensor of its compute
-    dtype, with only `padding_mask`
-    and `attention_bias` (no packed-document mask, cache or position index)."""
+    dtype, with only `padding_mask` and `attention_bias` (no packed-document mask, cache or
+    position index)."""
     if args or not _FORWARD_KWARGS.issuperset(kwargs) or kwargs.get("training"):
         return False
     if keras.backend.backend() != "torch" or not block.built or block.cross_attention:
@@ -170,32 +170,39 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, training=Non
 
     layer = block.self_attention
     batch, length = x.shape[0], x.shape[1]
-    residual = x
-    h = _norm(block.self_attention_norm, x) if block.norm_first else x
-    q, k, v = _project_qkv(layer, h)
-    q = q.reshape(batch, length, layer.num_heads, layer._head_dim)
-    k = k.reshape(batch, length, layer._kv_heads, layer._head_dim)
-    v = v.reshape(batch, length, layer._kv_heads, layer._head_dim)
-    if layer.rotary is not None:
-        k = layer.rotary(k, start_index=0)
-        q = layer.rotary(q, start_index=0)
-    out = dot_product_attention(
-        q, k, v, mask=normalize_mask(padding_mask, "attention_mask"), bias=attention_bias,
-        is_causal=block.causal, scale=layer.scale, kernel=layer.kernel)
-    h = _dense(layer.output_dense, out.reshape(batch, length, -1))
-    x = residual + h
+
+    def attend(h):
+        q, k, v = _project_qkv(layer, h)
+        q = q.reshape(batch, length, layer.num_heads, layer._head_dim)
+        k = k.reshape(batch, length, layer._kv_heads, layer._head_dim)
+        v = v.reshape(batch, length, layer._kv_heads, layer._head_dim)
+        if layer.rotary is not None:
+            k = layer.rotary(k, start_index=0)
+            q = layer.rotary(q, start_index=0)
+        out = dot_product_attention(
+            q, k, v, mask=normalize_mask(padding_mask, "attention_mask"), bias=attention_bias,
+            is_causal=block.causal, scale=layer.scale, kernel=layer.kernel)
+        return _dense(layer.output_dense, out.reshape(batch, length, -1))
+
+    def feedforward(h):
+        if block.feedforward == "moe":  # (routes the real tokens only, as the Keras call)
+            return block.feedforward_layer(h, padding_mask=padding_mask, training=False)
+        return _feedforward(block.feedforward_layer, h)
+
+    x = _sublayer(block, block.self_attention_norm, x, attend)
+    return _sublayer(block, block.feedforward_norm, x, feedforward)
+
+
+def _sublayer(block, norm, x, fn):
+    """A residual sub-layer of `TransformerBlock._forward`: `x + fn(norm(x))` (pre-LN) or
+    `norm(x + fn(x))` (post-LN). When `fn` returns `(h, extra)` (an attention with its
+    cache), `(x, extra)`."""
+    out = fn(_norm(norm, x) if block.norm_first else x)
+    h, extra = out if isinstance(out, tuple) else (out, None)
+    x = x + h
     if not block.norm_first:
-        x = _norm(block.self_attention_norm, x)
-    residual = x
-    h = _norm(block.feedforward_norm, x) if block.norm_first else x
-    if block.feedforward == "moe":  # (routes the real tokens only, as the Keras call)
-        h = block.feedforward_layer(h, padding_mask=padding_mask, training=False)
-    else:
-        h = _feedforward(block.feedforward_layer, h)
-    x = residual + h
-    if not block.norm_first:
-        x = _norm(block.feedforward_norm, x)
-    return x
+        x = _norm(norm, x)
+    return (x, extra) if isinstance(out, tuple) else x
 
 
 # === Pieces (torch tensors in, torch tensors out) ===
@@ -460,32 +467,20 @@ def block_step(block, x, padding_mask=None, attention_mask=None, attention_bias=
                      encoder_padding_mask=encoder_padding_mask,
                      cross_attention_bias=cross_attention_bias, cache=cache,
                      cache_index=cache_index, cross_cache=cross_cache)
-    residual = x
-    h = _norm(block.self_attention_norm, x) if block.norm_first else x
-    h, cache = _attention(block.self_attention, h, mask=_key_mask(padding_mask)[0],
-                          bias=attention_bias, cache=cache, cache_index=cache_index,
-                          causal=block.causal, causal_bias=causal_bias and block.causal)
-    x = residual + h
-    if not block.norm_first:
-        x = _norm(block.self_attention_norm, x)
+    x, cache = _sublayer(block, block.self_attention_norm, x, lambda h: _attention(
+        block.self_attention, h, mask=_key_mask(padding_mask)[0], bias=attention_bias,
+        cache=cache, cache_index=cache_index, causal=block.causal,
+        causal_bias=causal_bias and block.causal))
     if block.cross_attention:
         if cross_cache is None:
             raise ValueError("A cached decode step of a cross-attention block needs "
                              "`cross_cache`.")
-        residual = x
-        h = _norm(block.cross_attention_norm, x) if block.norm_first else x
         mask, rows_visible = _key_mask(encoder_padding_mask)
-        h, _ = _attention(block.cross_attention_layer, h, mask=mask,
-                          bias=cross_attention_bias, cache=cross_cache, cache_index=None,
-                          rows_visible=rows_visible)
-        x = residual + h
-        if not block.norm_first:
-            x = _norm(block.cross_attention_norm, x)
-    residual = x
-    h = _norm(block.feedforward_norm, x) if block.norm_first else x
-    x = residual + _feedforward(block.feedforward_layer, h)
-    if not block.norm_first:
-        x = _norm(block.feedforward_norm, x)
+        x, _ = _sublayer(block, block.cross_attention_norm, x, lambda h: _attention(
+            block.cross_attention_layer, h, mask=mask, bias=cross_attention_bias,
+            cache=cross_cache, cache_index=None, rows_visible=rows_visible))
+    x = _sublayer(block, block.feedforward_norm, x,
+                  lambda h: _feedforward(block.feedforward_layer, h))
     if cross_cache is None:
         return x, cache
     return x, cache, cross_cache
