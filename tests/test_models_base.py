@@ -180,3 +180,30 @@ def test_one_adam_step_is_adam_of_the_summed_gradient(name):
         np.testing.assert_allclose(after[known], (w - step)[known], atol=2e-5, rtol=0,
                                    err_msg=variable.path)
     assert checked > 100
+
+
+def test_predict_on_batch_returns_each_call_its_own_array():
+    """`predict_on_batch` (kzoo's torch version hands out the output's memory without a copy)
+    returns NumPy arrays equal to the model's own call; each call's array is its own (writing
+    to one changes neither the next call's result nor the model), for a single output and for
+    a dict of outputs."""
+    r = np.random.default_rng(3)
+    lm = _gpt()
+    x, _ = _lm_data(r)
+    reference = to_numpy(lm(x, training=False))
+    first = lm.predict_on_batch(x)
+    assert isinstance(first, np.ndarray) and first.dtype == np.float32
+    np.testing.assert_allclose(first, reference, rtol=1e-6, atol=1e-6)
+    first[...] = 7.0  # the caller owns it
+    second = lm.predict_on_batch(x)
+    np.testing.assert_allclose(second, reference, rtol=1e-6, atol=1e-6)
+    assert not np.shares_memory(first, second)
+
+    backbone = _bert_backbone()
+    data = _bert_data(r)
+    outputs = backbone.predict_on_batch(data)
+    expected = backbone(data, training=False)
+    assert isinstance(outputs, dict) and set(outputs) == set(expected)
+    for key, value in outputs.items():
+        assert isinstance(value, np.ndarray)
+        np.testing.assert_allclose(value, to_numpy(expected[key]), rtol=1e-6, atol=1e-6)
