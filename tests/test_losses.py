@@ -115,3 +115,79 @@ def test_token_models_default_to_it_and_it_serialises(tmp_path):
     fresh = GPTCausalLM.from_config(lm.get_config())
     fresh.compile(optimizer="adam", loss=None)  # an explicit None stays None
     assert fresh.loss is None
+
+
+@pytest.mark.parametrize("made_by", ["matmul", "tanh"])
+def test_released_logits_give_the_same_gradients(made_by):
+    """Inside `logits_released` (the torch train step's), the torch function writes the
+    gradient into the logits' memory when the op that made them keeps no copy of its output
+    (a matmul) and leaves them alone when it does (tanh keeps its output for its backward):
+    either way the gradients of the inputs equal NumPy's. Pure torch, so checked under
+    every backend."""
+    import torch
+
+    from kzoo.losses import _torch_cross_entropy, logits_released
+
+    def loss_of(targets, values):  # the torch path of TokenCrossentropy, mean over tokens
+        return _torch_cross_entropy().apply(values, targets).mean()
+
+    r = np.random.default_rng(5)
+    h = r.normal(size=(6, 4)).astype("float32")
+    table = (2 * r.normal(size=(9, 4))).astype("float32")
+    y = r.integers(0, 9, (6,))
+    hidden = torch.tensor(h, requires_grad=True)
+    weights = torch.tensor(table, requires_grad=True)
+    logits = hidden @ weights.T
+    if made_by == "tanh":
+        logits = torch.tanh(logits)
+    with logits_released():
+        loss = loss_of(torch.tensor(y), logits)
+    before = logits.detach().clone()
+    loss.backward()
+    z = h.astype("float64") @ table.T.astype("float64")
+    if made_by == "tanh":
+        z = np.tanh(z)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    d = (p - np.eye(9)[y]) / y.size
+    if made_by == "tanh":
+        d = d * (1 - z ** 2)
+    np.testing.assert_allclose(hidden.grad.numpy(), d @ table, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights.grad.numpy(), d.T @ h, rtol=1e-5, atol=1e-6)
+    overwritten = not torch.equal(logits.detach(), before)
+    assert overwritten == (made_by == "matmul")
+    outside = hidden @ weights.T  # outside the context the logits stay as they are
+    kept = outside.detach().clone()
+    loss_of(torch.tensor(y), outside).backward()
+    assert torch.equal(outside.detach(), kept)
+
+
+@pytest.mark.parametrize("metrics", [None, ["accuracy"]])
+def test_train_step_matches_keras_loss_with_and_without_metrics(metrics):
+    """One SGD step of a GPT with its default loss (on torch: the logits released to the loss
+    when no metric reads them) gives the weights and the loss of the same step with Keras'
+    `SparseCategoricalCrossentropy`; with a compiled accuracy, its value equals NumPy's
+    accuracy of the logits before the step."""
+    keras.utils.set_random_seed(4)
+
+    def build():
+        return GPTCausalLM(GPTBackbone(vocabulary_size=37, num_layers=1, num_heads=2,
+                                       hidden_dim=8, intermediate_dim=16,
+                                       max_sequence_length=12, dropout=0.0))
+
+    ours, theirs = build(), build()
+    theirs.set_weights(ours.get_weights())
+    x, y, w = GPTCausalLM.lm_batch(np.random.default_rng(1).integers(0, 37, (3, 10)))
+    logits = to_numpy(ours(x))
+    ours.compile(optimizer=keras.optimizers.SGD(0.5), metrics=metrics)
+    theirs.compile(optimizer=keras.optimizers.SGD(0.5),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   metrics=metrics)
+    got = ours.train_on_batch(x, y, sample_weight=w, return_dict=True)
+    expected = theirs.train_on_batch(x, y, sample_weight=w, return_dict=True)
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if metrics:
+        hits = (logits.argmax(-1) == y) * w
+        np.testing.assert_allclose(got["accuracy"], hits.sum() / w.sum(), rtol=1e-5)

@@ -531,6 +531,23 @@ class TaskModel(FunctionalModel):
             loss = self.default_loss()
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
+    def train_step(self, *args, **kwargs):  # (data) on torch and TF, (state, data) on JAX
+        # torch: when nothing but the compiled loss reads the predictions (Keras' own
+        # `compute_loss` and `compute_metrics`, no compiled metrics), `TokenCrossentropy`
+        # may turn the logits' memory into their gradient instead of writing a new tensor
+        # (`kzoo.losses.logits_released`).
+        if keras.config.backend() == "torch" and self._predictions_unread_after_backward():
+            from kzoo.losses import logits_released
+
+            with logits_released():
+                return super().train_step(*args, **kwargs)
+        return super().train_step(*args, **kwargs)
+
+    def _predictions_unread_after_backward(self):
+        return (getattr(self, "_compile_metrics", None) is None
+                and type(self).compute_metrics is keras.Model.compute_metrics
+                and type(self).compute_loss is keras.Model.compute_loss)
+
     def compile_from_config(self, config):
         # Keras skips a custom `compile` when loading a saved model; this one only fills in
         # the default loss, so a saved compile config is replayed through it.
