@@ -207,3 +207,47 @@ def test_predict_on_batch_returns_each_call_its_own_array():
     for key, value in outputs.items():
         assert isinstance(value, np.ndarray)
         np.testing.assert_allclose(value, to_numpy(expected[key]), rtol=1e-6, atol=1e-6)
+
+
+def test_training_step_with_xla_under_auto(monkeypatch):
+    """TensorFlow: `jit_compile="auto"` makes the training step with XLA (kzoo's choice;
+    Keras' own "auto" is off on a machine without an accelerator), the prediction step
+    without it (Keras' choice), and the XLA step takes the same SGD step as the graph step;
+    `jit_compile=False` and `run_eagerly=True` turn it off. JAX: XLA everywhere under
+    "auto"; torch: eager."""
+    made = []
+    if backend() == "tensorflow":
+        import tensorflow as tf
+
+        real = tf.function
+
+        def spy(*args, **kwargs):
+            made.append(bool(kwargs.get("jit_compile")))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tf, "function", spy)
+    keras.utils.set_random_seed(2)
+    x, y = _lm_data(np.random.default_rng(2))
+    models, initial = {}, None
+    for name, options in {"auto": {}, "off": {"jit_compile": False},
+                          "eager": {"run_eagerly": True}}.items():
+        lm = _gpt()
+        if initial is None:
+            initial = lm.get_weights()
+        lm.set_weights(initial)
+        lm.compile(optimizer=keras.optimizers.SGD(0.5), **options)
+        made.clear()
+        lm.train_on_batch(x, y)
+        train_made = list(made)
+        lm.predict_on_batch(x)
+        models[name] = lm
+        if backend() == "tensorflow":
+            assert lm.xla_training == (name == "auto")
+            if name != "eager":
+                assert any(train_made) == (name == "auto")
+                assert made[len(train_made):] and not any(made[len(train_made):])
+        else:
+            assert lm.xla_training == (backend() == "jax" and name == "auto")
+    for other in ("off", "eager"):
+        for a, b in zip(models["auto"].get_weights(), models[other].get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
