@@ -32,10 +32,8 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
   `T5ForConditionalGeneration.generate`): `decode` as for GPT, from encoder inputs of 32.
 
 Every measurement warms up first (compilation excluded) and takes the median of its timed
-calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX, eager
-torch; on TensorFlow without an accelerator Keras' "auto" is no XLA, and kzoo's task models
-compile their training step with XLA, see `kzoo.models.base.TaskModel`) with each library's
-default loss (kzoo's token models:
+calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX and
+TensorFlow, eager torch) with each library's default loss (kzoo's token models:
 `kzoo.losses.TokenCrossentropy`, torch's fused `cross_entropy` on torch and Keras' op
 elsewhere; keras-hub: Keras' `SparseCategoricalCrossentropy(from_logits=True)`),
 `train_on_batch`, `predict_on_batch` and each library's `generate`; transformers runs a

@@ -27,8 +27,6 @@ from collections.abc import Mapping
 
 import keras
 
-from keras.src.trainers.trainer import model_supports_jit
-
 from kzoo import inputs as input_checks
 from kzoo.inputs import IdInput  # noqa: F401  (the families declare their ids with it)
 from kzoo.layers.feedforward import get_activation
@@ -519,14 +517,6 @@ class TaskModel(FunctionalModel):
 
     `compile(optimizer, loss="auto", ...)`: "auto" is the task's `default_loss()` (the token
     models: `kzoo.losses.TokenCrossentropy`; None elsewhere, i.e. pass one).
-
-    `jit_compile="auto"` (the default) on TensorFlow compiles the *training* step with XLA
-    also where Keras' own "auto" does not (a machine without an accelerator), unless the
-    model runs eagerly, under a `tf.distribute` strategy, or has a layer without XLA
-    support; prediction and evaluation keep Keras' choice. Measured on the 2-core CPU (8 x
-    256 tokens, width 256, vocabulary 8192, interleaved in one process): GPT training
-    +4.5%, BERT masked-LM training +6.4%; the first step's compilation took 1.6 s longer.
-    `jit_compile=False` turns it off. `model.xla_training` says whether it is on.
     """
 
     family = None
@@ -536,32 +526,10 @@ class TaskModel(FunctionalModel):
         """The loss `compile` uses when given none (None: the task has no default)."""
         return None
 
-    def compile(self, optimizer="rmsprop", loss="auto", jit_compile="auto", **kwargs):
+    def compile(self, optimizer="rmsprop", loss="auto", **kwargs):
         if isinstance(loss, str) and loss == "auto":
             loss = self.default_loss()
-        super().compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile, **kwargs)
-        self._xla_training = bool(
-            isinstance(jit_compile, str) and jit_compile == "auto"
-            and keras.config.backend() == "tensorflow" and not self.jit_compile
-            and not self.run_eagerly and not getattr(self, "_distribute_strategy", None)
-            and model_supports_jit(self))
-
-    @property
-    def xla_training(self):
-        """Whether the training step is compiled with XLA (`jit_compile`, or on TensorFlow
-        kzoo's "auto": see the class docstring)."""
-        return bool(self.jit_compile or getattr(self, "_xla_training", False))
-
-    def make_train_function(self, force=False):
-        if not getattr(self, "_xla_training", False):
-            return super().make_train_function(force)
-        # Keras' TensorFlow trainer reads `jit_compile` once, when it makes the function.
-        keras_choice = self._jit_compile
-        self._jit_compile = True
-        try:
-            return super().make_train_function(force)
-        finally:
-            self._jit_compile = keras_choice
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
     def train_step(self, *args, **kwargs):  # (data) on torch and TF, (state, data) on JAX
         # torch: when nothing but the compiled loss reads the predictions (Keras' own
