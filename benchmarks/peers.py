@@ -32,9 +32,10 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
   `T5ForConditionalGeneration.generate`): `decode` as for GPT, from encoder inputs of 32.
 
 Every measurement warms up first (compilation excluded) and takes the median of its timed
-calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX and
-TensorFlow, eager torch) with each library's default loss (kzoo's token models:
-`kzoo.losses.TokenCrossentropy`, torch's fused `cross_entropy` on torch and Keras' op
+calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX, eager
+torch, and on TensorFlow XLA only where an accelerator exists: none on a CPU-only machine)
+with each library's default loss (kzoo's token models:
+`kzoo.losses.TokenCrossentropy`, one autograd function on torch and Keras' op
 elsewhere; keras-hub: Keras' `SparseCategoricalCrossentropy(from_logits=True)`),
 `train_on_batch`, `predict_on_batch` and each library's `generate`; transformers runs a
 plain eager loop with `torch.optim.AdamW` and its models' own loss.
