@@ -536,7 +536,7 @@ class TaskModel(FunctionalModel):
         # `compute_loss` and `compute_metrics`, no compiled metrics), `TokenCrossentropy`
         # may turn the logits' memory into their gradient instead of writing a new tensor
         # (`kzoo.losses.logits_released`).
-        if keras.config.backend() == "torch" and self._predictions_unread_after_backward():
+        if _on_torch() and self._predictions_unread_after_backward():
             from kzoo.losses import logits_released
 
             with logits_released():
