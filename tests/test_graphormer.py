@@ -250,7 +250,8 @@ def test_fit_lowers_loss():
     model = GraphormerPredictor(GraphormerBackbone(**{**TINY, "dropout": 0.1,
                                                       "attention_dropout": 0.1,
                                                       "activation_dropout": 0.1}))
-    # XLA on JAX and TensorFlow; on torch "auto" runs eagerly (torch.compile takes minutes).
+    # XLA on JAX (on TensorFlow only with an accelerator); on torch "auto" runs eagerly
+    # (torch.compile takes minutes).
     model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile="auto")
     everything = _inputs(smiles)
 

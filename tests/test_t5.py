@@ -394,7 +394,8 @@ def test_fit_lowers_loss(version):
     inputs = _batch(batch=4, enc_real=(9, 5, 7, 3), dec_real=(7, 4, 6, 2))
     labels = np.roll(inputs["decoder_token_ids"], -1, axis=1)
     weights = inputs["decoder_padding_mask"].astype("float32")
-    # jit_compile="auto": XLA on JAX and TensorFlow; torch.compile takes minutes
+    # jit_compile="auto": XLA on JAX (on TensorFlow only with an accelerator); torch.compile
+    # takes minutes
     check_fit_lowers_loss(lm, inputs, labels, sample_weight=weights, batch_size=4, epochs=20,
                           min_drop=None, max_ratio=0.7, jit_compile="auto")
 

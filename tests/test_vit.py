@@ -249,7 +249,8 @@ def test_fit_lowers_loss(pooling):
                           pooling=pooling)
     x = images(8)
     y = np.arange(8) % 3
-    # jit_compile="auto": XLA on JAX and TensorFlow; torch.compile would take minutes
+    # jit_compile="auto": XLA on JAX (on TensorFlow only with an accelerator); torch.compile
+    # would take minutes
     check_fit_lowers_loss(model, x, y, optimizer=keras.optimizers.Adam(1e-3), epochs=8,
                           evaluate=True, min_drop=0.05, jit_compile="auto")
 
