@@ -81,11 +81,11 @@ _STATE = threading.local()
 # backward pass (matmuls, views, sums, products: they keep their inputs, not their output).
 # The softmax gradient may overwrite logits made by one of these; an op that keeps its
 # output (exp, tanh, relu, ...) would find it changed (torch raises) and is not on the list.
-_OUTPUT_FREE_NODES = frozenset({
-    "MmBackward0", "AddmmBackward0", "BmmBackward0", "ViewBackward0", "UnsafeViewBackward0",
-    "ReshapeAliasBackward0", "AddBackward0", "SubBackward0", "MulBackward0",
-    "DivBackward0", "ToCopyBackward0", "CloneBackward0",
-})
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_OUTPUT_FREE_NODES = _VIEW_NODES | {
+    "MmBackward0", "AddmmBackward0", "BmmBackward0", "AddBackward0", "SubBackward0",
+    "MulBackward0", "DivBackward0", "ToCopyBackward0", "CloneBackward0",
+}
 
 
 @contextlib.contextmanager
@@ -112,8 +112,7 @@ def _may_overwrite(logits):
     if not getattr(_STATE, "released", False) or not logits.requires_grad:
         return False
     node = logits.grad_fn
-    while node is not None and type(node).__name__ in {"ViewBackward0", "UnsafeViewBackward0",
-                                                       "ReshapeAliasBackward0"}:
+    while node is not None and type(node).__name__ in _VIEW_NODES:
         node = node.next_functions[0][0]
     return node is not None and type(node).__name__ in _OUTPUT_FREE_NODES
 # Rows of a CPU logsumexp at a time: its temporary (x - max) then stays at 4 MiB or less,
