@@ -15,7 +15,9 @@ from kzoo.models.gpt import GPTBackbone
 from kzoo.models.graphormer import GraphormerBackbone
 from kzoo.models.t5 import T5Backbone
 from kzoo.models.vit import ViTBackbone
+from kzoo.layers.utils import gradient_boundary
 from tests.harness import assert_close, ref, roundtrip_layer, to_numpy
+from tests.helpers import value_and_grads
 
 
 _dense = ref.apply_dense  # (layer, x)
@@ -486,3 +488,34 @@ def test_weights_saved_with_former_block_classes_load(tmp_path, family, legacy):
     fresh.load_weights(path)
     for a, b in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b), a.path)
+
+
+def test_gradient_boundary_is_the_identity_and_passes_gradients_exactly():
+    """`gradient_boundary(x)` is `x` and its gradient the incoming one, bit for bit (NumPy's
+    `2 w x` below); on JAX on CPU the compiled gradient holds the conditional that stops
+    XLA from fusing the residual stream's gradient into every consumer."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 3)).astype("float32")
+    w = rng.normal(size=(2, 5, 3)).astype("float32")
+
+    def f(t):
+        return keras.ops.sum(keras.ops.convert_to_tensor(w) * gradient_boundary(t) ** 2)
+
+    value, (grad,) = value_and_grads(f, x)
+    np.testing.assert_array_equal(grad, 2 * w * x)
+    assert_close(value, np.sum(w * x**2))
+    np.testing.assert_array_equal(to_numpy(gradient_boundary(keras.ops.convert_to_tensor(x))), x)
+    empty = keras.ops.zeros((0, 3))
+    assert gradient_boundary(empty) is empty
+    if keras.backend.backend() == "jax":
+        import jax
+
+        grad_bf16 = jax.grad(lambda t: jax.numpy.sum(gradient_boundary(t).astype("float32")))(
+            jax.numpy.ones((4,), "bfloat16"))
+        assert grad_bf16.dtype == "bfloat16" and np.all(np.asarray(grad_bf16, "float32") == 1)
+        if jax.default_backend() == "cpu":
+            hlo = jax.jit(jax.grad(f)).lower(x).compile().as_text()
+            assert "conditional(" in hlo
+    else:
+        t = keras.ops.convert_to_tensor(x)
+        assert gradient_boundary(t) is t

@@ -618,6 +618,30 @@ def test_hf_gpt2_backbone_parity(tmp_path):
     _assert_gpt_matches(model, hf, ids, mask, "GPT2Model")
 
 
+def test_hf_gpt2_sgd_step_matches_transformers(tmp_path):
+    """One SGD step of a converted GPT-2 with kzoo's default loss (token cross-entropy)
+    reaches the weights that transformers' autograd reaches: the loss before and the logits
+    after the step agree within 1e-5, so every gradient (blocks, tied head, loss) does."""
+    import torch
+
+    hf = _hf_gpt2(tmp_path, n_layer=3)
+    lm = kzoo.presets.load(tmp_path)
+    lr = 0.5
+    lm.compile(optimizer=keras.optimizers.SGD(lr))
+    ids = np.random.default_rng(1).integers(0, 97, (3, 12)).astype("int32")
+    loss = lm.train_on_batch(_inputs(ids[:, :-1]), ids[:, 1:])
+
+    logits = hf(input_ids=torch.tensor(ids[:, :-1], dtype=torch.long)).logits
+    expected = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
+    expected.backward()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param -= lr * param.grad
+    assert abs(float(loss) - expected.item()) < 1e-5, (float(loss), expected.item())
+    _assert_gpt_matches(lm, hf, ids, np.ones_like(ids), "GPT-2 after one SGD step")
+
+
 def test_hf_gpt2_greedy_generation(tmp_path):
     import torch
 
