@@ -43,6 +43,11 @@ class TokenCrossentropy(keras.losses.Loss):
     float32, then Keras' reduction with the sample weights (`"sum_over_batch_size"` by
     default, as `SparseCategoricalCrossentropy`).
 
+    Targets outside `[0, vocabulary)`: on JAX a zero loss and gradient (as Keras' loss does
+    there); on torch -100 gives a zero loss and gradient (`F.cross_entropy`'s ignore index)
+    and any other raises; on TensorFlow they raise on CPU. Give such tokens a zero sample
+    weight to mean "ignore" on every backend.
+
     Args:
         reduction: a Keras reduction name ("sum_over_batch_size", "sum", "mean",
             "mean_with_sample_weight", "none" or None).
@@ -70,12 +75,19 @@ class TokenCrossentropy(keras.losses.Loss):
             losses = _torch_cross_entropy().apply(logits.reshape(-1, vocab).float(),
                                                   labels.reshape(-1).long())
             return losses.reshape(labels.shape)
+        if keras.backend.backend() == "jax":
+            logits = ops.cast(y_pred, "float32")
+            labels = ops.cast(y_true, "int32")
+            vocab = logits.shape[-1]
+            losses = _jax_cross_entropy()(logits.reshape(-1, vocab), labels.reshape(-1))
+            return losses.reshape(labels.shape)
         return ops.sparse_categorical_crossentropy(
             ops.cast(y_true, "int32"), ops.cast(y_pred, "float32"), from_logits=True
         )
 
 
 _FUNCTION = []
+_JAX_FUNCTION = []
 _STATE = threading.local()
 # The autograd nodes that may have made the logits without keeping them for their own
 # backward pass (matmuls, views, sums, products: they keep their inputs, not their output).
@@ -168,6 +180,48 @@ def _torch_cross_entropy():
 
     _FUNCTION.append(TokenCrossEntropyFunction)
     return TokenCrossEntropyFunction
+
+
+def _jax_cross_entropy():
+    """The JAX `TokenCrossentropy` with a hand-written backward pass (made once):
+    `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses. A label outside
+    `[0, vocab)` gives a zero loss and gradient, as Keras' `sparse_categorical_crossentropy`
+    on JAX (its one-hot row is all zeros). Keras' form materialises the one-hot targets and
+    the log-probabilities, each as large as the logits, and differentiates through both;
+    here the forward pass reads the logits for the log-sum-exp and one gathered value a
+    row, and the backward pass writes `(softmax - one_hot) * g` in one fused pass. Measured
+    with `jax.profiler`, GPT training at 8 x 256 tokens, vocabulary 8192: the loss's three
+    vocabulary-sized select fusions and its exponential took ~40 ms of a 535 ms step."""
+    if _JAX_FUNCTION:
+        return _JAX_FUNCTION[0]
+    import jax
+    import jax.numpy as jnp
+
+    def valid_and_index(labels, vocab):
+        valid = (labels >= 0) & (labels < vocab)
+        return valid, jnp.where(valid, labels, 0)
+
+    @jax.custom_vjp
+    def cross_entropy(logits, labels):
+        return forward(logits, labels)[0]
+
+    def forward(logits, labels):
+        valid, index = valid_and_index(labels, logits.shape[-1])
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, index[:, None], axis=-1)[:, 0]
+        return jnp.where(valid, lse - picked, 0.0), (logits, lse, labels)
+
+    def backward(saved, g):
+        logits, lse, labels = saved
+        valid, _ = valid_and_index(labels, logits.shape[-1])
+        scale = jnp.where(valid, g, 0.0)[:, None]
+        classes = jax.lax.broadcasted_iota(labels.dtype, logits.shape, 1)
+        one_hot = (classes == labels[:, None]).astype(logits.dtype)
+        return (jnp.exp(logits - lse[:, None]) - one_hot) * scale, None
+
+    cross_entropy.defvjp(forward, backward)
+    _JAX_FUNCTION.append(cross_entropy)
+    return cross_entropy
 
 
 __all__ = ["TokenCrossentropy"]

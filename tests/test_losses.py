@@ -90,6 +90,41 @@ def test_torch_function_ignore_index_and_out_of_range_targets():
         fn.apply(torch.tensor(data), torch.tensor([1, 5, 0, 0]))
 
 
+def test_jax_function_out_of_range_targets_and_gradient():
+    """The JAX path's custom-gradient function (pure JAX, so checked under every backend):
+    the loss and its gradient against NumPy, large logits included; a target outside the
+    vocabulary (negative, -100 or too large) gives a zero loss and gradient, as Keras'
+    `sparse_categorical_crossentropy` does on JAX (an all-zero one-hot row)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kzoo.losses import _jax_cross_entropy
+
+    fn = _jax_cross_entropy()
+    r = np.random.default_rng(3)
+    logits = (5 * r.normal(size=(6, 7))).astype("float32")
+    logits[2, 3] = 90.0
+    y = np.array([1, -100, 3, 7, -1, 6], "int32")
+    weights = r.uniform(size=6).astype("float32")
+    losses = np.asarray(fn(jnp.asarray(logits), jnp.asarray(y)))
+    grad = np.asarray(jax.grad(lambda z: jnp.sum(fn(z, y) * weights))(logits))
+    valid = (y >= 0) & (y < 7)
+    z = logits.astype("float64")
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    one_hot = np.eye(7)[np.where(valid, y, 0)] * valid[:, None]
+    expected = np.where(valid, _np_token_ce(np.where(valid, y, 0), logits), 0.0)
+    np.testing.assert_allclose(losses, expected, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(grad, weights[:, None] * valid[:, None] * (p - one_hot),
+                               rtol=1e-5, atol=1e-7)
+    assert np.all(losses[~valid] == 0) and np.all(grad[~valid] == 0)
+    import keras.src.backend.jax.nn as keras_jax_nn
+
+    np.testing.assert_allclose(
+        losses, np.asarray(keras_jax_nn.sparse_categorical_crossentropy(y, logits, True)),
+        rtol=1e-6, atol=1e-5)
+
+
 def test_targets_with_a_trailing_axis_and_half_logits():
     r = np.random.default_rng(9)
     logits = r.normal(size=(2, 3, 5)).astype("float16")
