@@ -15,7 +15,7 @@ from kzoo.models.gpt import GPTBackbone
 from kzoo.models.graphormer import GraphormerBackbone
 from kzoo.models.t5 import T5Backbone
 from kzoo.models.vit import ViTBackbone
-from kzoo.layers.utils import gradient_boundary
+from kzoo.layers.utils import gradient_boundary, project
 from tests.harness import assert_close, ref, roundtrip_layer, to_numpy
 from tests.helpers import value_and_grads
 
@@ -519,3 +519,36 @@ def test_gradient_boundary_is_the_identity_and_passes_gradients_exactly():
     else:
         t = keras.ops.convert_to_tensor(x)
         assert gradient_boundary(t) is t
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_project_equals_the_dense_layer_with_numpys_gradients(lora):
+    """`project(dense, x)` for a rank-3 `x`: the values of `dense(x)` and the gradients of
+    `sum(w * out)` with respect to `x` and the kernel, against NumPy (`w @ K^T` and
+    `x^T w` over every leading position), also with Keras' LoRA enabled."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 5, 6)).astype("float32")
+    w = rng.normal(size=(2, 5, 4)).astype("float32")
+    dense = keras.layers.Dense(4, bias_initializer="random_normal")
+    dense.build((None, None, 6))
+    if lora:
+        dense.enable_lora(2)
+        dense.lora_kernel_b.assign(rng.normal(size=(2, 4)).astype("float32"))
+    kernel = to_numpy(dense.kernel)
+    bias = to_numpy(dense.bias)
+    np.testing.assert_allclose(to_numpy(project(dense, keras.ops.convert_to_tensor(x))),
+                               x @ kernel + bias, rtol=1e-5, atol=1e-5)
+    weight = dense.lora_kernel_b if lora else dense._kernel
+
+    def f(t, k):
+        with keras.StatelessScope(state_mapping=[(weight, k)]):
+            out = project(dense, t)
+        return keras.ops.sum(keras.ops.convert_to_tensor(w) * out)
+
+    _, (g_x, g_k) = value_and_grads(f, x, to_numpy(weight))
+    np.testing.assert_allclose(g_x, w @ kernel.T, rtol=1e-5, atol=1e-5)
+    g_kernel = np.einsum("bti,bto->io", x, w)
+    if lora:
+        scale = dense.lora_alpha / dense.lora_rank
+        g_kernel = to_numpy(dense.lora_kernel_a).T @ g_kernel * scale
+    np.testing.assert_allclose(g_k, g_kernel, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ from kzoo.layers.utils import (
     check_positive_float,
     check_positive_int,
     check_rate,
+    project,
     serialize_initializer,
 )
 
@@ -259,8 +260,8 @@ class MultiHeadAttention(keras.layers.Layer):
     def project_key_value(self, value):
         """Keys and values `(batch, k_len, kv_heads, head_dim)` for `value` (e.g. a
         cross-attention cache computed once from the encoder output)."""
-        k = self._split(self.key_dense(value), self._kv_heads)
-        v = self._split(self.value_dense(value), self._kv_heads)
+        k = self._split(project(self.key_dense, value), self._kv_heads)
+        v = self._split(project(self.value_dense, value), self._kv_heads)
         return k, v
 
     @staticmethod
@@ -330,7 +331,7 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(
                 f"`query` must have rank 3 (batch, seq, dim); got shape {tuple(query.shape)}."
             )
-        q = self._split(self.query_dense(query), self.num_heads)
+        q = self._split(project(self.query_dense, query), self.num_heads)
         q_len = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
         if position_index is not None:
             start = position_index
@@ -395,7 +396,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _finish(self, out, weights, q_len, return_attention_weights, cache, new_cache):
         out = ops.reshape(out, (-1, q_len, self.num_heads * self._head_dim))
-        out = self.output_dense(out)
+        out = project(self.output_dense, out)
         outputs = (out,)
         if return_attention_weights:
             outputs += (weights,)
@@ -453,7 +454,7 @@ class MultiHeadAttention(keras.layers.Layer):
             if self._global_projections:
                 flags = self._global_slots(query, global_mask)[0]
                 kg, vg = self._project_global_key_value(query)
-                qg = self._split(self.query_global_dense(query), self.num_heads)
+                qg = self._split(project(self.query_global_dense, query), self.num_heads)
                 global_rows = (qg, kg, flags)
                 values = (v, vg, flags)
             weights = self._explicit_weights(q, k, mask, use_causal_mask, global_mask,
@@ -488,8 +489,8 @@ class MultiHeadAttention(keras.layers.Layer):
                                           query.shape[0], global_mask)
 
     def _project_global_key_value(self, query):
-        return (self._split(self.key_global_dense(query), self._kv_heads),
-                self._split(self.value_global_dense(query), self._kv_heads))
+        return (self._split(project(self.key_global_dense, query), self._kv_heads),
+                self._split(project(self.value_global_dense, query), self._kv_heads))
 
     def _global_projection_rows(self, query, out, mask, causal, global_mask):
         """`out` with the global tokens' rows recomputed under the global projections
@@ -502,7 +503,7 @@ class MultiHeadAttention(keras.layers.Layer):
             hidden = ops.einsum("gn,bnc->bgc", onehot[0], query)
         else:
             hidden = ops.einsum("bgn,bnc->bgc", onehot, query)
-        qg = self._split(self.query_global_dense(hidden), self.num_heads)
+        qg = self._split(project(self.query_global_dense, hidden), self.num_heads)
         kg, vg = self._project_global_key_value(query)
         return efficient.longformer_global_rows(qg, kg, vg, slots, out, mask=mask,
                                                 causal=causal, scale=self.scale)

@@ -10,6 +10,7 @@ from keras import ops
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
+from kzoo.layers.utils import project
 from kzoo.layers.utils import last_axis_size
 from kzoo.layers.utils import serialize_initializer
 
@@ -217,9 +218,9 @@ class FeedForward(_FeedForwardBase):
         self.built = True
 
     def call(self, inputs, training=None):
-        h = self._activation_fn(self.intermediate_dense(inputs))
+        h = self._activation_fn(project(self.intermediate_dense, inputs))
         h = self.dropout_layer(h, training=training)
-        return self.output_dense(h)
+        return project(self.output_dense, h)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -297,7 +298,7 @@ class GatedFeedForward(_FeedForwardBase):
         self.built = True
 
     def call(self, inputs, training=None):
-        h = self._activation_fn(self.gate_dense(inputs)) * self.up_dense(inputs)
+        h = self._activation_fn(project(self.gate_dense, inputs)) * project(self.up_dense, inputs)
         h = self.dropout_layer(h, training=training)
-        return self.output_dense(h)
+        return project(self.output_dense, h)
 

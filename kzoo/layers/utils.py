@@ -1,5 +1,5 @@
-"""Small shared helpers: argument validation, dtype handling, and the gradient boundary
-that the transformer block puts on its residual stream (JAX on CPU).
+"""Small shared helpers: argument validation, dtype handling, and two JAX performance
+helpers (`project` for Dense layers, the residual stream's `gradient_boundary`).
 
 These are the one set of validators every layer, family config and task uses: each raises a
 `ValueError` that names the argument, its value and what is allowed.
@@ -203,6 +203,30 @@ def last_axis_size(layer_name, input_shape):
 
 
 
+
+def _static(shape):
+    """Whether every size in `shape` is a known integer (not None, not a symbolic size)."""
+    return all(_is_int(size) for size in shape)
+
+def project(dense, x):
+    """`dense(x)` for a Dense layer; on JAX, over the flattened leading axes of `x`.
+
+    Keras' `Dense` multiplies a `(batch, seq, dim)` input by its kernel as one 3-D product,
+    so JAX's derivative of the kernel contracts two axes at once (batch and sequence), which
+    XLA on CPU runs as a transposing copy of each operand and a generic dot outside its
+    matrix library. On `(batch * seq, dim)` the same derivative is one plain matrix product.
+    Measured on the 2-core CPU (interleaved, one process, 8 x 256 tokens): GPT training
+    3,878 -> 4,223 and BERT 4,398 -> 5,096 tokens/s, forward unchanged. The result is reshaped back, so values and shapes are
+    those of `dense(x)`; other backends (whose own Dense already multiplies 2-D matrices, or
+    lost 9% flattened on TensorFlow) call `dense(x)` unchanged.
+    """
+    if keras.backend.backend() != "jax" or len(x.shape) <= 2 or not _static(x.shape):
+        return dense(x)  # (symbolic sizes, as in an ONNX export: Dense's own product)
+    lead = tuple(x.shape[:-1])
+    y = dense(ops.reshape(x, (-1, x.shape[-1])))
+    return ops.reshape(y, lead + (y.shape[-1],))
+
+
 _GRADIENT_BOUNDARY = []
 
 
@@ -221,7 +245,7 @@ def gradient_boundary(x):
     Elsewhere (other backends, JAX on GPU/TPU, where a conditional may cost a device-host
     round trip) `x` is returned untouched. Reverse-mode only: under `jax.jvp` it raises.
     """
-    if keras.backend.backend() != "jax" or 0 in tuple(x.shape):
+    if keras.backend.backend() != "jax" or not _static(x.shape) or 0 in tuple(x.shape):
         return x
     if not _GRADIENT_BOUNDARY:
         import jax
