@@ -512,7 +512,7 @@ class TransformerBlock(keras.layers.Layer):
         given)."""
         # On JAX on CPU the residual stream's gradient is materialised at each sub-layer
         # boundary instead of being recomputed by every fusion that reads it (see
-        # `gradient_boundary`: GPT training +13-18% there); elsewhere the tensor itself.
+        # `gradient_boundary`); elsewhere the tensor itself.
         x = gradient_boundary(inputs)
 
         # Self-attention (writing this step's keys/values into `cache` when decoding).
