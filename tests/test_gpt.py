@@ -632,8 +632,8 @@ def test_hf_gpt2_sgd_step_matches_transformers(tmp_path):
     loss = lm.train_on_batch(_inputs(ids[:, :-1]), ids[:, 1:])
 
     logits = hf(input_ids=torch.tensor(ids[:, :-1], dtype=torch.long)).logits
-    expected = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), torch.tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
+    targets = torch.tensor(ids[:, 1:], dtype=torch.long).reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
     expected.backward()
     with torch.no_grad():
         for param in hf.parameters():

@@ -10,8 +10,8 @@ from keras import ops
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
-from kzoo.layers.utils import project
 from kzoo.layers.utils import last_axis_size
+from kzoo.layers.utils import project
 from kzoo.layers.utils import serialize_initializer
 
 
@@ -298,7 +298,8 @@ class GatedFeedForward(_FeedForwardBase):
         self.built = True
 
     def call(self, inputs, training=None):
-        h = self._activation_fn(project(self.gate_dense, inputs)) * project(self.up_dense, inputs)
+        gate = self._activation_fn(project(self.gate_dense, inputs))
+        h = gate * project(self.up_dense, inputs)
         h = self.dropout_layer(h, training=training)
         return project(self.output_dense, h)
 

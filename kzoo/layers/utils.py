@@ -202,11 +202,10 @@ def last_axis_size(layer_name, input_shape):
     return dim
 
 
-
-
 def _static(shape):
     """Whether every size in `shape` is a known integer (not None, not a symbolic size)."""
     return all(_is_int(size) for size in shape)
+
 
 def project(dense, x):
     """`dense(x)` for a Dense layer; on JAX, over the flattened leading axes of `x`.
@@ -216,9 +215,10 @@ def project(dense, x):
     XLA on CPU runs as a transposing copy of each operand and a generic dot outside its
     matrix library. On `(batch * seq, dim)` the same derivative is one plain matrix product.
     Measured on the 2-core CPU (interleaved, one process, 8 x 256 tokens): GPT training
-    3,878 -> 4,223 and BERT 4,398 -> 5,096 tokens/s, forward unchanged. The result is reshaped back, so values and shapes are
-    those of `dense(x)`; other backends (whose own Dense already multiplies 2-D matrices, or
-    lost 9% flattened on TensorFlow) call `dense(x)` unchanged.
+    3,878 -> 4,223 and BERT 4,398 -> 5,096 tokens/s, forward unchanged. The result is
+    reshaped back, so values and shapes are those of `dense(x)`; other backends (whose own
+    Dense already multiplies 2-D matrices, or lost 9% flattened on TensorFlow) call
+    `dense(x)` unchanged.
     """
     if keras.backend.backend() != "jax" or len(x.shape) <= 2 or not _static(x.shape):
         return dense(x)  # (symbolic sizes, as in an ONNX export: Dense's own product)
