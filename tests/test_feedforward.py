@@ -8,6 +8,7 @@ from kzoo.layers.feedforward import FeedForward
 from kzoo.layers.feedforward import GatedFeedForward
 from kzoo.layers.feedforward import get_activation
 from tests.harness import assert_close, check_layer, ref, rng, roundtrip_layer, to_numpy
+from tests.helpers import value_and_grads
 
 NP_ACTIVATIONS = {name: ref.activation(name) for name in (
     "relu", "gelu", "gelu_tanh", "quick_gelu", "silu", "tanh", "sigmoid", "linear")}
@@ -26,6 +27,25 @@ def test_activation_matches_numpy(name):
     expected = NP_ACTIVATIONS[ALIASES.get(name, name)](x.astype(np.float64))
     assert_close(get_activation(name)(keras.ops.convert_to_tensor(x)), expected, atol=2e-6,
                  rtol=1e-5)
+
+
+def test_gelu_tanh_gradient_matches_numpy():
+    """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), written in float64:
+    0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), far into both tails
+    too (TensorFlow runs its own gradient of the sigmoid form here)."""
+    x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
+    w = rng(3).uniform(0.5, 1.5, size=x.shape).astype("float32")
+    gelu = get_activation("gelu_tanh")
+    value, (grad,) = value_and_grads(
+        lambda t: keras.ops.sum(keras.ops.convert_to_tensor(w) * gelu(t)), x)
+    z = x.astype(np.float64)
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (z + 0.044715 * z**3))
+    slope = 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * c * (1 + 3 * 0.044715 * z**2)
+    np.testing.assert_allclose(grad, w * slope, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(value, np.sum(w * 0.5 * z * (1 + t)), rtol=1e-5)
+    half = gelu(keras.ops.convert_to_tensor(x[:8], "bfloat16"))
+    assert keras.backend.standardize_dtype(half.dtype) == "bfloat16"
 
 
 def test_gelu_exact_and_tanh_differ():
