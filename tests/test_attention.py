@@ -689,6 +689,57 @@ def test_tpu_flash_plan_decisions():
     assert tpu_flash_plan((2, 128, 8, 64), q) == "pallas"
 
 
+def test_jax_cuda_dispatch_gives_cudnn_full_length_masks(monkeypatch):
+    """On a CUDA GPU, JAX's cuDNN attention takes a mask or bias only with the full
+    (q_len, k_len) trailing shape (a (b, 1, 1, k) padding mask raised "Bias must have same seq
+    length as QKV" on an H100). The dispatch is checked here on the CPU: `device()` says
+    "gpu", a stand-in for `jax.nn.dot_product_attention` enforces cuDNN's argument rules and
+    runs XLA's kernel; the output is checked against NumPy. Other backends: the same calls,
+    checked against NumPy only."""
+    calls = []
+    if backend() == "jax":
+        import jax
+
+        from kzoo.layers import kernels_jax
+
+        real = jax.nn.dot_product_attention
+
+        def cudnn_rules(query, key, value, bias=None, mask=None, implementation=None,
+                        **kwargs):
+            calls.append(implementation)
+            if implementation == "cudnn":
+                want = (query.shape[1], key.shape[1])
+                for name, x in (("mask", mask), ("bias", bias)):
+                    if x is not None and tuple(x.shape[-2:]) != want:
+                        raise ValueError(f"{name} {x.shape}: cuDNN needs (..., {want})")
+                assert query.dtype == jax.numpy.bfloat16 and query.shape[-1] % 8 == 0
+            return real(query, key, value, bias=bias, mask=mask, implementation=None,
+                        **kwargs)
+
+        monkeypatch.setattr(kernels_jax, "device", lambda: "gpu")
+        monkeypatch.setattr(kernels_jax.jax.nn, "dot_product_attention", cudnn_rules)
+    q, k, v = _data(t=8, d=16)
+    mask = np.ones((2, 1, 1, 8), bool)
+    mask[1, ..., 6:] = False
+    bias = np.random.default_rng(1).normal(size=(1, 4, 8, 8)).astype("float32")
+    cases = [(dict(mask=mask), True), (dict(bias=bias), False),
+             (dict(mask=mask, bias=bias), True)]
+    for kwargs, causal in cases:
+        args = [ops.cast(x, "bfloat16") for x in (q, k, v)]
+        out = dot_product_attention(*args, is_causal=causal, kernel="fused", **kwargs)
+        expected = np_attention(*(to_numpy(ops.cast(x, "float32")) for x in args),
+                                causal=causal, **kwargs)
+        assert_close(ops.cast(out, "float32"), expected, atol=3e-2, rtol=3e-2)
+    # float32, a head width cuDNN does not take, and one decode query: XLA's kernel.
+    dot_product_attention(q, k, v, mask=mask, kernel="fused")
+    q12, k12, v12 = (ops.cast(x, "bfloat16") for x in _data(t=8, d=12))
+    dot_product_attention(q12, k12, v12, mask=mask, kernel="fused")
+    dot_product_attention(ops.cast(q[:, -1:], "bfloat16"), *(ops.cast(x, "bfloat16")
+                          for x in (k, v)), mask=mask, is_causal=True, kernel="fused")
+    if backend() == "jax":
+        assert calls == ["cudnn"] * 3 + [None] * 3
+
+
 def test_unknown_sequence_length_under_tracing():
     """Symbolic lengths (a tf.function / jit signature with None) must work."""
     layer = MultiHeadAttention(num_heads=4, num_kv_heads=2)

@@ -42,10 +42,15 @@ def fused(query, key, value, mask, bias, is_causal, scale):
         mask = c if mask is None else ops.logical_and(mask, c)
         is_causal = False
     implementation = None
-    if device() == "gpu" and keras.backend.standardize_dtype(query.dtype) in (
-        "float16", "bfloat16"
-    ):
+    if device() == "gpu" and cudnn_applies(query.shape, key.shape, value.shape, query.dtype):
         implementation = "cudnn"
+        # cuDNN takes a mask only as an additive bias, and a bias only with the full
+        # (q_len, k_len) trailing shape (JAX raises "Bias must have same seq length as QKV"
+        # for a (batch, 1, 1, k_len) padding mask): broadcast the two sequence axes.
+        if mask is not None:
+            mask = jnp.broadcast_to(mask, tuple(mask.shape[:2]) + (q_len, k_len))
+        if bias is not None:
+            bias = jnp.broadcast_to(bias, tuple(bias.shape[:2]) + (q_len, k_len))
     if bias is not None:
         bias = ops.cast(bias, query.dtype)
     out = jax.nn.dot_product_attention(
@@ -59,6 +64,18 @@ def fused(query, key, value, mask, bias, is_causal, scale):
         visible = ops.transpose(_rows_with_any_key(seen), (0, 2, 1, 3))
         out = ops.where(visible, out, ops.zeros((), dtype=out.dtype))
     return out
+
+
+def cudnn_applies(query_shape, key_shape, value_shape, dtype):
+    """Whether a call on a CUDA GPU takes cuDNN's fused (flash) attention: half precision
+    (float16 / bfloat16), one head width for query, key and value that is a multiple of 8 and
+    at most 128 (what cuDNN's fused kernels accept), and more than one query (a decode step's
+    single query runs XLA's attention: nothing to tile)."""
+    head = query_shape[-1]
+    return (keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+            and head is not None and head == key_shape[-1] == value_shape[-1]
+            and head % 8 == 0 and head <= 128
+            and query_shape[1] is not None and query_shape[1] > 1)
 
 
 def tpu_flash_plan(query_shape, key_shape, mask_shape=None, has_bias=False, is_causal=False,
