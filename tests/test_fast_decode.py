@@ -243,46 +243,130 @@ def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
     assert len(calls) == (1 if TORCH else 0)
     keep = pad.astype(bool)
     if "rope_max_wavelength" in kwargs or kwargs.get("feedforward") == "moe":
-        expected = to_numpy(model(inputs, training=False))  # autograd on: the Keras path
+        monkeypatch.setenv("KZOO_FAST_DECODE", "0")  # the Keras path
+        expected = to_numpy(model(inputs, training=False))
         assert len(calls) == (1 if TORCH else 0)
     else:
         expected = _np_block(block, x, keep, bias=bias if with_bias else None)
     np.testing.assert_allclose(got[keep], expected[keep], atol=3e-5, rtol=1e-4)
 
 
-def test_forward_path_only_in_inference_inside_a_model_call(monkeypatch):
-    """Not when training, not with autograd on, not for a block called on its own, not with
-    a packed-document mask, not with KZOO_FAST_DECODE=0, not under mixed precision; the
-    model's training flag counts when the block's call has none."""
-    block = TransformerBlock(num_heads=2, intermediate_dim=8, causal=True)
+def test_forward_path_where_it_applies(monkeypatch):
+    """Inside a model's call only (not for a block called on its own), not with a
+    packed-document mask, not with KZOO_FAST_DECODE=0. In inference with autograd off, any
+    block; with autograd on or training, only a block with nothing random or recomputed in
+    it (`trains_plainly`: no dropout, LayerDrop, rematerialisation or MoE). Mixed precision
+    takes it too (bfloat16 out, as the Keras layers give)."""
     x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
-    block(x)
     calls = []
     real = fast_decode.block_forward
     monkeypatch.setattr(fast_decode, "block_forward",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     inp = keras.Input((4, 8))
-    model = keras.Model(inp, block(inp))
+
+    def wrapped(**kwargs):
+        block = TransformerBlock(num_heads=2, intermediate_dim=8, causal=True, **kwargs)
+        return block, keras.Model(inp, block(inp))
+
+    block, model = wrapped()
     mask_in = keras.Input((1, 4, 4), dtype="bool")
     packed = keras.Model([inp, mask_in], block(inp, attention_mask=mask_in))
     with _no_grad():
         block(x)  # the outermost layer
-        model(x, training=True)
         packed([x, np.ones((1, 1, 4, 4), bool)])
         monkeypatch.setenv("KZOO_FAST_DECODE", "0")
         model(x)
+        model(x, training=True)
         monkeypatch.delenv("KZOO_FAST_DECODE")
-        assert calls == []
+    assert calls == []
+    with _no_grad():
         model(x)
         model.predict_on_batch(x)
-    assert len(calls) == (2 if TORCH else 0)
     model(x)  # autograd on
-    assert len(calls) == (2 if TORCH else 0)
-    # (two blocks: the second one is handed bfloat16 hidden states by the first)
+    model(x, training=True)  # (a training step's forward)
+    assert len(calls) == (4 if TORCH else 0)
+    for kwargs in (dict(dropout=0.1), dict(attention_dropout=0.1), dict(activation_dropout=0.1),
+                   dict(layerdrop=0.1), dict(remat=True),
+                   dict(feedforward="moe", num_experts=2, top_k=1)):
+        calls.clear()
+        _, model = wrapped(**kwargs)
+        model(x, training=True)
+        model(x)  # autograd on (dropout inactive, but a backward pass may follow)
+        assert calls == [], kwargs
+        with _no_grad():
+            model(x)
+        assert len(calls) == (1 if TORCH else 0), kwargs
+    # (two blocks: the second one is handed bfloat16 hidden states by the first, which gets
+    # float32 and so runs its Keras call)
+    calls.clear()
     mixed = [TransformerBlock(num_heads=2, intermediate_dim=8, causal=True,
                               dtype="mixed_bfloat16") for _ in range(2)]
     mixed_model = keras.Model(inp, mixed[1](mixed[0](inp)))
-    with _no_grad():
-        out = mixed_model(x)  # mixed precision: the Keras layers' autocast, bfloat16 out
-    assert len(calls) == (2 if TORCH else 0)
+    out = mixed_model(x)
+    assert len(calls) == (1 if TORCH else 0)
     assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+
+
+TRAIN_CONFIGS = {k: v for k, v in FORWARD_CONFIGS.items() if k != "moe"}
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_CONFIGS))
+@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
+    """A training forward and backward through `block_forward` (torch, counted) give the
+    loss and the gradients of every weight and of the input that the Keras layers' call
+    gives (KZOO_FAST_DECODE=0), with padded rows and T5's relative bias: float32 to 1e-5,
+    mixed bfloat16 to bfloat16's resolution. Other backends: their Keras call, the loss
+    checked finite (there is no second path to compare)."""
+    from keras import ops
+
+    kwargs = TRAIN_CONFIGS[name]
+    r = np.random.default_rng(8)
+    x = r.normal(size=(2, 6, 16)).astype("float32")
+    pad = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], "int32")
+    with_bias = name == "t5_encoder"
+    bias = r.normal(size=(2, 4, 6, 6)).astype("float32")
+    g = r.normal(size=(2, 6, 16)).astype("float32")
+    calls = []
+    real = fast_decode.block_forward
+    monkeypatch.setattr(fast_decode, "block_forward",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = keras.Input((6, 16))
+    dense = keras.layers.Dense(16, dtype=dtype)  # (hands the block its compute dtype)
+    block = TransformerBlock(num_heads=4, intermediate_dim=24, dtype=dtype, **kwargs)
+    pad_in = keras.Input((6,), dtype="int32")
+    inputs, call = [first, pad_in], {"padding_mask": pad_in}
+    if with_bias:
+        bias_in = keras.Input((4, 6, 6))
+        inputs.append(bias_in)
+        call["attention_bias"] = bias_in
+    model = keras.Model(inputs, block(dense(first), **call))
+    for w in model.weights:
+        if "seed" not in w.path:
+            w.assign(r.normal(scale=0.3, size=w.shape).astype(w.dtype))
+    values = [x, pad] + ([bias] if with_bias else [])
+
+    def loss_and_grads():
+        if not TORCH:
+            out = model(values, training=True)
+            return [to_numpy(ops.sum(ops.cast(out, "float32") * g))]
+        import torch
+
+        xt = torch.tensor(x, requires_grad=True)
+        out = model([xt] + [torch.as_tensor(v) for v in values[1:]], training=True)
+        loss = (out.float() * torch.from_numpy(g)).sum()
+        weights = [w.value for w in model.trainable_weights]
+        grads = torch.autograd.grad(loss, weights + [xt])
+        return [loss.detach().numpy()] + [t.float().numpy() for t in grads]
+
+    fast = loss_and_grads()
+    assert len(calls) == (1 if TORCH else 0)
+    monkeypatch.setenv("KZOO_FAST_DECODE", "0")
+    slow = loss_and_grads()
+    assert len(calls) == (1 if TORCH else 0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    assert len(fast) == len(slow) == (2 + len(model.trainable_weights) if TORCH else 1)
+    for got, want in zip(fast, slow):
+        assert np.isfinite(got).all()
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got / scale, want / scale, **tol)

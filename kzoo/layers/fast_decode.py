@@ -38,13 +38,20 @@ rest; before the per-loop memo and the host index, 4.1 ms and 1,400 calls.
 
 The models call `decode_block(block, x, training=..., **kwargs)`, which picks the path.
 
-Whole-sequence passes in inference take a shorter version of the same idea: inside a model's
-call on torch with autograd off (`predict`, `evaluate`, a `torch.no_grad()` model call, the
-encoder of a prompt), `TransformerBlock.__call__` runs `block_forward` when
-`forward_applies`: the block's sub-layers in torch calls (q/k/v in one product, the biases
-inside the products) and the same `dot_product_attention` kernel as the Keras call. Measured
-(2 cores, 8 x 256 tokens, `predict_on_batch`, 14 interleaved rounds): GPT 13,123 -> 13,483
-and BERT 13,099 -> 14,479 tokens/s.
+Whole-sequence passes take a shorter version of the same idea: inside a model's call on
+torch (`predict`, `evaluate`, a `torch.no_grad()` model call, the encoder of a prompt, and
+the forward pass of a training step), `TransformerBlock.__call__` runs `block_forward` when
+`forward_applies`: the block's sub-layers in torch calls (the biases inside the products;
+q/k/v in one product with autograd off) and the same `dot_product_attention` kernel as the
+Keras call; mixed precision casts the kernels as Keras' autocast does. In training (or with
+autograd on) only for a block with nothing random or recomputed in it (`trains_plainly`: no
+dropout, LayerDrop, rematerialisation or mixture of experts); autograd differentiates the
+torch calls. Measured (2 cores, 8 x 256 tokens, `predict_on_batch`, 14 interleaved rounds):
+GPT 13,123 -> 13,483 and BERT 13,099 -> 14,479 tokens/s in inference; training
+(`train_on_batch`, 12 interleaved rounds) GPT 5,302 -> 5,480 (+3.4%), BERT 6,978 -> 7,166
+(+2.7%). On an H100, GPT-2 small in mixed bfloat16 (`benchmarks/gpu.py`), where a torch step
+is bound by the host's work per layer call rather than the GPU's: 67,254 -> 112,790
+training tokens/s (transformers 117,396 in the same run).
 """
 
 import contextlib
@@ -132,32 +139,53 @@ _FORWARD_KWARGS = frozenset({"padding_mask", "attention_bias", "training"})
 
 def forward_applies(block, inputs, args, kwargs):
     """Whether `TransformerBlock.__call__(inputs, *args, **kwargs)` may run as
-    `block_forward`: torch, autograd off, inference (`training` false here and in the
-    enclosing model call), no tap, `KZOO_FAST_DECODE` not "0", a built block of full
-    self-attention without cross-attention and without mixed precision, called inside a
-    model's call (the block is not the outermost layer) on a torch tensor of its compute
-    dtype, with only `padding_mask` and `attention_bias` (no packed-document mask, cache or
-    position index)."""
-    if args or not _FORWARD_KWARGS.issuperset(kwargs) or kwargs.get("training"):
+    `block_forward`: torch, no tap, `KZOO_FAST_DECODE` not "0", a built block of full
+    self-attention without cross-attention, called inside a model's call (the block is not
+    the outermost layer) on a torch tensor of its compute dtype, with only `padding_mask` and
+    `attention_bias` (no packed-document mask, cache or position index). In inference with
+    autograd off, any such block; when training or with autograd on (a training step's
+    forward pass), only a block with nothing random or recomputed in it (`trains_plainly`):
+    then autograd differentiates the torch calls as it would the Keras layers'."""
+    if args or not _FORWARD_KWARGS.issuperset(kwargs):
         return False
     if keras.backend.backend() != "torch" or not block.built or block.cross_attention:
         return False
     import torch
 
-    if (not isinstance(inputs, torch.Tensor) or torch.is_grad_enabled()
-            or block.self_attention.attention != "full"
+    if (not isinstance(inputs, torch.Tensor) or block.self_attention.attention != "full"
             or os.environ.get("KZOO_FAST_DECODE", "1") == "0" or active_tap() is not None):
         return False
     from keras.src.backend.common import global_state
 
     context = global_state.get_global_attribute("current_call_ctx")
-    if context is None or (kwargs.get("training") is None and context.get_value("training")):
+    if context is None:
         return False
-    if (inputs.dtype != _torch_dtype(block.compute_dtype)
-            or block.compute_dtype != block.variable_dtype):
-        return False  # (mixed precision: the Keras layers' autocast decides the dtypes)
+    training = kwargs.get("training")
+    if training is None:
+        training = context.get_value("training")
+    if (training or torch.is_grad_enabled()) and not trains_plainly(block):
+        return False
+    if inputs.dtype != _torch_dtype(block.compute_dtype):
+        return False
     return all(v is None or isinstance(v, torch.Tensor)
                for k, v in kwargs.items() if k != "training")
+
+
+def trains_plainly(block):
+    """Whether `block`'s training forward pass is a plain function of its inputs and
+    weights: every dropout rate 0 (residual, attention probabilities, feed-forward), no
+    LayerDrop, no rematerialisation, no mixture of experts (its router adds losses and
+    routes per call)."""
+    from kzoo.layers.attention import MultiHeadAttention
+
+    if block.remat or block.layerdrop or block.feedforward == "moe":
+        return False
+    for layer in block._flatten_layers():
+        if isinstance(layer, keras.layers.Dropout) and layer.rate:
+            return False
+        if isinstance(layer, MultiHeadAttention) and layer.dropout:
+            return False
+    return True
 
 
 def block_forward(block, x, padding_mask=None, attention_bias=None, training=None):
@@ -224,10 +252,11 @@ def _dense(layer, x):
         return layer(x)
     import torch.nn.functional as F
 
-    kernel = _value(layer._kernel)
+    dtype = _torch_dtype(layer.compute_dtype)  # (mixed precision: Keras' autocast)
+    kernel = _value(layer._kernel).to(dtype)
     # (one `addmm` with the bias: no second output tensor for the bias add)
-    return F.linear(x.to(kernel.dtype), kernel.t(),
-                    None if layer.bias is None else _value(layer.bias))
+    return F.linear(x.to(dtype), kernel.t(),
+                    None if layer.bias is None else _value(layer.bias).to(dtype))
 
 
 def _norm(layer, x):
@@ -238,10 +267,18 @@ def _norm(layer, x):
     if isinstance(layer, keras.layers.LayerNormalization) and not layer.rms_scaling and (
         layer.axis in (-1, [-1], (-1,), len(x.shape) - 1, [len(x.shape) - 1])
     ):
-        weight = None if layer.gamma is None else _value(layer.gamma).float()
-        bias = None if layer.beta is None else _value(layer.beta).float()
+        weight = None if layer.gamma is None else _value(layer.gamma)
+        bias = None if layer.beta is None else _value(layer.beta)
+        dtype = _torch_dtype(layer.compute_dtype)
+        if x.dtype == dtype and all(p is None or p.dtype == dtype for p in (weight, bias)):
+            # One kernel, also in half precision (a bfloat16 model's decode): torch's layer
+            # norm computes in float32 inside and rounds once, as the float32 path below
+            # does, without four casts (each a kernel launch on CUDA).
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, layer.epsilon)
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
         y = F.layer_norm(x.float(), (x.shape[-1],), weight, bias, layer.epsilon)
-        return y.to(_torch_dtype(layer.compute_dtype))
+        return y.to(dtype)
     if isinstance(layer, RMSNorm):
         import torch
 
@@ -339,15 +376,18 @@ def _plain_dense(layer):
 def _project_qkv(layer, x):
     """`(q, k, v)` of `layer` (a `MultiHeadAttention`) for `x`: one matrix product with the
     three kernels side by side (joined once per loop) when they are plain `Dense` layers."""
-    denses = (layer.query_dense, layer.key_dense, layer.value_dense)
-    biases = [d.bias for d in denses]
-    if not all(_plain_dense(d) for d in denses) or (
-            any(b is None for b in biases) and any(b is not None for b in biases)):
-        return tuple(_dense(d, x) for d in denses)
     import torch
 
-    kernels = [_value(d._kernel) for d in denses]
-    sources = kernels + ([_value(b) for b in biases] if biases[0] is not None else [])
+    denses = (layer.query_dense, layer.key_dense, layer.value_dense)
+    biases = [d.bias for d in denses]
+    if torch.is_grad_enabled() or not all(_plain_dense(d) for d in denses) or (
+            any(b is None for b in biases) and any(b is not None for b in biases)):
+        # (autograd on, a training step: three products; joining the kernels would copy
+        # them, and the join's backward split the gradient, at every call)
+        return tuple(_dense(d, x) for d in denses)
+    dtype = _torch_dtype(layer.query_dense.compute_dtype)
+    kernels = [_value(d._kernel).to(dtype) for d in denses]
+    sources = kernels + ([_value(b).to(dtype) for b in biases] if biases[0] is not None else [])
 
     def make():
         bias = None if len(sources) == 3 else torch.cat(sources[3:], 0)
