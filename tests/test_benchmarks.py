@@ -181,3 +181,46 @@ def test_timed_training_reports_the_memory_a_step_adds():
                          text=True, check=True, timeout=120)
     seconds, peak = map(float, out.stdout.split())
     assert seconds >= 0 and 40 * 0.9 <= peak <= 3 * 40 + 32
+
+
+# === benchmarks/gpu.py: the GPU report's bookkeeping (no GPU needed) ===
+
+
+def test_gpu_report_ratios_and_mfu_by_hand():
+    from benchmarks import gpu
+
+    results = {
+        "kzoo/jax": {"train": 200.0, "decode": 30.0, "train_gpu_mib": 5000.0, "loss": 8.5,
+                     "matmul_tflops": 700.0, "device": "GPU X"},
+        "kzoo/torch+jit": {"train": 90.0, "decode": 5.0, "matmul_tflops": 800.0},
+        "keras-hub/jax": {"train": 100.0, "decode": 10.0},
+        "keras-hub/torch": {},  # a system that failed: n/a, not a crash
+        "transformers/torch": {"train": 50.0, "decode": 20.0, "matmul_tflops": 750.0},
+    }
+    size = dict(TINY, seq=2)
+    flops = peers.train_flops_per_token("gpt", size)
+    # by hand: per layer 2 * (4 * 16 + 2 * 32) + 2 * 2 * 2 * 4 = 288; head 2 * 4 * 10 = 80
+    assert flops == 3 * (288 + 80)
+    text = gpu.report(results, size, peak_tflops=1e-9)
+    speed = text.split("\n\nMFU")[0]  # the first table: speed and ratios
+    rows = {line.split()[0]: line for line in speed.splitlines()[3:]}
+    assert "4.00x" in rows["kzoo/jax"] and "1.50x" in rows["kzoo/jax"]  # vs transformers
+    assert "2.00x" in rows["kzoo/jax"] and "3.00x" in rows["kzoo/jax"]  # vs keras-hub
+    assert "n/a" in rows["keras-hub/torch"]
+    # MFU against the datasheet peak (1e-9 TFLOP/s = 1000 FLOP/s) and the best measured one.
+    achieved = flops * 200.0 / 1e12
+    assert f"{100 * achieved / 1e-9:.1f}%" in text
+    assert f"{100 * achieved / 800.0:.1f}%" in text
+    assert gpu._split("kzoo/torch+jit") == ("kzoo", "torch")
+
+
+def test_gpu_cli_rejects_unknown_systems(capsys):
+    from benchmarks import gpu
+
+    for bad in ("kzoo/mxnet", "transformers/torch+jit", ""):
+        with pytest.raises(SystemExit):
+            gpu.main(["--systems", bad])
+        assert "--systems must name some of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.main(["--peak-tflops", "0"])
+    assert "--peak-tflops must be > 0" in capsys.readouterr().err
