@@ -40,7 +40,6 @@ Forward (predict) is not timed here: Keras' `predict_on_batch` returns NumPy, an
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
@@ -48,10 +47,10 @@ from benchmarks.peers import (
     RESULT_MARK,
     _fmt,
     _median_time,
-    _quiet_env,
     count_new_tokens,
     format_table,
     ratio,
+    run_worker_process,
     train_flops_per_token,
 )
 
@@ -332,18 +331,9 @@ def _device_name(backend):
 
 
 def run_system(system, size_name, timeout):
-    backend = _split(system)[1]
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--worker", system, "--size", size_name]
-    try:
-        proc = subprocess.run(cmd, env=_quiet_env(backend), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {}, f"timed out after {timeout} s"
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):]), None
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-    return {}, f"exit {proc.returncode}: " + " | ".join(tail)
+    """One system in a fresh process: (results, error message or None)."""
+    return run_worker_process(["benchmarks.gpu", "--worker", system, "--size", size_name],
+                              _split(system)[1], timeout)
 
 
 def report(results, size, peak_tflops):

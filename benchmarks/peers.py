@@ -743,8 +743,16 @@ def _quiet_env(backend):
 
 def run_system(library, backend, models, size_name, timeout):
     """One system in a fresh process: (results, error message or None)."""
-    cmd = [sys.executable, "-m", "benchmarks.peers", "--worker", library,
-           "--size", size_name, "--only", ",".join(models)]
+    return run_worker_process(
+        ["benchmarks.peers", "--worker", library, "--size", size_name, "--only",
+         ",".join(models)], backend, timeout)
+
+
+def run_worker_process(module_args, backend, timeout):
+    """`python -m *module_args` in a fresh process with KERAS_BACKEND=`backend`: (the JSON
+    after its last RESULT_MARK line, None), or ({}, what went wrong: the timeout, or the
+    exit code and the last lines of its output)."""
+    cmd = [sys.executable, "-m", *module_args]
     try:
         proc = subprocess.run(cmd, env=_quiet_env(backend), capture_output=True, text=True,
                               timeout=timeout)

@@ -202,6 +202,15 @@ FORWARD_CONFIGS = {
 }
 
 
+def _count_block_forward(monkeypatch):
+    """A list that gets an item at every `block_forward` call (which still runs)."""
+    calls = []
+    real = fast_decode.block_forward
+    monkeypatch.setattr(fast_decode, "block_forward",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 def _block_model(block, with_bias):
     """A Functional model around `block` (the fast forward runs inside a model's call)."""
     x = keras.Input((6, 16))
@@ -234,10 +243,7 @@ def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
         if "seed" not in w.path:
             w.assign(r.normal(scale=0.3, size=w.shape).astype(w.dtype))
     inputs = [x, pad] + ([bias] if with_bias else [])
-    calls = []
-    real = fast_decode.block_forward
-    monkeypatch.setattr(fast_decode, "block_forward",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_block_forward(monkeypatch)
     with _no_grad():
         got = to_numpy(model(inputs, training=False))
     assert len(calls) == (1 if TORCH else 0)
@@ -258,10 +264,7 @@ def test_forward_path_where_it_applies(monkeypatch):
     it (`trains_plainly`: no dropout, LayerDrop, rematerialisation or MoE). Mixed precision
     takes it too (bfloat16 out, as the Keras layers give)."""
     x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
-    calls = []
-    real = fast_decode.block_forward
-    monkeypatch.setattr(fast_decode, "block_forward",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_block_forward(monkeypatch)
     inp = keras.Input((4, 8))
 
     def wrapped(**kwargs):
@@ -327,10 +330,7 @@ def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
     with_bias = name == "t5_encoder"
     bias = r.normal(size=(2, 4, 6, 6)).astype("float32")
     g = r.normal(size=(2, 6, 16)).astype("float32")
-    calls = []
-    real = fast_decode.block_forward
-    monkeypatch.setattr(fast_decode, "block_forward",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_block_forward(monkeypatch)
     first = keras.Input((6, 16))
     dense = keras.layers.Dense(16, dtype=dtype)  # (hands the block its compute dtype)
     block = TransformerBlock(num_heads=4, intermediate_dim=24, dtype=dtype, **kwargs)
