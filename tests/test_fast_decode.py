@@ -229,8 +229,7 @@ def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
     """A model call under no_grad runs each block through `block_forward` on torch (counted)
     and gives the NumPy block's numbers, with padded rows (left and right padding) and, for
     T5's encoder, a relative-position bias. The rotary and MoE blocks, which the NumPy block
-    lacks, are checked against their Keras call with autograd on (where the fast path never
-    runs)."""
+    lacks, are checked against their Keras call (KZOO_FAST_DECODE=0)."""
     kwargs = FORWARD_CONFIGS[name]
     r = np.random.default_rng(7)
     x = r.normal(size=(2, 6, 16)).astype("float32")

@@ -189,7 +189,8 @@ def trains_plainly(block):
 
 
 def block_forward(block, x, padding_mask=None, attention_bias=None, training=None):
-    """`block(x, padding_mask=..., attention_bias=...)` in inference, in torch calls (see
+    """`block(x, padding_mask=..., attention_bias=...)` in torch calls, in inference or a
+    training step of a block that `trains_plainly` (see
     `forward_applies`): the same layers' variables and the same attention kernel
     (`dot_product_attention` with the layer's `kernel`), without the Keras layer call of each
     sub-layer (about 0.2 ms each on this CPU; a GPT/BERT block has a dozen)."""
