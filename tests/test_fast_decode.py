@@ -259,9 +259,9 @@ def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
 def test_forward_path_where_it_applies(monkeypatch):
     """Inside a model's call only (not for a block called on its own), not with a
     packed-document mask, not with KZOO_FAST_DECODE=0. In inference with autograd off, any
-    block; with autograd on or training, only a block with nothing random or recomputed in
-    it (`trains_plainly`: no dropout, LayerDrop, rematerialisation or MoE). Mixed precision
-    takes it too (bfloat16 out, as the Keras layers give)."""
+    block; with autograd on or training, only a block that `trains_plainly` (no LayerDrop,
+    rematerialisation or MoE; dropout does). Mixed precision takes it too (bfloat16 out, as
+    the Keras layers give)."""
     x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
     calls = _count_block_forward(monkeypatch)
     inp = keras.Input((4, 8))
@@ -287,17 +287,20 @@ def test_forward_path_where_it_applies(monkeypatch):
     model(x)  # autograd on
     model(x, training=True)  # (a training step's forward)
     assert len(calls) == (4 if TORCH else 0)
-    for kwargs in (dict(dropout=0.1), dict(attention_dropout=0.1), dict(activation_dropout=0.1),
-                   dict(layerdrop=0.1), dict(remat=True),
+    for kwargs in (dict(layerdrop=0.1), dict(remat=True),
                    dict(feedforward="moe", num_experts=2, top_k=1)):
         calls.clear()
         _, model = wrapped(**kwargs)
         model(x, training=True)
-        model(x)  # autograd on (dropout inactive, but a backward pass may follow)
+        model(x)  # autograd on (a backward pass may follow)
         assert calls == [], kwargs
         with _no_grad():
             model(x)
         assert len(calls) == (1 if TORCH else 0), kwargs
+    calls.clear()
+    _, model = wrapped(dropout=0.1, attention_dropout=0.1, activation_dropout=0.1)
+    model(x, training=True)
+    assert len(calls) == (1 if TORCH else 0)
     # (two blocks: the second one is handed bfloat16 hidden states by the first, which gets
     # float32 and so runs its Keras call)
     calls.clear()
@@ -310,6 +313,12 @@ def test_forward_path_where_it_applies(monkeypatch):
 
 
 TRAIN_CONFIGS = {k: v for k, v in FORWARD_CONFIGS.items() if k != "moe"}
+# Every dropout of a block (residual, attention probabilities, feed-forward activations);
+# post-LN with a gated feed-forward, to reach the other dropout sites.
+TRAIN_CONFIGS["gpt2_dropout"] = dict(norm_first=True, causal=True, dropout=0.3,
+                                     attention_dropout=0.2, activation_dropout=0.4)
+TRAIN_CONFIGS["gated_dropout"] = dict(norm_first=False, feedforward="gated",
+                                      activation="silu", dropout=0.3, activation_dropout=0.4)
 
 
 @pytest.mark.parametrize("name", sorted(TRAIN_CONFIGS))
@@ -317,9 +326,11 @@ TRAIN_CONFIGS = {k: v for k, v in FORWARD_CONFIGS.items() if k != "moe"}
 def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
     """A training forward and backward through `block_forward` (torch, counted) give the
     loss and the gradients of every weight and of the input that the Keras layers' call
-    gives (KZOO_FAST_DECODE=0), with padded rows and T5's relative bias: float32 to 1e-5,
-    mixed bfloat16 to bfloat16's resolution. Other backends: their Keras call, the loss
-    checked finite (there is no second path to compare)."""
+    gives (KZOO_FAST_DECODE=0), with padded rows, T5's relative bias and dropout (both
+    passes start from the same random state, so they draw the same masks; a pass from
+    another differs): float32 to 1e-5, mixed bfloat16 to bfloat16's resolution. Other
+    backends: their Keras call, the loss checked finite (there is no second path to
+    compare)."""
     from keras import ops
 
     kwargs = TRAIN_CONFIGS[name]
@@ -345,12 +356,20 @@ def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
             w.assign(r.normal(scale=0.3, size=w.shape).astype(w.dtype))
     values = [x, pad] + ([bias] if with_bias else [])
 
-    def loss_and_grads():
+    # Dropout's random state: the seed generators' (seeded ones) and torch's own (Keras'
+    # torch dropout draws unseeded generators' masks from it), both reset before each pass.
+    seeds = [(gen.state, to_numpy(gen.state.value)) for layer in model._flatten_layers()
+             for gen in getattr(layer, "_seed_generators", ())]
+
+    def loss_and_grads(seed=0):
+        for state, value in seeds:
+            state.assign(value)
         if not TORCH:
             out = model(values, training=True)
             return [to_numpy(ops.sum(ops.cast(out, "float32") * g))]
         import torch
 
+        torch.manual_seed(seed)
         xt = torch.tensor(x, requires_grad=True)
         out = model([xt] + [torch.as_tensor(v) for v in values[1:]], training=True)
         loss = (out.float() * torch.from_numpy(g)).sum()
@@ -359,10 +378,13 @@ def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
         return [loss.detach().numpy()] + [t.float().numpy() for t in grads]
 
     fast = loss_and_grads()
-    assert len(calls) == (1 if TORCH else 0)
+    if TORCH and "dropout" in name:
+        other = loss_and_grads(seed=1)  # (other masks: the dropout is live)
+        assert not np.allclose(other[0], fast[0], atol=1e-3, rtol=1e-3)
+    assert len(calls) == (2 if TORCH and "dropout" in name else 1 if TORCH else 0)
     monkeypatch.setenv("KZOO_FAST_DECODE", "0")
     slow = loss_and_grads()
-    assert len(calls) == (1 if TORCH else 0)
+    assert len(calls) == (2 if TORCH and "dropout" in name else 1 if TORCH else 0)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
     assert len(fast) == len(slow) == (2 + len(model.trainable_weights) if TORCH else 1)
     for got, want in zip(fast, slow):

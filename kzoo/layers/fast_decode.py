@@ -44,12 +44,13 @@ the forward pass of a training step), `TransformerBlock.__call__` runs `block_fo
 `forward_applies`: the block's sub-layers in torch calls (the biases inside the products;
 q/k/v in one product with autograd off) and the same `dot_product_attention` kernel as the
 Keras call; mixed precision casts the kernels as Keras' autocast does. In training (or with
-autograd on) only for a block with nothing random or recomputed in it (`trains_plainly`: no
-dropout, LayerDrop, rematerialisation or mixture of experts); autograd differentiates the
-torch calls. Measured (2 cores, 8 x 256 tokens, `predict_on_batch`, 14 interleaved rounds):
+autograd on) only for a block that `trains_plainly` (no LayerDrop, rematerialisation or
+mixture of experts; dropout is drawn by the block's own layers, the same masks as the Keras
+call's); autograd differentiates the torch calls. Measured (2 cores, 8 x 256 tokens, `predict_on_batch`, 14 interleaved rounds):
 GPT 13,123 -> 13,483 and BERT 13,099 -> 14,479 tokens/s in inference; training
 (`train_on_batch`, 12 interleaved rounds) GPT 5,302 -> 5,480 (+3.4%), BERT 6,978 -> 7,166
-(+2.7%). On an H100, GPT-2 small in mixed bfloat16 (`benchmarks/gpu.py`), where a torch step
+(+2.7%); with dropout 0.1 (GPT-2's and BERT's default) GPT 2,950 -> 3,429 (+16%), BERT
+4,387 -> 4,578 (+4.4%). On an H100, GPT-2 small in mixed bfloat16 (`benchmarks/gpu.py`), where a torch step
 is bound by the host's work per layer call rather than the GPU's: 67,254 -> 112,790
 training tokens/s (transformers 117,396 in the same run).
 """
@@ -144,8 +145,8 @@ def forward_applies(block, inputs, args, kwargs):
     the outermost layer) on a torch tensor of its compute dtype, with only `padding_mask` and
     `attention_bias` (no packed-document mask, cache or position index). In inference with
     autograd off, any such block; when training or with autograd on (a training step's
-    forward pass), only a block with nothing random or recomputed in it (`trains_plainly`):
-    then autograd differentiates the torch calls as it would the Keras layers'."""
+    forward pass), only a block that `trains_plainly`: then autograd differentiates the
+    torch calls as it would the Keras layers'."""
     if args or not _FORWARD_KWARGS.issuperset(kwargs):
         return False
     if keras.backend.backend() != "torch" or not block.built or block.cross_attention:
@@ -172,20 +173,12 @@ def forward_applies(block, inputs, args, kwargs):
 
 
 def trains_plainly(block):
-    """Whether `block`'s training forward pass is a plain function of its inputs and
-    weights: every dropout rate 0 (residual, attention probabilities, feed-forward), no
-    LayerDrop, no rematerialisation, no mixture of experts (its router adds losses and
-    routes per call)."""
-    from kzoo.layers.attention import MultiHeadAttention
-
-    if block.remat or block.layerdrop or block.feedforward == "moe":
-        return False
-    for layer in block._flatten_layers():
-        if isinstance(layer, keras.layers.Dropout) and layer.rate:
-            return False
-        if isinstance(layer, MultiHeadAttention) and layer.dropout:
-            return False
-    return True
+    """Whether `block`'s training forward pass can run in torch calls: no LayerDrop, no
+    rematerialisation (both are branches / recomputations of the whole block in the Keras
+    call), no mixture of experts (its router adds losses and routes per call). Dropout runs
+    there through the block's own `Dropout` layers and attention kernel, drawing from the
+    same seed generators in the same order as the Keras call: the same masks."""
+    return not (block.remat or block.layerdrop or block.feedforward == "moe")
 
 
 def block_forward(block, x, padding_mask=None, attention_bias=None, training=None):
@@ -197,6 +190,11 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, training=Non
     from kzoo.layers.kernels import dot_product_attention
     from kzoo.layers.masks import normalize_mask
 
+    if training is None:  # (the enclosing model call's flag, as Keras' __call__ resolves it)
+        from keras.src.backend.common import global_state
+
+        context = global_state.get_global_attribute("current_call_ctx")
+        training = bool(context is not None and context.get_value("training"))
     layer = block.self_attention
     batch, length = x.shape[0], x.shape[1]
 
@@ -210,16 +208,25 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, training=Non
             q = layer.rotary(q, start_index=0)
         out = dot_product_attention(
             q, k, v, mask=normalize_mask(padding_mask, "attention_mask"), bias=attention_bias,
-            is_causal=block.causal, scale=layer.scale, kernel=layer.kernel)
-        return _dense(layer.output_dense, out.reshape(batch, length, -1))
+            is_causal=block.causal, scale=layer.scale, kernel=layer.kernel,
+            dropout_rate=layer.dropout, training=training, seed_generator=layer.seed_generator)
+        out = _dense(layer.output_dense, out.reshape(batch, length, -1))
+        return _dropout(block.self_attention_dropout, out, training)
 
     def feedforward(h):
         if block.feedforward == "moe":  # (routes the real tokens only, as the Keras call)
             return block.feedforward_layer(h, padding_mask=padding_mask, training=False)
-        return _feedforward(block.feedforward_layer, h)
+        h = _feedforward(block.feedforward_layer, h, training)
+        return _dropout(block.feedforward_dropout, h, training)
 
     x = _sublayer(block, block.self_attention_norm, x, attend)
     return _sublayer(block, block.feedforward_norm, x, feedforward)
+
+
+def _dropout(layer, x, training):
+    """`layer(x, training=True)` for a Keras `Dropout` with a rate when training (the same
+    layer, so the same seed generator and masks as the Keras path), else `x` (no call)."""
+    return layer(x, training=True) if training and layer.rate else x
 
 
 def _sublayer(block, norm, x, fn):
@@ -330,17 +337,18 @@ def _activation(name):
     return get_activation(name)
 
 
-def _feedforward(layer, x):
+def _feedforward(layer, x, training=False):
     from kzoo.layers.feedforward import FeedForward, GatedFeedForward
 
     if type(layer) is FeedForward:
         act = _activation(layer.activation)
-        return _dense(layer.output_dense, act(_dense(layer.intermediate_dense, x)))
+        h = _dropout(layer.dropout_layer, act(_dense(layer.intermediate_dense, x)), training)
+        return _dense(layer.output_dense, h)
     if type(layer) is GatedFeedForward:
         act = _activation(layer.activation)
         h = act(_dense(layer.gate_dense, x)) * _dense(layer.up_dense, x)
-        return _dense(layer.output_dense, h)
-    return layer(x)  # a mixture of experts or another feed-forward: its Keras call
+        return _dense(layer.output_dense, _dropout(layer.dropout_layer, h, training))
+    return layer(x, training=training)  # a mixture of experts or another: its Keras call
 
 
 def _key_mask(mask):
