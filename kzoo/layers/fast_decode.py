@@ -156,20 +156,31 @@ def forward_applies(block, inputs, args, kwargs):
     if (not isinstance(inputs, torch.Tensor) or block.self_attention.attention != "full"
             or os.environ.get("KZOO_FAST_DECODE", "1") == "0" or active_tap() is not None):
         return False
-    from keras.src.backend.common import global_state
-
-    context = global_state.get_global_attribute("current_call_ctx")
-    if context is None:
+    if _call_context() is None:
         return False
-    training = kwargs.get("training")
-    if training is None:
-        training = context.get_value("training")
+    training = _training_flag(kwargs.get("training"))
     if (training or torch.is_grad_enabled()) and not trains_plainly(block):
         return False
     if inputs.dtype != _torch_dtype(block.compute_dtype):
         return False
     return all(v is None or isinstance(v, torch.Tensor)
                for k, v in kwargs.items() if k != "training")
+
+
+def _call_context():
+    """Keras' context of the model call under way (None outside any layer call)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("current_call_ctx")
+
+
+def _training_flag(training):
+    """`training`, or when None the enclosing call's flag, as Keras' `__call__` resolves it
+    (False outside any call)."""
+    if training is None:
+        context = _call_context()
+        training = context is not None and context.get_value("training")
+    return bool(training)
 
 
 def trains_plainly(block):
@@ -190,11 +201,7 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, training=Non
     from kzoo.layers.kernels import dot_product_attention
     from kzoo.layers.masks import normalize_mask
 
-    if training is None:  # (the enclosing model call's flag, as Keras' __call__ resolves it)
-        from keras.src.backend.common import global_state
-
-        context = global_state.get_global_attribute("current_call_ctx")
-        training = bool(context is not None and context.get_value("training"))
+    training = _training_flag(training)
     layer = block.self_attention
     batch, length = x.shape[0], x.shape[1]
 
