@@ -33,7 +33,8 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
 
 Every measurement warms up first (compilation excluded) and takes the median of its timed
 calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX, eager
-torch, and on TensorFlow XLA only where an accelerator exists: none on a CPU-only machine)
+torch, and on TensorFlow XLA only where an accelerator exists: none on a CPU-only machine,
+where kzoo's models still predict with XLA, see `FunctionalModel.xla_prediction`)
 with each library's default loss (kzoo's token models:
 `kzoo.losses.TokenCrossentropy`, one autograd function on torch and Keras' op
 elsewhere; keras-hub: Keras' `SparseCategoricalCrossentropy(from_logits=True)`),

@@ -207,3 +207,59 @@ def test_predict_on_batch_returns_each_call_its_own_array():
     for key, value in outputs.items():
         assert isinstance(value, np.ndarray)
         np.testing.assert_allclose(value, to_numpy(expected[key]), rtol=1e-6, atol=1e-6)
+
+
+def _predict_jit_flags(model, x, monkeypatch):
+    """Run `model.predict_on_batch(x)` with a fresh predict function; return (its output,
+    the `jit_compile` arguments of the `tf.function`s Keras' trainer made for its step
+    meanwhile: TensorFlow only; kernels' own functions are not counted)."""
+    flags = []
+    if backend() == "tensorflow":
+        import tensorflow as tf
+
+        original = tf.function
+
+        def recording(*args, **kwargs):
+            if args and getattr(args[0], "__name__", "") == "one_step_on_data":
+                flags.append(bool(kwargs.get("jit_compile")))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(tf, "function", recording)
+    model.predict_function = None
+    out = model.predict_on_batch(x)
+    monkeypatch.undo()
+    return out, flags
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_prediction_compiles_with_xla_on_tensorflow_under_auto(name, monkeypatch):
+    """On TensorFlow, `jit_compile="auto"` (and a model never compiled) predicts through an
+    XLA-compiled step even where Keras' own "auto" is no XLA (no accelerator), with outputs
+    equal to the model's eager call; `compile(jit_compile=False)` and `run_eagerly=True` keep
+    Keras' graph / eager prediction. Every family compiles under XLA. Other backends: Keras'
+    choice (`xla_prediction` is False)."""
+    build, loss, batch = CASES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    x, _ = batch(np.random.default_rng(5))
+    expected = keras.tree.map_structure(to_numpy, model(x, training=False))
+    on_tf = backend() == "tensorflow"
+
+    out, flags = _predict_jit_flags(model, x, monkeypatch)  # never compiled: "auto"
+    assert model.xla_prediction == (on_tf and not model.jit_compile)
+    assert (True in flags) == on_tf
+    for got, want in zip(keras.tree.flatten(out), keras.tree.flatten(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    model.compile(optimizer="sgd", loss=loss)  # "auto"
+    assert model.xla_prediction == (on_tf and not model.jit_compile)
+
+    model.compile(optimizer="sgd", loss=loss, jit_compile=False)
+    assert not model.xla_prediction
+    out, flags = _predict_jit_flags(model, x, monkeypatch)
+    assert True not in flags
+    for got, want in zip(keras.tree.flatten(out), keras.tree.flatten(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    model.compile(optimizer="sgd", loss=loss, run_eagerly=True)
+    assert not model.xla_prediction

@@ -220,8 +220,53 @@ class FunctionalModel(keras.Model):
         return super().__setattr__(name, value)
 
     def compile(self, *args, **kwargs):
+        jit_compile = _signature("compile").bind(None, *args, **kwargs).arguments.get(
+            "jit_compile", "auto")
         super().compile(*args, **kwargs)
+        self._jit_compile_auto = isinstance(jit_compile, str) and jit_compile == "auto"
         _sum_sparse_gradients(getattr(self, "optimizer", None))
+
+    # === Prediction with XLA on TensorFlow ===
+
+    @property
+    def xla_prediction(self):
+        """Whether `predict` / `predict_on_batch` run an XLA-compiled function on TensorFlow
+        where Keras' own `jit_compile="auto"` would not.
+
+        Keras' "auto" is no XLA on a TensorFlow machine without an accelerator. kzoo compiles
+        the *prediction* function with XLA there all the same (training and evaluation keep
+        Keras' choice: XLA's training step holds ~120-270 MiB more memory) unless
+        `compile(jit_compile=False)` (or True) said otherwise, the model runs eagerly or under
+        a `tf.distribute` strategy, or a layer has no XLA support. Measured on the 2-core CPU
+        (8 x 256 tokens, width 256, 4 layers, vocabulary 8192, 6 interleaved rounds in one
+        process): GPT logits 12,102 -> 14,529 tokens/s, BERT 14,201 -> 13,875 (within the
+        spread); outputs equal to 2e-6. XLA compiles once per input shape (the graph function
+        of Keras' "auto" relaxes shapes instead), and keeps its program in memory.
+        """
+        if keras.config.backend() != "tensorflow" or not getattr(
+                self, "_jit_compile_auto", True):
+            return False
+        if self.jit_compile or self.run_eagerly:
+            return False
+        import tensorflow as tf
+        from keras.src.trainers.trainer import model_supports_jit
+
+        if tf.distribute.has_strategy() or getattr(self, "_distribute_strategy", None):
+            return False
+        return bool(model_supports_jit(self))
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        if not self.xla_prediction:
+            return super().make_predict_function(force)
+        # Keras' TensorFlow trainer reads `jit_compile` once, when it makes the function.
+        keras_choice = self._jit_compile
+        self._jit_compile = True
+        try:
+            return super().make_predict_function(force)
+        finally:
+            self._jit_compile = keras_choice
 
     # === Id checks (kzoo.inputs) ===
 
