@@ -48,6 +48,29 @@ def test_gelu_tanh_gradient_matches_numpy():
     assert keras.backend.standardize_dtype(half.dtype) == "bfloat16"
 
 
+def test_gelu_exact_gradient_matches_numpy():
+    """d/dx of x Phi(x) = Phi(x) + x phi(x), written in float64 with math.erf, far into both
+    tails too (JAX runs its own erf form here, torch and TensorFlow their native GELU)."""
+    import math
+
+    x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
+    w = rng(4).uniform(0.5, 1.5, size=x.shape).astype("float32")
+    gelu = get_activation("gelu")
+    value, (grad,) = value_and_grads(
+        lambda t: keras.ops.sum(keras.ops.convert_to_tensor(w) * gelu(t)), x)
+    z = x.astype(np.float64)
+    cdf = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in z])
+    pdf = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+    np.testing.assert_allclose(grad, w * (cdf + z * pdf), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(value, np.sum(w * z * cdf), rtol=1e-5)
+    out = to_numpy(gelu(keras.ops.convert_to_tensor(x)))
+    np.testing.assert_allclose(out, z * cdf, rtol=1e-5, atol=2e-6)
+    half = gelu(keras.ops.convert_to_tensor(x[:8], "bfloat16"))
+    assert keras.backend.standardize_dtype(half.dtype) == "bfloat16"
+    np.testing.assert_allclose(to_numpy(keras.ops.cast(half, "float32")), (z * cdf)[:8],
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_gelu_exact_and_tanh_differ():
     # Guards against one name silently mapping to the other form.
     x = keras.ops.convert_to_tensor(np.array([-2.5, -1.0, 1.5], "float32"))

@@ -18,7 +18,23 @@ from kzoo.layers.utils import serialize_initializer
 
 
 def _gelu_exact(x):
+    if keras.backend.backend() == "jax":
+        return _jax_gelu_exact(x)
     return ops.gelu(x, approximate=False)
+
+
+def _jax_gelu_exact(x):
+    """The exact GELU on JAX as `0.5 x (1 + erf(x / sqrt 2))` (torch's formula), its
+    gradient by JAX. `jax.nn.gelu(approximate=False)` takes `erfc`, which XLA on CPU lowers to
+    branches of two polynomials and an exponential: measured on the 2-core CPU at (8, 256,
+    1024) float32, forward 1.5-2.0 -> 0.6 ms, forward + backward 1.6 -> 1.3 ms; the largest
+    difference from float64 over |x| < 15 is 1.1e-6 (erfc: 3.8e-7)."""
+    import jax
+
+    return 0.5 * x * (1.0 + jax.lax.erf(x * _SQRT_HALF))
+
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
 
 
 def _gelu_tanh(x):
