@@ -284,16 +284,19 @@ def _max_sequence_constraints(model, shapes):
 
 @contextlib.contextmanager
 def exportable():
-    """Run the model as an exportable graph: the reference attention kernel, no host-side
-    id checks (they need concrete values; the exported graph clips ids like the
-    embedding layers do)."""
+    """Run the model as an exportable graph: the reference attention kernel, the portable
+    activations (`kzoo.layers.feedforward.portable_activations`), no host-side id checks
+    (they need concrete values; the exported graph clips ids like the embedding layers
+    do)."""
     from kzoo import inputs as input_checks
     from kzoo.layers import kernels
+    from kzoo.layers.feedforward import portable_activations
 
     previous = kernels._OVERRIDE["kernel"]
     kernels.set_attention_kernel("reference")
     try:
-        with input_checks.suspend_checks(), _no_default_save_signature():
+        with (input_checks.suspend_checks(), _no_default_save_signature(),
+              portable_activations()):
             yield
     finally:
         kernels.set_attention_kernel(previous)

@@ -265,3 +265,24 @@ def test_unknown_last_axis_is_a_clear_error():
         name = layer.__class__.__name__
         with pytest.raises(ValueError, match=f"last axis of the input to {name} must be known"):
             layer.build((2, 3, None))
+
+
+def test_portable_activations_give_the_same_exact_gelu():
+    """Under `portable_activations()` (what `kzoo.export` traces under) the exact GELU has
+    the same values; on JAX it is traced through `erfc` (jax.nn.gelu) instead of `erf`."""
+    from kzoo.layers.feedforward import portable_activations
+
+    x = x_values()
+    gelu = get_activation("gelu")
+    plain = to_numpy(gelu(keras.ops.convert_to_tensor(x)))
+    with portable_activations():
+        portable = to_numpy(gelu(keras.ops.convert_to_tensor(x)))
+    np.testing.assert_allclose(portable, plain, rtol=1e-5, atol=2e-6)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        # (a new function each time: JAX caches a function's trace)
+        assert " erf " in str(jax.make_jaxpr(lambda t: gelu(t))(x)).replace("(", " ")
+        with portable_activations():
+            traced = str(jax.make_jaxpr(lambda t: gelu(t))(x))
+        assert "erfc" in traced and " erf " not in traced.replace("(", " ")

@@ -4,6 +4,7 @@
 their activations up here so that "gelu" means the same function everywhere.
 """
 
+import contextlib
 import math
 
 import keras
@@ -18,9 +19,25 @@ from kzoo.layers.utils import serialize_initializer
 
 
 def _gelu_exact(x):
-    if keras.backend.backend() == "jax":
+    if keras.backend.backend() == "jax" and not _PORTABLE:
         return _jax_gelu_exact(x)
     return ops.gelu(x, approximate=False)
+
+
+_PORTABLE = []  # non-empty while `portable_activations()` is active
+
+
+@contextlib.contextmanager
+def portable_activations():
+    """Trace the activations in their most portable form: the exact GELU on JAX through
+    `erfc` (`jax.nn.gelu`) rather than `erf`, which JAX lowers to a StableHLO composite that
+    older deserialisers (TensorFlow's XLA in a jax2tf SavedModel) refuse. `kzoo.export`
+    traces under it."""
+    _PORTABLE.append(True)
+    try:
+        yield
+    finally:
+        _PORTABLE.pop()
 
 
 def _jax_gelu_exact(x):
@@ -28,7 +45,8 @@ def _jax_gelu_exact(x):
     gradient by JAX. `jax.nn.gelu(approximate=False)` takes `erfc`, which XLA on CPU lowers to
     branches of two polynomials and an exponential: measured on the 2-core CPU at (8, 256,
     1024) float32, forward 1.5-2.0 -> 0.6 ms, forward + backward 1.6 -> 1.3 ms; the largest
-    difference from float64 over |x| < 15 is 1.1e-6 (erfc: 3.8e-7)."""
+    difference from float64 over |x| < 15 is 1.1e-6 (erfc: 3.8e-7). Not while exporting
+    (`portable_activations`)."""
     import jax
 
     return 0.5 * x * (1.0 + jax.lax.erf(x * _SQRT_HALF))
