@@ -29,16 +29,22 @@ def test_activation_matches_numpy(name):
                  rtol=1e-5)
 
 
+def _weighted_gelu(name, seed):
+    """(x, w, sum(w * act(x)), d/dx of it, the activation, x in float64) with x reaching far
+    into both tails."""
+    x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
+    w = rng(seed).uniform(0.5, 1.5, size=x.shape).astype("float32")
+    gelu = get_activation(name)
+    value, (grad,) = value_and_grads(
+        lambda t: keras.ops.sum(keras.ops.convert_to_tensor(w) * gelu(t)), x)
+    return x, w, value, grad, gelu, x.astype(np.float64)
+
+
 def test_gelu_tanh_gradient_matches_numpy():
     """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), written in float64:
     0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), far into both tails
     too (TensorFlow runs its own gradient of the sigmoid form here)."""
-    x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
-    w = rng(3).uniform(0.5, 1.5, size=x.shape).astype("float32")
-    gelu = get_activation("gelu_tanh")
-    value, (grad,) = value_and_grads(
-        lambda t: keras.ops.sum(keras.ops.convert_to_tensor(w) * gelu(t)), x)
-    z = x.astype(np.float64)
+    x, w, value, grad, gelu, z = _weighted_gelu("gelu_tanh", 3)
     c = np.sqrt(2 / np.pi)
     t = np.tanh(c * (z + 0.044715 * z**3))
     slope = 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * c * (1 + 3 * 0.044715 * z**2)
@@ -53,12 +59,7 @@ def test_gelu_exact_gradient_matches_numpy():
     tails too (JAX runs its own erf form here, torch and TensorFlow their native GELU)."""
     import math
 
-    x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
-    w = rng(4).uniform(0.5, 1.5, size=x.shape).astype("float32")
-    gelu = get_activation("gelu")
-    value, (grad,) = value_and_grads(
-        lambda t: keras.ops.sum(keras.ops.convert_to_tensor(w) * gelu(t)), x)
-    z = x.astype(np.float64)
+    x, w, value, grad, gelu, z = _weighted_gelu("gelu", 4)
     cdf = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in z])
     pdf = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
     np.testing.assert_allclose(grad, w * (cdf + z * pdf), rtol=1e-5, atol=1e-5)
