@@ -205,16 +205,22 @@ def _jax_tied_logits():
         return tied_logits(hidden, table), (hidden, table)
 
     def backward(saved, d):
-        hidden, table = saved
-        d_hidden = jnp.einsum("...v,vd->...d", d, table)
-        flat_h = hidden.reshape(-1, hidden.shape[-1])
-        flat_d = d.reshape(-1, d.shape[-1])
-        d_table = jnp.matmul(flat_h.T, flat_d).T
-        return d_hidden.astype(hidden.dtype), d_table.astype(table.dtype)
+        return _jax_tied_gradients(*saved, d)
 
     tied_logits.defvjp(forward, backward)
     _JAX_TIED.append(tied_logits)
     return tied_logits
+
+
+def _jax_tied_gradients(hidden, table, d):
+    """`(d_hidden, d_table)` of `hidden @ table.T` for the output gradient `d`: `d @ table`
+    and `(hidden^T @ d)^T` (see `_jax_tied_logits`)."""
+    import jax.numpy as jnp
+
+    d_hidden = jnp.einsum("...v,vd->...d", d, table)
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    d_table = jnp.matmul(flat_h.T, d.reshape(-1, d.shape[-1])).T
+    return d_hidden.astype(hidden.dtype), d_table.astype(table.dtype)
 
 
 def _jax_tied_logits_with_bias():
@@ -240,13 +246,8 @@ def _jax_tied_logits_with_bias():
 
     def backward(saved, d):
         hidden, table, bias = saved
-        d_hidden = jnp.einsum("...v,vd->...d", d, table)
-        flat_h = hidden.reshape(-1, hidden.shape[-1])
-        flat_d = d.reshape(-1, d.shape[-1])
-        d_table = jnp.matmul(flat_h.T, flat_d).T
-        d_bias = jnp.sum(flat_d, axis=0)
-        return (d_hidden.astype(hidden.dtype), d_table.astype(table.dtype),
-                d_bias.astype(bias.dtype))
+        d_bias = jnp.sum(d.reshape(-1, d.shape[-1]), axis=0)
+        return _jax_tied_gradients(hidden, table, d) + (d_bias.astype(bias.dtype),)
 
     tied_logits.defvjp(forward, backward)
     _JAX_TIED_BIAS.append(tied_logits)
