@@ -125,6 +125,52 @@ def test_jax_function_out_of_range_targets_and_gradient():
         rtol=1e-6, atol=1e-5)
 
 
+def test_tensorflow_function_in_graphs_and_out_of_range_targets():
+    """The TensorFlow path's function (pure TensorFlow, so checked under every backend), in a
+    graph as `fit` runs it: the loss and its gradient against NumPy, large logits included;
+    a target outside the vocabulary stops a graph with an error naming the rule, and makes
+    that row's loss NaN (the others exact) in a function compiled whole with XLA, where
+    assertions are dropped."""
+    import tensorflow as tf
+
+    from kzoo.losses import _tf_cross_entropy
+
+    fn = _tf_cross_entropy()
+    r = np.random.default_rng(5)
+    logits = (5 * r.normal(size=(6, 7))).astype("float32")
+    logits[2, 3] = 90.0
+    y = np.array([1, 0, 3, 6, 2, 6], "int32")
+    weights = r.uniform(size=6).astype("float32")
+
+    @tf.function
+    def loss_and_grad(z, labels):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            losses = fn(z, labels)
+            total = tf.reduce_sum(losses * weights)
+        return losses, tape.gradient(total, z)
+
+    losses, grad = (t.numpy() for t in loss_and_grad(tf.constant(logits), tf.constant(y)))
+    z = logits.astype("float64")
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(losses, _np_token_ce(y, logits), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(grad, weights[:, None] * (p - np.eye(7)[y]), rtol=1e-5,
+                               atol=1e-7)
+    for bad in (7, -1, -100):
+        wrong = y.copy()
+        wrong[4] = bad
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="TokenCrossentropy: targets must be token ids"):
+            loss_and_grad(tf.constant(logits), tf.constant(wrong))
+        compiled = tf.function(lambda z, labels: fn(z, labels), jit_compile=True)
+        got = compiled(tf.constant(logits), tf.constant(wrong)).numpy()
+        assert np.isnan(got[4])
+        keep = np.arange(6) != 4
+        np.testing.assert_allclose(got[keep], _np_token_ce(y, logits)[keep], rtol=1e-6,
+                                   atol=1e-5)
+
+
 def test_targets_with_a_trailing_axis_and_half_logits():
     r = np.random.default_rng(9)
     logits = r.normal(size=(2, 3, 5)).astype("float16")
