@@ -72,6 +72,73 @@ def test_gelu_exact_gradient_matches_numpy():
                                rtol=2e-2, atol=2e-2)
 
 
+def _gelu_references(name, z):
+    """(value, d/dx) of the GELU `name` in float64."""
+    import math
+
+    if name == "gelu":
+        cdf = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in z])
+        return z * cdf, cdf + z * np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (z + 0.044715 * z**3))
+    return 0.5 * z * (1 + t), 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * c * (1 + 3 * 0.044715 * z**2)
+
+
+def _compiled_value_and_grad(fn, x):
+    """(fn(x), d sum(fn(x)) / dx) in the backend's compiled form: a `jax.jit` program, a
+    TensorFlow graph (`tf.function`, as `fit` traces), torch eagerly. On TensorFlow also
+    whether the graph calls an XLA-compiled function."""
+    b = keras.backend.backend()
+    if b == "jax":
+        import jax
+
+        value, grad = jax.jit(lambda t: (fn(t), jax.grad(lambda u: fn(u).sum())(t)))(x)
+        return np.asarray(value), np.asarray(grad), None
+    if b == "torch":
+        import torch
+
+        t = torch.tensor(x, requires_grad=True)
+        value = fn(t)
+        value.sum().backward()
+        return value.detach().numpy(), t.grad.numpy(), None
+    import tensorflow as tf
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            value = fn(t)
+            total = tf.reduce_sum(value)
+        return value, tape.gradient(total, t)
+
+    traced = tf.function(step).get_concrete_function(tf.TensorSpec(x.shape, tf.float32))
+    value, grad = traced(tf.constant(x))
+    library = traced.graph.as_graph_def().library.function
+    xla = any(f.attr["_XlaMustCompile"].b for f in library)
+    return value.numpy(), grad.numpy(), xla
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh"])
+def test_gelus_in_a_compiled_step_match_numpy(name):
+    """The GELUs as a training step traces them, values and gradients against float64, far
+    into both tails. On TensorFlow a graph runs each through an XLA-compiled function (its
+    element-wise ops fused), except under `portable_activations()` (exports), which keeps
+    plain ops with the same values."""
+    from kzoo.layers.feedforward import portable_activations
+
+    x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
+    expected_value, expected_grad = _gelu_references(name, x.astype(np.float64))
+    gelu = get_activation(name)
+    value, grad, xla = _compiled_value_and_grad(gelu, x)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
+    with portable_activations():
+        portable_value, portable_grad, portable_xla = _compiled_value_and_grad(gelu, x)
+    np.testing.assert_allclose(portable_value, expected_value, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(portable_grad, expected_grad, rtol=1e-5, atol=1e-5)
+    if keras.backend.backend() == "tensorflow":
+        assert xla is True and portable_xla is False
+
+
 def test_gelu_exact_and_tanh_differ():
     # Guards against one name silently mapping to the other form.
     x = keras.ops.convert_to_tensor(np.array([-2.5, -1.0, 1.5], "float32"))
