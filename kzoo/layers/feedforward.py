@@ -21,38 +21,7 @@ from kzoo.layers.utils import serialize_initializer
 def _gelu_exact(x):
     if keras.backend.backend() == "jax" and not _PORTABLE:
         return _jax_gelu_exact(x)
-    if keras.backend.backend() == "tensorflow":
-        return _tf_xla_in_graph(_tf_gelu_exact_ops, x)
     return ops.gelu(x, approximate=False)
-
-
-def _tf_gelu_exact_ops(x):
-    return ops.gelu(x, approximate=False)
-
-
-_TF_XLA_FUNCTIONS = {}
-
-
-def _tf_xla_in_graph(fn, x):
-    """`fn(x)` on TensorFlow; inside a graph (a `fit` / `predict` step) through one
-    `tf.function(jit_compile=True)` of `fn`, so that XLA fuses its element-wise ops (and
-    those of its gradient) into one pass each over `x`, whether or not the step around it is
-    compiled. Graph mode without XLA runs each of them as its own kernel over the whole
-    tensor. Measured on the 2-core CPU at (8, 256, 1024) float32, forward and backward in a
-    graph: tanh GELU 8.05 -> 5.93 ms, exact GELU 10.7 -> 8.87 ms (about 2% of a GPT / BERT
-    training step of `benchmarks/peers.py`'s size, less than the spread of whole-step A/Bs:
-    GPT +15% and +3%, BERT -4%, 8 interleaved rounds each).
-    Eager calls (no XLA compilation for each new shape) and `portable_activations()`
-    (exports: no XLA-only function in a SavedModel) call `fn` directly."""
-    import tensorflow as tf
-
-    if _PORTABLE or tf.executing_eagerly():
-        return fn(x)
-    compiled = _TF_XLA_FUNCTIONS.get(fn)
-    if compiled is None:
-        compiled = tf.function(fn, jit_compile=True, autograph=False, reduce_retracing=True)
-        _TF_XLA_FUNCTIONS[fn] = compiled
-    return compiled(x)
 
 
 _PORTABLE = []  # non-empty while `portable_activations()` is active
@@ -62,9 +31,8 @@ _PORTABLE = []  # non-empty while `portable_activations()` is active
 def portable_activations():
     """Trace the activations in their most portable form: the exact GELU on JAX through
     `erfc` (`jax.nn.gelu`) rather than `erf`, which JAX lowers to a StableHLO composite that
-    older deserialisers (TensorFlow's XLA in a jax2tf SavedModel) refuse; on TensorFlow, the
-    GELUs as plain ops rather than XLA-compiled functions (`_tf_xla_in_graph`).
-    `kzoo.export` traces under it."""
+    older deserialisers (TensorFlow's XLA in a jax2tf SavedModel) refuse. `kzoo.export`
+    traces under it."""
     _PORTABLE.append(True)
     try:
         yield
@@ -89,7 +57,7 @@ _SQRT_HALF = 1.0 / math.sqrt(2.0)
 
 def _gelu_tanh(x):
     if keras.backend.backend() == "tensorflow":
-        return _tf_xla_in_graph(_tf_gelu_tanh, x)
+        return _tf_gelu_tanh(x)
     return ops.gelu(x, approximate=True)
 
 
