@@ -13,7 +13,7 @@ from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from tests.harness import (
     assert_matches_transformers, assert_same_hf_tensors, check_config_round_trip,
     check_fit_lowers_loss, check_keras_file_round_trip, check_preset_round_trip, forward,
-    hf_checkpoint, ref, to_numpy, torch_forward,
+    QUICKER_LOOP, hf_checkpoint, ref, to_numpy, torch_forward,
 )
 
 VOCAB = 61
@@ -287,7 +287,7 @@ def test_generate_beam_batch_equals_alone(kind):
     lm = shared_lm(kind)
     prompts = [[5, 6, 7, 8, 9, 10], [3], [11, 12, 13]]
     options = dict(max_new_tokens=5, strategy="beam", num_beams=3, length_penalty=0.7,
-                   compile=False)
+                   compile=QUICKER_LOOP)
     batch = lm.generate(prompts, **options)
     assert [len(o) for o in batch] == [5, 5, 5]
     for prompt, out in zip(prompts, batch):

@@ -25,6 +25,7 @@ from kzoo.models.bert import BertBackbone, BertClassifier
 from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from kzoo.models.graphormer import GraphormerBackbone, GraphormerPredictor
 from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
+from tests.harness import QUICKER_LOOP
 
 # Keras' own note that `shuffle` does not apply to datasets and generators.
 pytestmark = pytest.mark.filterwarnings("ignore:`shuffle=True` was passed:UserWarning")
@@ -417,18 +418,19 @@ def test_check_inputs_reports_the_first_bad_id_and_respects_masks():
 def test_generate_accepts_numpy_integer_counts():
     lm, x, _, _ = _family("gpt")
     prompts = [[3, 4, 5], [6]]
-    # beam search step by step (compile=False: the same loop body, no compilation)...
-    plain = lm.generate(prompts, max_new_tokens=4, strategy="beam", num_beams=2, compile=False)
+    # beam search (the quicker loop on this backend, see tests/harness.py)...
+    plain = lm.generate(prompts, max_new_tokens=4, strategy="beam", num_beams=2,
+                        compile=QUICKER_LOOP)
     numpy = lm.generate(prompts, max_new_tokens=np.int64(4), strategy="beam",
-                        num_beams=np.int32(2), compile=False)
+                        num_beams=np.int32(2), compile=QUICKER_LOOP)
     assert numpy == plain and all(1 <= len(row) <= 4 for row in plain)
     # ...and the compiled loop, with a NumPy count
     eager = lm.generate(prompts, max_new_tokens=3, compile=False)
     assert lm.generate(prompts, max_new_tokens=np.int64(3)) == eager
     t5, _, _, _ = _family("t5")
-    plain = t5.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=3, compile=False)
+    plain = t5.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=3, compile=QUICKER_LOOP)
     numpy = t5.generate(np.array([[5, 6, 7, 1]], "int64"), max_new_tokens=np.int32(3),
-                        num_beams=np.int64(1), compile=False)
+                        num_beams=np.int64(1), compile=QUICKER_LOOP)
     assert numpy == plain
     with pytest.raises(ValueError, match=r"id 40 at prompt 0, token 1"):
         lm.generate(np.array([[3, VOCAB]]), max_new_tokens=np.int64(2))

@@ -13,7 +13,7 @@ from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
 from tests.harness import (
     assert_matches_transformers, assert_same_hf_tensors, check_config_round_trip,
     check_fit_lowers_loss, check_keras_file_round_trip, check_preset_round_trip,
-    hf_checkpoint, to_numpy, torch_forward,
+    QUICKER_LOOP, hf_checkpoint, to_numpy, torch_forward,
 )
 
 VOCAB = 61
@@ -265,7 +265,7 @@ def test_generate_greedy_equals_recompute(version):
     inputs = _batch()
     enc, enc_mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
     out = lm.generate({"encoder_token_ids": enc, "encoder_padding_mask": enc_mask},
-                      max_new_tokens=6, stop_token_ids=None, compile=False)
+                      max_new_tokens=6, stop_token_ids=None, compile=QUICKER_LOOP)
     assert isinstance(out, list) and [len(row) for row in out] == [6, 6]
     assert all(type(token) is int for row in out for token in row)
     # Reference: re-run the whole model on the sequence so far, take the argmax. (The
@@ -276,16 +276,18 @@ def test_generate_greedy_equals_recompute(version):
         logits = _full_logits(lm, enc, enc_mask, dec)[:, t]
         dec[:, t + 1] = logits.argmax(-1)
     np.testing.assert_array_equal(np.array(out), dec[:, 1:])
-    # Raw id arrays: the padding mask is ids != 0; compiled and eager loops agree.
-    assert lm.generate(enc, max_new_tokens=6, stop_token_ids=None) == out
+    # Raw id arrays: the padding mask is ids != 0; the other loop (compiled / eager) agrees.
+    assert lm.generate(enc, max_new_tokens=6, stop_token_ids=None,
+                       compile=not QUICKER_LOOP) == out
     # ... or an explicit padding_mask.
     assert lm.generate(enc, padding_mask=enc_mask, max_new_tokens=6, stop_token_ids=None,
-                       compile=False) == out
+                       compile=QUICKER_LOOP) == out
     # A row alone, or rows of different lengths, give the same tokens as in the batch.
-    alone = lm.generate(enc[1:, :5], max_new_tokens=6, stop_token_ids=None, compile=False)
+    alone = lm.generate(enc[1:, :5], max_new_tokens=6, stop_token_ids=None,
+                        compile=QUICKER_LOOP)
     assert alone[0] == out[1]
     ragged = lm.generate([list(enc[0]), list(enc[1, :5])], max_new_tokens=6,
-                         stop_token_ids=None, compile=False)
+                         stop_token_ids=None, compile=QUICKER_LOOP)
     assert ragged == out
 
 
@@ -341,7 +343,7 @@ def test_generate_with_tokenizer():
     tok.add_special_tokens(["<pad>", "</s>"])
     lm = shared_lm("v1_0")
     lm.tokenizer = tok
-    options = dict(max_new_tokens=4, stop_token_ids=None, compile=False)
+    options = dict(max_new_tokens=4, stop_token_ids=None, compile=QUICKER_LOOP)
     ids = lm.generate(np.array([[5, 6, 7]], "int32"), **options)
     text = lm.generate("w3 w4 w5", **options)
     assert text == " ".join(words[i] for i in ids[0] if i > 1)
