@@ -46,7 +46,8 @@ ARGS = {
                                  "--batch-size", "8"],
     "bert_mlm": _TINY + _TEXT + ["--override", "dropout=0.0", "--override",
                                  "attention_dropout=0.0", "--batch-size", "8"],
-    "t5_numbers": _TINY + ["--override", "key_value_dim=8", "--override", "dropout=0.0",
+    "t5_numbers": _TINY + ["--override", "num_decoder_layers=1",  # t5_small names its 6
+                           "--override", "key_value_dim=8", "--override", "dropout=0.0",
                            "--max-number", "100", "--heldout", "4", "--batch-size", "8"],
     "vit_digits": _TINY + ["--override", "dropout=0.0", "--batch-size", "16"],
     "graphormer_freesolv": _TINY + ["--override", "dropout=0.0", "--override",
