@@ -5,6 +5,7 @@ from keras import ops
 
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import check_bool
+from kzoo.layers.utils import clip
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import serialize_initializer
@@ -112,7 +113,7 @@ class TokenEmbedding(keras.layers.Layer):
         ids = inputs
         if "int" not in keras.backend.standardize_dtype(ids.dtype):
             ids = ops.cast(ids, "int32")
-        ids = ops.clip(ids, 0, self.vocabulary_size - 1)
+        ids = clip(ids, 0, self.vocabulary_size - 1)
         table = ops.cast(self.embeddings, self.compute_dtype)
         x = ops.take(table, ids, axis=0)
         tap = active_tap()  # interpretation (kzoo.layers.taps): None in a plain pass

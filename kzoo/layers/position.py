@@ -22,6 +22,7 @@ import numpy as np
 from keras import ops
 
 from kzoo.layers.utils import check_bool
+from kzoo.layers.utils import clip
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rank
@@ -260,7 +261,7 @@ class PositionEmbedding(keras.layers.Layer):
                     f"The sequence length must be <= sequence_length={self.sequence_length}; "
                     f"got inputs of length {seq_len}."
                 )
-            positions = ops.clip(positions, 0, self.sequence_length - 1)
+            positions = clip(positions, 0, self.sequence_length - 1)
             rows = ops.take(ops.convert_to_tensor(self.embeddings), positions, axis=0)
             return ops.cast(rows, self.compute_dtype)
         start_index = _check_start_index(start_index)

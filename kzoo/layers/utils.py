@@ -182,6 +182,17 @@ def check_rank(name, tensor, ranks):
         )
 
 
+def clip(x, low, high):
+    """`ops.clip(x, low, high)` for bounds that are Python numbers. On torch it is
+    `Tensor.clamp`, which takes them as numbers: Keras' torch `clip` turns each bound into a
+    device tensor, a copy from the host that waits for the GPU on CUDA (two host syncs a
+    call, e.g. in every training step's token embedding) and that a CUDA graph cannot
+    capture (a decode step's positions)."""
+    if keras.backend.backend() == "torch":
+        return ops.convert_to_tensor(x).clamp(low, high)
+    return ops.clip(x, low, high)
+
+
 def compute_float32(x):
     """Cast to float32 for numerically sensitive statistics (softmax, norms)."""
     return ops.cast(x, "float32")

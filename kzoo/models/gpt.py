@@ -45,6 +45,7 @@ from kzoo.layers.utils import (
     check_at_most,
     check_bool,
     check_choice,
+    clip,
     FieldError,
     check_divides,
     check_instance,
@@ -512,7 +513,7 @@ class GPTBackbone(Backbone):
                 q_len = ops.shape(token_ids)[1]
                 slots = ops.arange(q_len, dtype="int32") + ops.cast(cache_index, "int32")
                 positions = slots[None, :] - ops.cast(position_offset, "int32")[:, None]
-                positions = ops.clip(positions, 0, self.max_sequence_length - 1)
+                positions = clip(positions, 0, self.max_sequence_length - 1)
                 table = ops.cast(self.position_embedding.embeddings, x.dtype)
                 x = x + ops.take(table, positions, axis=0)
         if not fast_decode.enabled(training):  # (dropout is the identity there)

@@ -59,6 +59,7 @@ from kzoo.layers.utils import (
     check_at_most,
     check_bool,
     check_choice,
+    clip,
     check_divides,
     check_instance,
     check_non_negative_int,
@@ -107,7 +108,7 @@ def _take(table, ids):
     """Rows of `table` for integer `ids`, clipped into range as `TokenEmbedding` does."""
     if "int" not in keras.backend.standardize_dtype(ids.dtype):
         ids = ops.cast(ids, "int32")
-    ids = ops.clip(ids, 0, table.shape[0] - 1)
+    ids = clip(ids, 0, table.shape[0] - 1)
     return ops.take(table, ids, axis=0)
 
 
@@ -312,7 +313,7 @@ class GraphormerAttentionBias(keras.layers.Layer):
         hops = ops.where(ops.equal(spatial_pos, 0), 1, spatial_pos)
         hops = ops.where(ops.greater(hops, 1), hops - 1, hops)
         if self.multi_hop_max_dist > 0:
-            hops = ops.clip(hops, 0, self.multi_hop_max_dist)
+            hops = clip(hops, 0, self.multi_hop_max_dist)
             input_edges = input_edges[:, :, :, : self.multi_hop_max_dist, :]
         edges = _lookup_reduce(self.edge_embeddings, input_edges, True, dtype, mean=True)
         num_hops = edges.shape[3] if edges.shape[3] is not None else ops.shape(edges)[3]
