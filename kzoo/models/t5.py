@@ -540,8 +540,11 @@ class T5Backbone(Backbone):
                                  [fast_decode._value(layer.embeddings)], make)
         if type(cache_index) is int:  # only the keys written so far (see `block_step`)
             return table[:, :, cache_index:cache_index + q_len, :cache_index + q_len]
-        start = torch.as_tensor(cache_index, dtype=torch.long, device=table.device)
-        return table.narrow(2, start, q_len)
+        # (`index_select`, not `narrow`: a tensor start would be read on the host, a device
+        # sync, which a CUDA graph of the step cannot capture)
+        start = torch.as_tensor(cache_index, dtype=torch.long, device=table.device).view(1)
+        rows = start if q_len == 1 else start + torch.arange(q_len, device=table.device)
+        return table.index_select(2, rows)
 
     # === Config ===
 
