@@ -24,7 +24,9 @@ dropout, random initialisation (speed does not depend on the weights).
   Input tokens/s; each step ends with the loss on the host (a device sync), for all alike.
 - `decode`: greedy decoding, KV cache, 128 new tokens for 4 prompts of 32 tokens (the CPU
   benchmark's shape), stop tokens disabled; bfloat16 weights (Keras' `bfloat16` policy;
-  transformers `model.to(torch.bfloat16)`). New tokens/s.
+  transformers `model.to(torch.bfloat16)`). New tokens/s. kzoo on torch replays each step
+  as a CUDA graph; its worker also decodes with `KZOO_CUDA_GRAPHS=0`, reports that speed and
+  whether the tokens are the same, and how many steps replayed the graph.
 - MFU: model FLOPs of a training token (matmuls, 2 x multiply-adds, forward + backward = 3x
   forward, attention over all 1024 keys: the PaLM convention; `peers.train_flops_per_token`)
   times tokens/s, over the GPU's dense bfloat16 peak: the datasheet figure given with
@@ -232,8 +234,43 @@ def _keras_worker(library, size, jit="auto"):
 
     seconds = _median_time(decode, size["decode_calls"], 1)
     out.update(decode=new["n"] / seconds, new_tokens=new["n"])
+    if library == "kzoo" and backend == "torch":
+        out.update(_torch_graph_check(model, prompts.tolist(), n, decode, size))
     out["matmul_tflops"] = _bf16_matmul_tflops(backend, size["matmul"])
     return out
+
+
+def _torch_graph_check(model, prompts, n, decode, size):
+    """kzoo on torch: how many decode steps replayed a CUDA graph, whether the tokens equal
+    those of the loop without graphs (`KZOO_CUDA_GRAPHS=0`), and that loop's speed."""
+    import os
+
+    from kzoo import generation
+
+    counted = {"replays": 0}
+
+    class Counted(generation.GRAPH_CLASS):
+        def replay(self):
+            counted["replays"] += 1
+            return super().replay()
+
+    original = generation.GRAPH_CLASS
+    generation.GRAPH_CLASS = Counted
+    try:
+        with_graphs = model.generate(prompts, max_new_tokens=n, strategy="greedy",
+                                     stop_token_ids=None)
+    finally:
+        generation.GRAPH_CLASS = original
+    os.environ[generation.GRAPHS_ENV] = "0"
+    try:
+        without = model.generate(prompts, max_new_tokens=n, strategy="greedy",
+                                 stop_token_ids=None)
+        tokens = count_new_tokens(without)
+        seconds = _median_time(decode, size["decode_calls"], 1)
+    finally:
+        del os.environ[generation.GRAPHS_ENV]
+    return {"graph_replays": counted["replays"], "graph_tokens_equal": with_graphs == without,
+            "decode_no_graphs": tokens / seconds}
 
 
 def _transformers_worker(size):
@@ -372,6 +409,12 @@ def report(results, size, peak_tflops):
              format_table(("system", "train tok/s", "TFLOP/s", "MFU (datasheet)",
                            "MFU (measured peak)", "GPU peak MiB", "last loss"), util,
                           left=1)]
+    for system, r in results.items():
+        if "graph_replays" in r:
+            text.append(f"{system} decode: {r['graph_replays']} steps of a call replayed a CUDA "
+                        f"graph; tokens equal to the loop without graphs: "
+                        f"{r['graph_tokens_equal']}; without graphs "
+                        f"{_fmt(r.get('decode_no_graphs'))} new tok/s.")
     return "\n".join(text)
 
 

@@ -30,7 +30,12 @@ The loop (`decode`) is written once with `keras.ops` and compiled whole:
   step through `kzoo.layers.fast_decode` (plain torch calls on the same variables, the
   keys/values written into the cache in place): Keras' per-layer Python overhead was 3/4 of
   a step there (`KZOO_FAST_DECODE=0` turns it off). The samplers' carry updates (and the
-  greedy argmax) are torch calls there too, the step a Python int.
+  greedy argmax) are torch calls there too, the step a Python int. On a CUDA device the
+  model's step is captured once per call as a CUDA graph (`StepGraph`) and replayed at every
+  step, its new tokens and step index written into tensors the graph reads: a step's few
+  hundred kernels are then one launch from Python (GPT-2 small, bfloat16, batch 4 on an H100:
+  481 -> 3,412 new tokens/s, the same tokens). `KZOO_CUDA_GRAPHS=0` turns it off; a step
+  that cannot be captured warns once a call and runs eagerly.
 - `compile=False`: the same body in a Python loop, eagerly, testing the end at every step
   (for debugging; on PyTorch under `torch.no_grad()` too).
 
@@ -690,18 +695,153 @@ def _loop_body(model, sampler, max_new_tokens):
     return start, step
 
 
-def _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every):
-    """The loop in Python (PyTorch, and every backend with `compile=False`)."""
+def _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every, graphs=False):
+    """The loop in Python (PyTorch, and every backend with `compile=False`). `graphs`: the
+    model's steps replay one CUDA graph (`_graphed_step`) where it can be captured."""
     start, step = _loop_body(model, sampler, max_new_tokens)
     carry, state, constants = start(inputs, carry)
     early = sampler.can_end_early()
+    model_step = None
+    if graphs and max_new_tokens > 1:
+        model_step = _graphed_step(model, sampler, carry, state, constants)
     for t in range(1, max_new_tokens):
         if early and (t - 1) % check_every == 0 and bool(
             ops.convert_to_numpy(sampler.done(carry))
         ):
             break
-        carry, state = step(t, carry, state, constants)
+        if model_step is None:
+            carry, state = step(t, carry, state, constants)
+            continue
+        logits = model_step(sampler.last_tokens(carry, t - 1), t - 1)
+        carry, rows = sampler.select(logits, carry, t)
+        if rows is not None:  # (beam search) the graph reads these tensors: reorder in place
+            for x in keras.tree.flatten(state):
+                x.copy_(x.index_select(0, rows.long()))
     return carry
+
+
+# === CUDA graphs (PyTorch on CUDA) ===
+
+# Set `KZOO_CUDA_GRAPHS=0` to decode without them.
+GRAPHS_ENV = "KZOO_CUDA_GRAPHS"
+
+
+class NotStatic(Exception):
+    """The model's step returned other state tensors than it was given (no graph then)."""
+
+
+class StepGraph:
+    """A model step `run() -> (float32 logits, state)` captured once as a CUDA graph and
+    replayed at each step: the step's few hundred kernels are launched by one call, not one
+    by one from Python (a decode step on a GPU is bound by those launches).
+
+    `run` reads its inputs from tensors the loop overwrites before each `replay()` (the new
+    tokens, the step index) and writes the key/value caches in place, so a replay is exactly
+    the step it was captured from with the new inputs. It is run twice first on a side
+    stream (PyTorch's rule before a capture); both runs compute the loop's first step, which
+    writes the same keys/values as the replay of that step will. If the state that comes
+    back is not the very tensors passed in (a model that copies its caches), `NotStatic`.
+    """
+
+    def __init__(self, run, state):
+        _, new_state = self._warm_up(run)
+        if not _same_tensors(new_state, state):
+            raise NotStatic()
+        self.logits = self._capture(run)
+
+    def _warm_up(self, run):
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                out = run()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def _capture(self, run):
+        import torch
+
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            logits, _ = run()
+        return logits
+
+    def replay(self):
+        """Run the captured step again; the logits tensor is the same object every time."""
+        self.graph.replay()
+        return self.logits
+
+
+# The class `_graphed_step` captures with (tests on a CPU put a stand-in here).
+GRAPH_CLASS = StepGraph
+
+
+def _same_tensors(a, b):
+    a, b = keras.tree.flatten(a), keras.tree.flatten(b)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _on_cuda(tensors):
+    import torch
+
+    return all(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in tensors)
+
+
+def _cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def graphs_apply():
+    """Whether the PyTorch decode loop tries CUDA graphs: CUDA present, the fast decode path
+    on (`kzoo.layers.fast_decode.enabled`: no attention tap, `KZOO_FAST_DECODE` not "0") and
+    `KZOO_CUDA_GRAPHS` not "0". Asked inside the loop's `fast_steps()` block."""
+    import os
+
+    from kzoo.layers import fast_decode
+
+    return (os.environ.get(GRAPHS_ENV, "1") != "0" and fast_decode.enabled()
+            and _cuda_available())
+
+
+def _graphed_step(model, sampler, carry, state, constants):
+    """`step(last_tokens, index) -> logits`: the model's step as a replayed graph, or None
+    where none can be made (state not all on CUDA, a model that copies its state, or a
+    capture that fails: then a warning, and the loop steps eagerly)."""
+    import warnings
+
+    import torch
+
+    tensors = keras.tree.flatten(state)
+    if not tensors or not _on_cuda(tensors):
+        return None
+    first = sampler.last_tokens(carry, 0)
+    tokens = first.to(torch.int32).reshape(-1, 1).clone()
+    index = torch.zeros((), dtype=torch.int32, device=first.device)
+
+    def run():
+        logits, new_state = model.generation_step(tokens, state, constants, index)
+        return ops.cast(logits, "float32"), new_state
+
+    try:
+        graph = GRAPH_CLASS(run, state)
+    except NotStatic:
+        return None
+    except Exception as error:  # an op that cannot be captured: the eager loop still works
+        warnings.warn(f"kzoo decode: no CUDA graph for {type(model).__name__}'s step "
+                      f"({type(error).__name__}: {error}); decoding without one "
+                      f"(set {GRAPHS_ENV}=0 to skip the attempt).", stacklevel=3)
+        return None
+
+    def step(last_tokens, t):
+        tokens.copy_(last_tokens.reshape(tokens.shape))
+        index.fill_(t)
+        return graph.replay()
+
+    return step
 
 
 def _compiled_loop(model, sampler, max_new_tokens, inputs, carry):
@@ -834,7 +974,7 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
 
             with torch.no_grad(), fast_steps():
                 carry = _python_loop(model, sampler, max_new_tokens, inputs, carry,
-                                     check_every)
+                                     check_every, graphs=compile and graphs_apply())
         else:
             carry = _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every)
         tokens, lengths = sampler.result(carry)
