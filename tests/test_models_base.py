@@ -263,3 +263,46 @@ def test_prediction_compiles_with_xla_on_tensorflow_under_auto(name, monkeypatch
 
     model.compile(optimizer="sgd", loss=loss, run_eagerly=True)
     assert not model.xla_prediction
+
+
+def test_train_on_batch_builds_once_on_torch(monkeypatch):
+    """Keras builds (and on torch re-tracks every variable) at each `train_on_batch`; kzoo's
+    models skip that on torch once nothing is left to build, and build again when something
+    is (a metric compiled later). Losses and metrics are those of Keras' own path; on JAX
+    and TensorFlow Keras' build runs as often as without kzoo's models."""
+    from kzoo.models import base
+
+    builds = []
+    keras_build = keras.Model._symbolic_build
+
+    def counted(self, *args, **kwargs):
+        builds.append(1)
+        return keras_build(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "_symbolic_build", counted)
+    r = np.random.default_rng(3)
+    ids, mask = _tokens(r)
+    x, y = {"token_ids": ids, "padding_mask": mask}, np.roll(ids, -1, axis=1)
+
+    def run():
+        keras.utils.set_random_seed(1)
+        model = _gpt()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=CE)
+        logs = [model.train_on_batch(x, y, return_dict=True) for _ in range(3)]
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=CE, metrics=["accuracy"])
+        logs += [model.train_on_batch(x, y, return_dict=True) for _ in range(2)]
+        return logs, len(builds)
+
+    with monkeypatch.context() as keras_path:  # Keras' build at every call
+        keras_path.setattr(base.FunctionalModel, "_symbolic_build", counted)
+        expected, keras_builds = run()
+    builds.clear()
+    got, kzoo_builds = run()
+    assert kzoo_builds == (2 if backend() == "torch" else keras_builds)
+    if backend() == "torch":
+        assert keras_builds == 5
+    assert set(got[-1]) == {"loss", "accuracy"}
+    for mine, want in zip(got, expected):
+        assert set(mine) == set(want)
+        for key in mine:
+            np.testing.assert_allclose(mine[key], want[key], rtol=1e-5, atol=1e-6)
