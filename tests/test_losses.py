@@ -272,3 +272,41 @@ def test_train_step_matches_keras_loss_with_and_without_metrics(metrics):
     if metrics:
         hits = (logits.argmax(-1) == y) * w
         np.testing.assert_allclose(got["accuracy"], hits.sum() / w.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["none", "same_shape", "per_row", "masked"])
+def test_sum_over_batch_size_equals_keras_reduction_bit_for_bit(weights, monkeypatch):
+    """On torch `TokenCrossentropy.__call__` divides by the element count made on the device
+    (Keras copies the losses' shape from the host: a wait for the GPU); the result is Keras'
+    own reduction bit for bit, and sample weights of another shape and masks take Keras'
+    path. The same on every backend (elsewhere it is Keras' path)."""
+    from keras.src.backend import set_keras_mask
+
+    r = np.random.default_rng(7)
+    logits = keras.ops.convert_to_tensor((3 * r.normal(size=(4, 6, 9))).astype("float32"))
+    y = r.integers(0, 9, (4, 6)).astype("int32")
+    w = {"none": None, "same_shape": r.uniform(size=(4, 6)).astype("float32"),
+         "per_row": r.uniform(size=(4, 1)).astype("float32"), "masked": None}[weights]
+    if weights == "masked":
+        set_keras_mask(logits, keras.ops.convert_to_tensor(r.uniform(size=(4, 6)) > 0.3))
+    loss = TokenCrossentropy()
+    copies = []
+    if keras.backend.backend() == "torch":
+        import torch
+
+        as_tensor = torch.as_tensor
+
+        def counted(data, *args, **kwargs):
+            if not isinstance(data, (torch.Tensor, np.ndarray)):
+                copies.append(data)
+            return as_tensor(data, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "as_tensor", counted)
+    got = to_numpy(loss(y, logits, sample_weight=w))
+    ours = len(copies)
+    expected = to_numpy(keras.losses.Loss.__call__(loss, y, logits, sample_weight=w))
+    keras_copies = len(copies) - ours
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got, expected)
+    if keras.backend.backend() == "torch" and weights in ("none", "same_shape"):
+        assert (ours, keras_copies) == (0, 1)

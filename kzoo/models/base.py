@@ -499,6 +499,40 @@ def _sum_sparse_gradients(optimizer):
     object.__setattr__(optimizer, "_kzoo_dense_gradients", True)
 
 
+def _on_device(data):
+    """NumPy arrays in `data` (a Keras batch) as tensors on Keras' device."""
+    import numpy as np
+
+    return keras.tree.map_structure(
+        lambda v: keras.ops.convert_to_tensor(v) if isinstance(v, np.ndarray) else v, data)
+
+
+def _device_counts(tracker):
+    """On torch, `tracker.update_state(loss, sample_weight=<Python int>)` (Keras' torch
+    training step passes the batch size so) with the int as a float32 device tensor made
+    once per value (`torch.full`, no copy from the host): Keras would copy the int to the
+    device at every step, a copy that waits for the GPU. The same numbers."""
+    if tracker is None or getattr(tracker, "_kzoo_device_counts", False):
+        return
+    import torch
+
+    update = tracker.update_state
+    counts = {}
+
+    def update_state(values, sample_weight=None):
+        if isinstance(sample_weight, int) and not isinstance(sample_weight, bool) \
+                and isinstance(values, torch.Tensor):
+            key = (sample_weight, values.device)
+            if key not in counts:
+                counts[key] = torch.full((), sample_weight, dtype=getattr(
+                    torch, tracker.dtype), device=values.device)
+            sample_weight = counts[key]
+        return update(values, sample_weight=sample_weight)
+
+    object.__setattr__(tracker, "update_state", update_state)
+    object.__setattr__(tracker, "_kzoo_device_counts", True)
+
+
 def _sync_free_adam(optimizer):
     """On torch, Keras' `Adam` and `AdamW` steps without their waits for the GPU.
 
@@ -538,7 +572,8 @@ def _sync_free_adam(optimizer):
         variables = [v.value for v in keras_variables]
         dtype, device = variables[0].dtype, variables[0].device
         lr = keras.ops.cast(learning_rate, dtype)
-        local_step = (optimizer.iterations.value + 1).to(dtype)
+        step = optimizer.iterations  # (a tensor with gradient accumulation)
+        local_step = ((step.value if isinstance(step, keras.Variable) else step) + 1).to(dtype)
         beta_1, beta_2 = optimizer.beta_1, optimizer.beta_2
         beta_1_power = torch.pow(torch.full((), beta_1, dtype=dtype, device=device), local_step)
         beta_2_power = torch.pow(torch.full((), beta_2, dtype=dtype, device=device), local_step)
@@ -665,6 +700,13 @@ class TaskModel(FunctionalModel):
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
     def train_step(self, *args, **kwargs):  # (data) on torch and TF, (state, data) on JAX
+        if _on_torch():
+            # The batch goes to the device first, while the device has nothing queued:
+            # Keras would copy the targets when the loss reads them, a copy that waits for
+            # the whole forward pass queued on a GPU. The loss tracker's batch size likewise
+            # (`_device_counts`).
+            args = tuple(_on_device(a) for a in args)
+            _device_counts(self._loss_tracker)
         # torch: when nothing but the compiled loss reads the predictions (Keras' own
         # `compute_loss` and `compute_metrics`, no compiled metrics), `TokenCrossentropy`
         # may turn the logits' memory into their gradient instead of writing a new tensor
