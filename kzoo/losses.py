@@ -30,7 +30,6 @@ Example:
 """
 
 import contextlib
-import math
 import threading
 
 import keras
@@ -65,35 +64,6 @@ class TokenCrossentropy(keras.losses.Loss):
     def __init__(self, reduction="sum_over_batch_size", name="token_crossentropy",
                  dtype=None):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        # torch: Keras' "sum_over_batch_size" divides by the product of the losses' shape,
-        # which it copies from the host to the device first: on a GPU that copy waits for
-        # the whole forward pass queued before it, in every training step. Here the same
-        # division (the weighted sum over a float32 count made on the device). Masks and
-        # sample weights of another shape than the losses take Keras' own path.
-        from keras.src.backend import get_keras_mask
-
-        if (keras.backend.backend() != "torch" or self.reduction != "sum_over_batch_size"
-                or get_keras_mask(y_pred) is not None):
-            return super().__call__(y_true, y_pred, sample_weight=sample_weight)
-        import torch
-        from keras.src.losses.loss import reduce_weighted_values
-
-        with keras.name_scope(self.name):
-            y_pred = ops.convert_to_tensor(y_pred, dtype=self.dtype)
-            y_true = ops.convert_to_tensor(y_true, dtype=self.dtype)
-            losses = self.call(y_true, y_pred)
-            count = math.prod(losses.shape)
-            if not count or len(losses.shape) == 0 or (
-                    sample_weight is not None
-                    and tuple(ops.shape(sample_weight)) != tuple(losses.shape)):
-                return reduce_weighted_values(losses, sample_weight=sample_weight,
-                                              reduction=self.reduction, dtype=self.dtype)
-            total = reduce_weighted_values(losses, sample_weight=sample_weight,
-                                           reduction="sum", dtype=self.dtype)
-            return torch.divide(total, torch.full((), count, dtype=total.dtype,
-                                                  device=total.device))
 
     def call(self, y_true, y_pred):
         if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:

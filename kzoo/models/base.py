@@ -225,7 +225,6 @@ class FunctionalModel(keras.Model):
         super().compile(*args, **kwargs)
         self._jit_compile_auto = isinstance(jit_compile, str) and jit_compile == "auto"
         _sum_sparse_gradients(getattr(self, "optimizer", None))
-        _sync_free_adam(getattr(self, "optimizer", None))
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # torch: Keras' `train_on_batch` / `test_on_batch` call this at every batch, and it
@@ -499,109 +498,6 @@ def _sum_sparse_gradients(optimizer):
     object.__setattr__(optimizer, "_kzoo_dense_gradients", True)
 
 
-def _on_device(data):
-    """NumPy arrays in `data` (a Keras batch) as tensors on Keras' device."""
-    import numpy as np
-
-    return keras.tree.map_structure(
-        lambda v: keras.ops.convert_to_tensor(v) if isinstance(v, np.ndarray) else v, data)
-
-
-def _device_counts(tracker):
-    """On torch, `tracker.update_state(loss, sample_weight=<Python int>)` (Keras' torch
-    training step passes the batch size so) with the int as a float32 device tensor made
-    once per value (`torch.full`, no copy from the host): Keras would copy the int to the
-    device at every step, a copy that waits for the GPU. The same numbers."""
-    if tracker is None or getattr(tracker, "_kzoo_device_counts", False):
-        return
-    import torch
-
-    update = tracker.update_state
-    counts = {}
-
-    def update_state(values, sample_weight=None):
-        if isinstance(sample_weight, int) and not isinstance(sample_weight, bool) \
-                and isinstance(values, torch.Tensor):
-            key = (sample_weight, values.device)
-            if key not in counts:
-                counts[key] = torch.full((), sample_weight, dtype=getattr(
-                    torch, tracker.dtype), device=values.device)
-            sample_weight = counts[key]
-        return update(values, sample_weight=sample_weight)
-
-    object.__setattr__(tracker, "update_state", update_state)
-    object.__setattr__(tracker, "_kzoo_device_counts", True)
-
-
-def _sync_free_adam(optimizer):
-    """On torch, Keras' `Adam` and `AdamW` steps without their waits for the GPU.
-
-    Keras' torch Adam turns four Python numbers into device tensors at every step (the two
-    betas, the step's `+ 1`, AdamW's weight decay times the learning rate): each is a copy
-    from the host that waits until the GPU has run everything queued, so the host cannot
-    queue the update while the backward pass still runs. Measured on an H100 (GPT-2 small,
-    mixed bfloat16, `benchmarks/gpu.py`'s shape): 16.8 ms of a 72 ms step went to such
-    copies, 9.5 ms of them in the weight decay alone. Here the same numbers are made on the
-    device (`torch.full`) or stay Python numbers inside torch's own ops: the same update,
-    bit for bit (tests/test_models_base.py), with one host copy left (Keras' step counter).
-    Only Keras' own `Adam` / `AdamW` classes are changed (a subclass keeps its methods), on
-    the instance the model was compiled with."""
-    if keras.config.backend() != "torch" or optimizer is None \
-            or getattr(optimizer, "_kzoo_sync_free", False):
-        return
-    from keras.src.backend.torch.optimizers import torch_adam, torch_adamw
-
-    if type(optimizer) not in (torch_adam.Adam, torch_adamw.AdamW):
-        return
-    import torch
-
-    def apply_weight_decay(variables):
-        if optimizer.weight_decay is None:
-            return
-        rate = optimizer._get_current_learning_rate()
-        rate = rate.value if isinstance(rate, keras.Variable) else keras.ops.convert_to_tensor(rate)
-        with torch.no_grad():
-            torch._foreach_mul_(
-                [v.value for v in variables if optimizer._use_weight_decay(v)],
-                1 - optimizer.weight_decay * rate,
-            )
-
-    def parallel_update_step(grads, keras_variables, learning_rate):
-        # Keras' `torch_adam.Adam._parallel_update_step`, the same operations in the same
-        # order, with its constants made on the device.
-        variables = [v.value for v in keras_variables]
-        dtype, device = variables[0].dtype, variables[0].device
-        lr = keras.ops.cast(learning_rate, dtype)
-        step = optimizer.iterations  # (a tensor with gradient accumulation)
-        local_step = ((step.value if isinstance(step, keras.Variable) else step) + 1).to(dtype)
-        beta_1, beta_2 = optimizer.beta_1, optimizer.beta_2
-        beta_1_power = torch.pow(torch.full((), beta_1, dtype=dtype, device=device), local_step)
-        beta_2_power = torch.pow(torch.full((), beta_2, dtype=dtype, device=device), local_step)
-        alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        index = optimizer._get_variable_index
-        m_list = [optimizer._momentums[index(v)].value for v in keras_variables]
-        v_list = [optimizer._velocities[index(v)].value for v in keras_variables]
-        torch._foreach_mul_(m_list, beta_1)
-        torch._foreach_add_(m_list, grads, alpha=1 - beta_1)
-        torch._foreach_mul_(v_list, beta_2)
-        torch._foreach_add_(v_list, torch._foreach_mul(grads, grads), alpha=1 - beta_2)
-        if optimizer.amsgrad:
-            v_hat_list = [optimizer._velocity_hats[index(v)].value for v in keras_variables]
-            torch._foreach_maximum_(v_hat_list, v_list)
-            v_list = v_hat_list
-        torch._foreach_add_(
-            variables,
-            torch._foreach_div(torch._foreach_mul(m_list, alpha),
-                               torch._foreach_add(torch._foreach_sqrt(v_list),
-                                                  optimizer.epsilon)),
-            alpha=-1,
-        )
-
-    object.__setattr__(optimizer, "_apply_weight_decay", apply_weight_decay)
-    object.__setattr__(optimizer, "_parallel_update_step", parallel_update_step)
-    object.__setattr__(optimizer, "_kzoo_sync_free", True)
-
-
 _SIGNATURES = {}
 # The methods whose JAX loop detaches the model's variables while it runs (Keras'
 # `_get_jax_state(purge_model_variables=True)`); `_jax_variables_kept` guards these.
@@ -700,13 +596,6 @@ class TaskModel(FunctionalModel):
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
     def train_step(self, *args, **kwargs):  # (data) on torch and TF, (state, data) on JAX
-        if _on_torch():
-            # The batch goes to the device first, while the device has nothing queued:
-            # Keras would copy the targets when the loss reads them, a copy that waits for
-            # the whole forward pass queued on a GPU. The loss tracker's batch size likewise
-            # (`_device_counts`).
-            args = tuple(_on_device(a) for a in args)
-            _device_counts(self._loss_tracker)
         # torch: when nothing but the compiled loss reads the predictions (Keras' own
         # `compute_loss` and `compute_metrics`, no compiled metrics), `TokenCrossentropy`
         # may turn the logits' memory into their gradient instead of writing a new tensor
