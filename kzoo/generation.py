@@ -845,7 +845,18 @@ def _graphed_step(model, sampler, carry, state, constants):
 
 
 def _compiled_loop(model, sampler, max_new_tokens, inputs, carry):
-    """The loop as one `while_loop` (JAX / TensorFlow), to be traced inside jit/tf.function."""
+    """The loop as one `while_loop` (JAX / TensorFlow), to be traced inside jit/tf.function.
+    Values the steps derive from the weights alone are made once before the loop
+    (`fast_decode.loop_constant`)."""
+    from kzoo.layers import fast_decode
+
+    with fast_decode.compiled_loop():
+        return _traced_loop(model, sampler, max_new_tokens, inputs, carry)
+
+
+def _traced_loop(model, sampler, max_new_tokens, inputs, carry):
+    from kzoo.layers import fast_decode
+
     start, step = _loop_body(model, sampler, max_new_tokens)
     carry, state, constants = start(inputs, carry)
     early = sampler.can_end_early()
@@ -857,7 +868,8 @@ def _compiled_loop(model, sampler, max_new_tokens, inputs, carry):
         return more
 
     def body(t, carry, state):
-        carry, state = step(t, carry, state, constants)
+        with fast_decode.loop_body():
+            carry, state = step(t, carry, state, constants)
         return t + 1, carry, state
 
     t = ops.convert_to_tensor(1, "int32")

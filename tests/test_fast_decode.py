@@ -189,6 +189,112 @@ def test_weights_written_during_a_loop_are_seen():
         assert np.abs(before - want).max() > 1e-2  # the weights did change the result
 
 
+# === Compiled loops (JAX / TensorFlow): values made once before the while_loop ===
+
+
+def test_loop_constant_is_made_once_before_the_loop_and_in_place_inside_it():
+    made = []
+
+    def make(tag):
+        return lambda: made.append(tag) or len(made)
+
+    assert fast_decode.loop_constant("a", make("a")) == 1  # no compiled loop: every call
+    assert fast_decode.loop_constant("a", make("a")) == 2
+    made.clear()
+    with fast_decode.compiled_loop():
+        first = fast_decode.loop_constant("a", make("a"))
+        with fast_decode.loop_body():
+            assert fast_decode.loop_constant("a", make("a")) == first  # the prefill's value
+            inside = fast_decode.loop_constant("b", make("b"))
+            assert fast_decode.loop_constant("b", make("b")) == inside + 1  # not kept
+        assert fast_decode.loop_constant("a", make("a")) == first
+        with fast_decode.compiled_loop():  # a nested trace starts afresh
+            assert fast_decode.loop_constant("a", make("a")) == 4
+        assert fast_decode.loop_constant("a", make("a")) == first
+    assert made == ["a", "b", "b", "a"]
+    assert fast_decode.loop_constant("a", make("a")) == 5
+
+
+def _round_to_bfloat16(x):
+    """float32 -> nearest bfloat16 (ties to even), back as float32."""
+    bits = x.astype("float32").view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("soft_cap, reverse_dtype", [(None, None), (3.0, "float32")])
+def test_unembed_in_a_compiled_loop_equals_numpy(soft_cap, reverse_dtype):
+    """The tied logits with the transposed table made once (`_hoisted_unembed`), under mixed
+    precision too (`reverse_dtype`), against `h @ E.T` (soft-capped) in NumPy."""
+    from kzoo.layers.embedding import TokenEmbedding
+
+    r = np.random.default_rng(3)
+    policy = "mixed_bfloat16" if reverse_dtype else "float32"
+    layer = TokenEmbedding(37, 8, tie_weights=True, logit_soft_cap=soft_cap,
+                           reverse_dtype=reverse_dtype, dtype=policy)
+    layer(np.zeros((1, 1), "int32"))
+    table = r.normal(size=(37, 8)).astype("float32")
+    layer.embeddings.assign(table)
+    hidden = r.normal(size=(3, 8)).astype("float32")
+    # The layer's call rounds its input to the compute dtype (bfloat16) first.
+    seen = _round_to_bfloat16(hidden) if reverse_dtype else hidden
+
+    def expected(h):
+        logits = h @ table.T
+        return soft_cap * np.tanh(logits / soft_cap) if soft_cap else logits
+
+    with fast_decode.compiled_loop():
+        got = fast_decode.unembed(layer, keras.ops.convert_to_tensor(hidden))
+        again = fast_decode.unembed(layer, keras.ops.convert_to_tensor(2 * hidden))
+    assert keras.backend.standardize_dtype(got.dtype) == (reverse_dtype or "float32")
+    np.testing.assert_allclose(to_numpy(got), expected(seen), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(again), expected(2 * seen), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_compiled_generate_makes_the_transposed_table_once(monkeypatch, family):
+    """JAX / TensorFlow: the compiled loop's steps read one `E^T` made before the
+    `while_loop` (one `loop_constant` made for the trace, the hoisted product in the prefill
+    and in the body) and give the tokens of the uncompiled loop (the layer's own reverse
+    call). PyTorch's Python loop never takes it."""
+    from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
+
+    keras.utils.set_random_seed(9)
+    if family == "gpt":
+        lm = GPTCausalLM(GPTBackbone(vocabulary_size=97, num_layers=2, num_heads=2,
+                                     hidden_dim=16, intermediate_dim=32,
+                                     max_sequence_length=40))
+        prompts = [[5, 6, 7, 8], [9, 10]]
+    else:
+        lm = T5Seq2SeqLM(T5Backbone(vocabulary_size=97, num_layers=2, num_heads=2,
+                                    hidden_dim=16, intermediate_dim=32, key_value_dim=8))
+        prompts = np.array([[5, 6, 7, 8, 1], [9, 10, 11, 1, 0]], "int32")
+    made, products = [], []
+    real_constant, real_unembed = fast_decode.loop_constant, fast_decode._hoisted_unembed
+
+    def loop_constant(tag, make):
+        return real_constant(tag, lambda: made.append(tag[0]) or make())
+
+    def hoisted(layer, hidden):
+        products.append(layer)
+        return real_unembed(layer, hidden)
+
+    monkeypatch.setattr(fast_decode, "loop_constant", loop_constant)
+    monkeypatch.setattr(fast_decode, "_hoisted_unembed", hoisted)
+    for strategy, kw in (("greedy", {}), ("beam", dict(num_beams=3))):
+        made.clear(), products.clear()
+        compiled = lm.generate(prompts, max_new_tokens=9, strategy=strategy,
+                               stop_token_ids=None, **kw)
+        if keras.backend.backend() == "torch":
+            assert made == [] and products == []
+        else:
+            assert made == ["unembed_t"]  # one trace: made once, before the loop
+            assert len(products) == 2  # the prefill's and the body's product
+        eager = lm.generate(prompts, max_new_tokens=9, strategy=strategy, stop_token_ids=None,
+                            compile=False, **kw)
+        np.testing.assert_array_equal(np.asarray(compiled), np.asarray(eager))
+
+
 # === Whole-sequence forward passes (predict / no_grad model calls) ===
 
 FORWARD_CONFIGS = {
