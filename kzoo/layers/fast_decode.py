@@ -28,6 +28,14 @@ transposed tied embeddings of `unembed` (on CPU a row-major `E^T` multiplies fas
 relative position bias table with the causal mask folded in. Each is remade when one of
 the tensors it comes from is another object or was written in place (its `_version`).
 
+Compiled loops (JAX, TensorFlow) run the Keras layers, but the loop is traced inside
+`compiled_loop()`: `loop_constant(tag, make)` values asked for in the prefill are made once
+there, before the `while_loop`, and the body reads them (`unembed`'s row-major `E^T`: XLA
+on CPU multiplies a step's few rows by it about twice as fast as by `E` transposed in the
+product, and does not move that copy out of the loop itself). Interleaved A/B on the T5 and
+GPT decode of `benchmarks/peers.py` (2 cores, new tokens/s): JAX T5 2,609 -> 2,806, GPT
+3,084 -> 3,624; TensorFlow T5 3,013 -> 3,800, GPT 2,728 -> 3,115.
+
 With a Python int `cache_index` (T5's loop passes one), the new keys/values are written with
 one copy and a query attends to the slots written so far only (not the whole static cache).
 
