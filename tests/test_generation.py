@@ -91,6 +91,35 @@ def test_greedy_step_equals_numpy_with_ties_and_finished_rows(monkeypatch):
     assert len(torch_calls) == (1 if keras.backend.backend() == "torch" else 0)
 
 
+def test_first_max_index_is_numpys_argmax():
+    """The compiled loops' greedy pick (`first_max_index`, two reductions) against NumPy's
+    argmax: ties (the first), +inf and -inf, a row of -inf only, NaN (the first NaN, as
+    argmax), random rows; eager and under the backend's compiler."""
+    logits = np.concatenate([
+        np.array([[1, 5, 5, 0, 0, 0], [2, 2, 2, 2, 2, 2], [0, np.inf, 3, np.inf, 1, 1],
+                  [-np.inf] * 6, [3, np.nan, 9, np.nan, 1, 1], [-np.inf, -1, -np.inf, 0, 0, -2]],
+                 "float32"),
+        np.random.default_rng(2).normal(size=(5, 6)).astype("float32")])
+    want = logits.argmax(-1)
+    assert want[4] == 1  # (NumPy's argmax takes the first NaN too)
+    x = keras.ops.convert_to_tensor(logits)
+    got = generation.first_max_index(x)
+    assert keras.backend.standardize_dtype(got.dtype) == "int32"
+    np.testing.assert_array_equal(to_numpy(got), want)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        compiled = jax.jit(generation.first_max_index)(x)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(generation.first_max_index, jit_compile=True)(x)
+    else:
+        compiled = got
+    np.testing.assert_array_equal(to_numpy(compiled), want)
+
+
 def test_top_k_one_equals_greedy():
     logits = _logits(64, 30, seed=1)
     gen = keras.random.SeedGenerator(3)
