@@ -115,6 +115,10 @@ def test_first_max_index_is_numpys_argmax():
         import tensorflow as tf
 
         compiled = tf.function(generation.first_max_index, jit_compile=True)(x)
+        # A graph that does not know the vocabulary size until it runs.
+        unknown = tf.function(generation.first_max_index, input_signature=[
+            tf.TensorSpec((None, None), tf.float32)])(x)
+        np.testing.assert_array_equal(to_numpy(unknown), want)
     else:
         compiled = got
     np.testing.assert_array_equal(to_numpy(compiled), want)
