@@ -471,22 +471,20 @@ def reference_attention(
     mask = _full_mask(mask, is_causal, q_len, k_len)
     if mask is not None:
         scores = ops.where(mask, scores, _NEG)
-    rows = _rows_with_any_key(mask) if may_empty_rows else None
-    if plain:
-        out = _normalized_after(scores, value, query.dtype)
-        if rows is not None:
-            out = ops.where(ops.transpose(rows, (0, 2, 1, 3)), out, ops.zeros((), out.dtype))
-        return out
-    weights = ops.softmax(scores, axis=-1)
     # Masked keys already get exactly 0 (exp(_NEG - max) underflows); a fully masked row
     # would average every value uniformly instead, so such rows are zeroed. That is done on
     # the (…, q, 1) row flags and the output, not on the (q, k) weights, unless the
     # weights themselves are returned or dropped out.
-    if rows is not None and (return_weights or dropout_rate > 0):
-        weights = ops.where(rows, weights, 0.0)
-    if dropout_rate > 0:
-        weights = keras.random.dropout(weights, dropout_rate, seed=seed_generator)
-    out = _grouped_output(weights, value, query.dtype)
+    rows = _rows_with_any_key(mask) if may_empty_rows else None
+    if plain:
+        out = _normalized_after(scores, value, query.dtype)
+    else:
+        weights = ops.softmax(scores, axis=-1)
+        if rows is not None and (return_weights or dropout_rate > 0):
+            weights = ops.where(rows, weights, 0.0)
+        if dropout_rate > 0:
+            weights = keras.random.dropout(weights, dropout_rate, seed=seed_generator)
+        out = _grouped_output(weights, value, query.dtype)
     if rows is not None:
         out = ops.where(ops.transpose(rows, (0, 2, 1, 3)), out, ops.zeros((), out.dtype))
     if return_weights:
