@@ -155,20 +155,22 @@ def test_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch, styl
         assert all(len(row) == 12 for row in fast)
 
 
-def test_weights_written_during_a_loop_are_seen():
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_weights_written_during_a_loop_are_seen(batch):
     """What the fast path joins or copies once per loop (the q/k/v kernel side by side, the
-    transposed tied embeddings) follows a weight assigned in place inside the loop."""
+    transposed tied embeddings, the transposed kernels of a step of 2 to 4 rows) follows a
+    weight assigned in place inside the loop."""
     from kzoo.layers.embedding import TokenEmbedding
 
     r = np.random.default_rng(6)
     block = TransformerBlock(num_heads=2, intermediate_dim=12, causal=True)
-    x = r.normal(size=(2, 1, 8)).astype("float32")
+    x = r.normal(size=(batch, 1, 8)).astype("float32")
     block(x)
     embedding = TokenEmbedding(20, 8, tie_weights=True)
     embedding(np.zeros((1, 1), "int32"))
 
     def step():  # (inside one loop context: what was made for the first step is kept)
-        cache = keras.ops.zeros((2, 2, 2, 3, 4))
+        cache = keras.ops.zeros((batch, 2, 2, 3, 4))
         out, _ = fast_decode.decode_block(block, keras.ops.convert_to_tensor(x), cache=cache,
                                           cache_index=0)
         return to_numpy(out), to_numpy(fast_decode.unembed(embedding, out))
@@ -176,17 +178,79 @@ def test_weights_written_during_a_loop_are_seen():
     with _no_grad(), fast_decode.fast_steps():
         first = step()
         attention = block.self_attention
-        for dense in (attention.query_dense, attention.key_dense, attention.value_dense):
+        for dense in (attention.query_dense, attention.key_dense, attention.value_dense,
+                      attention.output_dense, block.feedforward_layer.intermediate_dense):
             dense.kernel.assign(r.normal(size=tuple(dense.kernel.shape)).astype("float32"))
         embedding.embeddings.assign(r.normal(size=(20, 8)).astype("float32"))
         second = step()
     # The Keras path on the new weights (one query over a one-slot cache).
-    cache = keras.ops.zeros((2, 2, 2, 3, 4))
+    cache = keras.ops.zeros((batch, 2, 2, 3, 4))
     out, _ = block(x, cache=cache, cache_index=0)
     expected = (to_numpy(out), to_numpy(embedding(out, reverse=True)))
     for got, want, before in zip(second, expected, first):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         assert np.abs(before - want).max() > 1e-2  # the weights did change the result
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_products_of_a_few_rows_equal_numpy(monkeypatch, use_bias):
+    """A decode step's products of 2 to 4 rows (`_few_rows_product`: the transposed weight
+    times the rows' transpose, on torch's CPU) give `x @ W + b`, the tied logits `h @ E.T`
+    (soft-capped) and the q / k / v projections of NumPy, for every row count from 1 to 6;
+    only 2 to 4 rows, float32, inside the loop and without autograd take that form (other
+    backends: the Keras calls, never that form)."""
+    from kzoo.layers.embedding import TokenEmbedding
+
+    r = np.random.default_rng(11)
+    taken = []
+    original = fast_decode._few_rows_product
+    monkeypatch.setattr(fast_decode, "_few_rows_product",
+                        lambda *a, **k: taken.append(a[0].shape) or original(*a, **k))
+    dense = keras.layers.Dense(24, use_bias=use_bias)
+    dense.build((None, 16))
+    for w in dense.weights:
+        w.assign(r.normal(size=tuple(w.shape)).astype("float32"))
+    kernel = to_numpy(dense.kernel)
+    bias = to_numpy(dense.bias) if use_bias else 0.0
+    embedding = TokenEmbedding(53, 16, tie_weights=True, logit_soft_cap=4.0)
+    embedding(np.zeros((1, 1), "int32"))
+    table = r.normal(size=(53, 16)).astype("float32")
+    embedding.embeddings.assign(table)
+    attention = TransformerBlock(num_heads=2, intermediate_dim=8, use_bias=use_bias)
+    attention(np.zeros((1, 1, 16), "float32"))
+    attention = attention.self_attention
+    qkv = [(to_numpy(d.kernel), to_numpy(d.bias) if use_bias else 0.0)
+           for d in (attention.query_dense, attention.key_dense, attention.value_dense)]
+    for rows in range(1, 7):
+        x = r.normal(size=(rows, 1, 16)).astype("float32")
+        taken.clear()
+        with _no_grad(), fast_decode.fast_steps():
+            if TORCH:
+                got = fast_decode._dense(dense, keras.ops.convert_to_tensor(x))
+                q, k, v = fast_decode._project_qkv(attention, keras.ops.convert_to_tensor(x))
+            else:
+                got = dense(x)
+                q, k, v = (d(x) for d in (attention.query_dense, attention.key_dense,
+                                          attention.value_dense))
+            logits = fast_decode.unembed(embedding, keras.ops.convert_to_tensor(x[:, 0]))
+        np.testing.assert_allclose(to_numpy(got), x @ kernel + bias, rtol=1e-5, atol=1e-5)
+        for value, (w, b) in zip((q, k, v), qkv):
+            np.testing.assert_allclose(to_numpy(value), x @ w + b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(to_numpy(logits), 4.0 * np.tanh(x[:, 0] @ table.T / 4.0),
+                                   rtol=1e-5, atol=1e-5)
+        assert len(taken) == (3 if TORCH and 2 <= rows <= 4 else 0), (rows, taken)
+    if TORCH:
+        import torch
+
+        x = torch.from_numpy(r.normal(size=(3, 16)).astype("float32"))
+        w = torch.from_numpy(kernel)
+        assert not fast_decode._few_rows(x, w)  # outside the loop
+        with fast_decode.fast_steps():
+            assert not fast_decode._few_rows(x, w)  # autograd on
+            with torch.no_grad():
+                assert fast_decode._few_rows(x, w)
+                assert not fast_decode._few_rows(x.to(torch.bfloat16), w.to(torch.bfloat16))
+                assert not fast_decode._few_rows(x, w, copied=fast_decode._COPY_LIMIT + 1)
 
 
 # === Compiled loops (JAX / TensorFlow): values made once before the while_loop ===

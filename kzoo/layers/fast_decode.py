@@ -36,6 +36,12 @@ product, and does not move that copy out of the loop itself). Interleaved A/B on
 GPT decode of `benchmarks/peers.py` (2 cores, new tokens/s): JAX T5 2,609 -> 2,806, GPT
 3,084 -> 3,624; TensorFlow T5 3,013 -> 3,800, GPT 2,728 -> 3,115.
 
+A step of 2 to 4 sequences (float32, CPU) multiplies the transposed weights, copied once
+per loop (`(out, in)` row-major; the tied table is that already), by the rows' transpose:
+MKL's path for 2 to 4 rows times an `(in, out)` weight is about half as fast
+(`_few_rows`). Interleaved A/B (6 rounds, `benchmarks/peers.py`'s batch of 4): GPT 897 ->
+1,310 and T5 778 -> 1,114 new tokens/s, the same tokens.
+
 With a Python int `cache_index` (T5's loop passes one), the new keys/values are written with
 one copy and a query attends to the slots written so far only (not the whole static cache).
 
@@ -321,9 +327,56 @@ def _dense(layer, x):
 
     dtype = _torch_dtype(layer.compute_dtype)  # (mixed precision: Keras' autocast)
     kernel = _value(layer._kernel).to(dtype)
+    bias = None if layer.bias is None else _value(layer.bias).to(dtype)
+    x = x.to(dtype)
+    if _few_rows(x, kernel):
+        weight = memo(("rows_t", id(layer)), [kernel], lambda: kernel.t().contiguous())
+        return _few_rows_product(x, weight, bias)
     # (one `addmm` with the bias: no second output tensor for the bias add)
-    return F.linear(x.to(dtype), kernel.t(),
-                    None if layer.bias is None else _value(layer.bias).to(dtype))
+    return F.linear(x, kernel.t(), bias)
+
+
+# Rows of a product that `_few_rows_product` takes (a decode step of 2 to 4 sequences).
+_FEW_ROWS = (2, 4)
+
+
+def _few_rows(x, weight, copied=None):
+    """Whether `x @ weight` (`x (..., in)`) takes `_few_rows_product` in this loop: float32 on
+    CPU, 2 to 4 rows, inside `fast_steps()` (which keeps the transposed weight for the loop),
+    and the bytes `copied` for it (default: the weight's; 0: none) no more than
+    `_COPY_LIMIT`.
+
+    Why: MKL (torch 2.13's CPU build) multiplies 2 to 4 rows by a row-major `(in, out)`
+    weight through a slow path: measured on the 2-core CPU (AMD EPYC, caches flushed between
+    calls, us a product) at rows 4: `(256, 768)` 72-98 against 50-52 for
+    `W_t @ x^T` with a row-major `(out, in)` copy of the weight, `(256, 8192)` 814-901
+    against 389-429, GPT-2 small's `(768, 3072)` 866 against 346; at 1 row and at 5 or more
+    the plain product was as fast or faster (at 8 rows `(256, 8192)` 688 against 620, at 1
+    row 291 against 833), and `W @ x^T` with the transposed *view* of the weight was
+    slower than both (151-3,927). Transformers' `F.linear(x, W)` took the slow path too
+    (998 at rows 4)."""
+    import torch
+
+    if getattr(_STATE, "memo", None) is None or x.device.type != "cpu":
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_grad_enabled():
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if copied is None:
+        copied = weight.numel() * weight.element_size()
+    return _FEW_ROWS[0] <= rows <= _FEW_ROWS[1] and copied <= _COPY_LIMIT
+
+
+def _few_rows_product(x, weight, bias=None):
+    """`x @ weight.T + bias` for `x (..., in)` of 2 to 4 rows and a row-major `weight (out,
+    in)`, computed as `(weight @ x^T)^T` (see `_few_rows`); a row-major result."""
+    import torch
+
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    # (`flat.t()` is a column-major view: a row-major right operand took MKL's slow path)
+    out = (torch.mm(weight, flat.t()) if bias is None
+           else torch.addmm(bias[:, None], weight, flat.t()))
+    return out.t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 def _norm(layer, x):
@@ -457,13 +510,19 @@ def _project_qkv(layer, x):
     kernels = [_value(d._kernel).to(dtype) for d in denses]
     sources = kernels + ([_value(b).to(dtype) for b in biases] if biases[0] is not None else [])
 
-    def make():
-        bias = None if len(sources) == 3 else torch.cat(sources[3:], 0)
-        return torch.cat(kernels, 1), bias
+    def joined_bias():
+        return None if len(sources) == 3 else torch.cat(sources[3:], 0)
 
-    kernel, bias = memo(("qkv", id(layer)), sources, make)
-    y = torch.nn.functional.linear(x.to(kernel.dtype), kernel.t(), bias)
     sizes = [k.shape[1] for k in kernels]
+    x = x.to(dtype)
+    if _few_rows(x, kernels[0], copied=sum(k.numel() * k.element_size() for k in kernels)):
+        # (the joined weight transposed, `(q + k + v, in)` row-major)
+        weight, bias = memo(("qkv_rows_t", id(layer)), sources, lambda: (
+            torch.cat([k.t() for k in kernels], 0), joined_bias()))
+        return _few_rows_product(x, weight, bias).split(sizes, -1)
+    kernel, bias = memo(("qkv", id(layer)), sources,
+                        lambda: (torch.cat(kernels, 1), joined_bias()))
+    y = torch.nn.functional.linear(x, kernel.t(), bias)
     return y.split(sizes, -1)
 
 
@@ -623,7 +682,9 @@ def unembed(layer, hidden):
     hidden = hidden.to(dtype)
     if layer.tie_weights:
         table = _value(layer.embeddings)
-        if table.device.type == "cpu" and table.numel() * table.element_size() <= _COPY_LIMIT:
+        if _few_rows(hidden, table, copied=0):  # (`E` is `(out, in)` row-major already)
+            logits = _few_rows_product(hidden, table)
+        elif table.device.type == "cpu" and table.numel() * table.element_size() <= _COPY_LIMIT:
             # On CPU `h @ E.T` of a row-major table runs at about 60% of the speed of the
             # same product with a row-major `E.T` (MKL, batch 4, 8192 x 256): that copy,
             # made once per loop.
