@@ -315,12 +315,48 @@ def test_unembed_in_a_compiled_loop_equals_numpy(soft_cap, reverse_dtype):
     np.testing.assert_allclose(to_numpy(again), expected(2 * seen), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_joined_qkv_in_a_compiled_loop_equals_numpy(use_bias):
+    """JAX's compiled loop projects q / k / v with the three kernels side by side, joined
+    once per loop (`hoisted_qkv`): the projections equal NumPy's, with and without biases
+    and with fewer key/value heads; LoRA layers, other backends and calls outside a
+    compiled loop keep the three `Dense` calls (None)."""
+    from kzoo.layers.attention import MultiHeadAttention
+
+    r = np.random.default_rng(12)
+    layer = MultiHeadAttention(num_heads=4, head_dim=4, num_kv_heads=2, use_bias=use_bias)
+    x = r.normal(size=(3, 1, 16)).astype("float32")
+    layer(x)
+    denses = (layer.query_dense, layer.key_dense, layer.value_dense)
+    for d in denses:
+        for w in d.weights:
+            w.assign(r.normal(size=tuple(w.shape)).astype("float32"))
+    expected = [x @ to_numpy(d.kernel) + (to_numpy(d.bias) if use_bias else 0.0)
+                for d in denses]
+    assert fast_decode.hoisted_qkv(layer, keras.ops.convert_to_tensor(x)) is None
+    with fast_decode.compiled_loop():
+        got = fast_decode.hoisted_qkv(layer, keras.ops.convert_to_tensor(x))
+        if keras.backend.backend() != "jax":
+            assert got is None
+            return
+        with fast_decode.loop_body():
+            again = fast_decode.hoisted_qkv(layer, keras.ops.convert_to_tensor(2 * x))
+        layer.value_dense.enable_lora(2)
+        assert fast_decode.hoisted_qkv(layer, keras.ops.convert_to_tensor(x)) is None
+    for value, doubled, d, want in zip(got, again, denses, expected):
+        np.testing.assert_allclose(to_numpy(value), want, rtol=1e-5, atol=1e-5)
+        bias = to_numpy(d.bias) if use_bias else 0.0
+        np.testing.assert_allclose(to_numpy(doubled), 2 * x @ to_numpy(d.kernel) + bias,
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_compiled_generate_makes_the_transposed_table_once(monkeypatch, family):
     """JAX / TensorFlow: the compiled loop's steps read one `E^T` made before the
     `while_loop` (one `loop_constant` made for the trace, the hoisted product in the prefill
-    and in the body) and give the tokens of the uncompiled loop (the layer's own reverse
-    call). PyTorch's Python loop never takes it."""
+    and in the body; on JAX also each self-attention's joined q / k / v kernel) and give the
+    tokens of the uncompiled loop (the layer's own calls). PyTorch's Python loop never takes
+    them."""
     from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
 
     keras.utils.set_random_seed(9)
@@ -352,7 +388,10 @@ def test_compiled_generate_makes_the_transposed_table_once(monkeypatch, family):
         if keras.backend.backend() == "torch":
             assert made == [] and products == []
         else:
-            assert made == ["unembed_t"]  # one trace: made once, before the loop
+            # One trace: each made once, before the loop (the joined q / k / v kernels of
+            # each self-attention layer on JAX, see test_joined_qkv_in_a_compiled_loop...).
+            joined = 2 if keras.backend.backend() == "jax" else 0
+            assert sorted(made) == ["qkv"] * joined + ["unembed_t"]
             assert len(products) == 2  # the prefill's and the body's product
         eager = lm.generate(prompts, max_new_tokens=9, strategy=strategy, stop_token_ids=None,
                             compile=False, **kw)

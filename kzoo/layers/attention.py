@@ -10,6 +10,7 @@ from kzoo.layers.kernels import (
     reference_attention,
 )
 from kzoo.layers import efficient_attention as efficient
+from kzoo.layers import fast_decode
 from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
@@ -331,7 +332,11 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(
                 f"`query` must have rank 3 (batch, seq, dim); got shape {tuple(query.shape)}."
             )
-        q = self._split(project(self.query_dense, query), self.num_heads)
+        joined = None
+        if cache is not None and cache_index is not None and not cross and self.attention == "full":
+            joined = fast_decode.hoisted_qkv(self, query)  # (a compiled decode loop)
+        q = self._split(joined[0] if joined is not None else project(self.query_dense, query),
+                        self.num_heads)
         q_len = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
         if position_index is not None:
             start = position_index
@@ -352,7 +357,11 @@ class MultiHeadAttention(keras.layers.Layer):
             k, v = self.cached_key_value(cache)
             new_cache = cache
         else:
-            k, v = self.project_key_value(value if cross else query)
+            if joined is not None:
+                k = self._split(joined[1], self._kv_heads)
+                v = self._split(joined[2], self._kv_heads)
+            else:
+                k, v = self.project_key_value(value if cross else query)
             if self.rotary is not None and not cross:
                 k = self.rotary(k, start_index=start)
             new_cache = None
