@@ -427,7 +427,8 @@ def _checked_tf_dataset(dataset, specs, source):
         batch = element[0] if len(element) == 1 else element
         x = features(batch)
         if isinstance(x, dict):
-            keys = [k for s in specs for k in (s.key, s.mask, getattr(s, "like", None))
+            keys = [k for s in specs
+                    for k in (s.key, getattr(s, "mask", None), getattr(s, "like", None))
                     if k is not None and k in x]
             keys = list(dict.fromkeys(keys))
             tensors = [x[k] for k in keys]

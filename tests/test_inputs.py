@@ -21,7 +21,7 @@ import tensorflow as tf
 import kzoo
 from kzoo import graphs
 from kzoo.inputs import IdInput, check_inputs, is_symbolic
-from kzoo.models.bert import BertBackbone, BertClassifier
+from kzoo.models.bert import BertBackbone, BertClassifier, BertMaskedLM
 from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from kzoo.models.graphormer import GraphormerBackbone, GraphormerPredictor
 from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
@@ -353,6 +353,27 @@ def test_fit_on_valid_datasets_and_generators_trains():
     model.fit(Batches(), validation_data=Batches(), epochs=2, verbose=0)
     assert model.predict(Batches(), verbose=0).shape == (2 * BATCH, SEQ, VOCAB)
     assert any(not np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+
+
+def test_masked_lm_positions_in_a_dataset_train_and_are_checked():
+    """A BERT masked LM's `mask_positions` (positions, not ids) in a `tf.data.Dataset`:
+    valid batches train; a position past the sequence is refused as the batch is
+    produced, with the input named."""
+    backbone = BertBackbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
+                            intermediate_dim=16, max_sequence_length=16)
+    model = BertMaskedLM(backbone)
+    model.compile(optimizer="sgd")
+    rng = np.random.default_rng(2)
+    x = {"token_ids": _tokens(rng, (BATCH, SEQ)), "segment_ids": np.zeros((BATCH, SEQ), "int32"),
+         "padding_mask": np.ones((BATCH, SEQ), "int32"),
+         "mask_positions": rng.integers(0, SEQ, size=(BATCH, 2)).astype("int32")}
+    y = _tokens(rng, (BATCH, 2))
+    history = model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), epochs=1,
+                        verbose=0).history
+    assert np.isfinite(history["loss"][0])
+    bad = {**x, "mask_positions": x["mask_positions"] + SEQ}
+    with pytest.raises(ValueError, match=rf"`mask_positions`.*must lie in \[0, {SEQ}\)"):
+        model.fit(tf.data.Dataset.from_tensors((bad, y)), epochs=1, verbose=0)
 
 
 # === What is not checked: symbolic and traced inputs ===
