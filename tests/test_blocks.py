@@ -35,6 +35,8 @@ def _np_block(block, x, pad=None, enc=None, enc_pad=None, bias=None):
         q = _dense(layer.query_dense, h).reshape(b, t, nh, hd)
         k = _dense(layer.key_dense, value).reshape(b, s, hk, hd)
         v = _dense(layer.value_dense, value).reshape(b, s, hk, hd)
+        if layer.rotary is not None and value is h:
+            q, k = (ref.rope(a, base=layer.rotary.max_wavelength) for a in (q, k))
         o = ref.attention(q, k, v, mask=mask, causal=causal, bias=bias_, scale=layer.scale)
         return _dense(layer.output_dense, o.reshape(b, t, nh * hd))
 
@@ -90,6 +92,106 @@ def test_block_matches_numpy(kwargs):
     expected = _np_block(block, x, pad, enc, enc_pad, bias)
     real = pad[:, :, None].repeat(16, -1)
     assert_close(to_numpy(out)[real], expected[real], atol=3e-5, rtol=1e-4)
+
+
+def _query_rows(monkeypatch):
+    """The number of query rows of each attention computed from here on (a wrapper around
+    `dot_product_attention` where the Keras layer and torch's `block_forward` find it)."""
+    from kzoo.layers import attention, kernels
+
+    seen, original = [], kernels.dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        seen.append(query.shape[1])
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "dot_product_attention", spy)
+    monkeypatch.setattr(kernels, "dot_product_attention", spy)
+    return seen
+
+
+# (block arguments, whether only the selected rows are computed)
+_OUTPUT_POSITION_BLOCKS = [
+    (dict(norm_first=False, activation="gelu", layer_norm_epsilon=1e-12), True),  # BERT
+    (dict(norm_first=True, causal=True), True),  # GPT-2: each row sees keys up to itself
+    (dict(norm="rmsnorm", feedforward="gated", activation="silu", use_bias=False,
+          num_kv_heads=2, causal=True), True),
+    (dict(norm="rmsnorm", activation="relu", use_bias=False, attention_scale=1.0,
+          cross_attention=True, head_dim=3), True),  # T5-like decoder
+    (dict(norm_first=True, causal=True, rope_max_wavelength=10000), False),  # rotary
+]
+
+
+@pytest.mark.parametrize("kwargs, rows_only", _OUTPUT_POSITION_BLOCKS)
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_block_output_positions_match_numpy(kwargs, rows_only, wrapped, monkeypatch):
+    """`output_positions` gives NumPy's block output at those rows (repeats, any order), with
+    a padding mask and per-row causal masks; blocks whose attention depends on the query's
+    position (rotary) run whole. `wrapped`: the block inside a functional model, where torch
+    runs it in torch calls (`fast_decode.block_forward`)."""
+    r = np.random.default_rng(5)
+    x = r.normal(size=(2, 6, 16)).astype("float32")
+    enc = r.normal(size=(2, 4, 16)).astype("float32")
+    pad = np.array([[1] * 6, [1, 1, 1, 1, 0, 0]], bool)
+    positions = np.array([[5, 0, 2], [3, 3, 1]], "int32")
+    block = TransformerBlock(num_heads=4, intermediate_dim=32, **kwargs)
+    extra = dict(encoder_outputs=enc) if block.cross_attention else {}
+    block(x, padding_mask=pad, **extra)  # (built)
+    expected = np.take_along_axis(_np_block(block, x, pad, enc), positions[..., None], axis=1)
+    rows = _query_rows(monkeypatch)
+    if wrapped and not block.cross_attention:
+        inputs = [keras.Input((6, 16)), keras.Input((6,), dtype="bool"),
+                  keras.Input((3,), dtype="int32")]
+        model = keras.Model(inputs, block(inputs[0], padding_mask=inputs[1],
+                                          output_positions=inputs[2]))
+        rows.clear()
+        out = model([x, pad, positions])
+    else:
+        out = block(x, padding_mask=pad, output_positions=positions, **extra)
+    assert tuple(out.shape) == (2, 3, 16)
+    assert_close(to_numpy(out), expected, atol=3e-5, rtol=1e-4)
+    assert rows[0] == (3 if rows_only else 6) and len(rows) == 1 + block.cross_attention
+
+
+@pytest.mark.parametrize("kwargs", [dict(norm_first=False), dict(norm_first=True, causal=True)])
+def test_block_output_positions_gradients_equal_the_whole_blocks(kwargs):
+    """The gradients of a loss on the selected rows, with respect to the block's input and
+    its weights, are those of the whole block's output gathered at those rows (the rows'
+    keys and values still depend on every input row)."""
+    r = np.random.default_rng(6)
+    x = r.normal(size=(2, 6, 16)).astype("float32")
+    pad = np.array([[1] * 6, [1, 1, 1, 1, 1, 0]], bool)
+    positions = np.array([[1, 4], [0, 0]], "int32")
+    w = r.normal(size=(2, 2, 16)).astype("float32")
+    block = TransformerBlock(num_heads=4, intermediate_dim=32, **kwargs)
+    block(x)
+    kernel = block.self_attention.key_dense.kernel
+    results = []
+    for rows_only in (True, False):
+        def loss(t, k):
+            t = keras.ops.add(t, 0.0)  # (a tensor: TensorFlow's tape watches a variable)
+            with keras.StatelessScope(state_mapping=[(kernel, k)]):
+                if rows_only:
+                    out = block(t, padding_mask=pad, output_positions=positions)
+                else:
+                    out = keras.ops.take_along_axis(block(t, padding_mask=pad),
+                                                    positions[..., None], axis=1)
+            return keras.ops.sum(keras.ops.convert_to_tensor(w) * out)
+
+        results.append(value_and_grads(loss, x, to_numpy(kernel)))
+    (v_rows, g_rows), (v_all, g_all) = results
+    assert_close(v_rows, v_all, atol=1e-5)
+    assert np.abs(g_all[0]).max() > 1e-3 and np.abs(g_all[0][1, 5]).max() == 0  # (padded key)
+    for a, b in zip(g_rows, g_all):
+        assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_block_output_positions_refused_with_a_cache():
+    block = TransformerBlock(num_heads=2, intermediate_dim=8, causal=True)
+    x = np.zeros((1, 1, 8), "float32")
+    with pytest.raises(ValueError, match="`output_positions`.*no `cache`"):
+        block(x, cache=keras.ops.zeros((1, 2, 2, 4, 4)), cache_index=0,
+              output_positions=np.zeros((1, 1), "int32"))
 
 
 def test_block_cache_decoding_equals_full_pass():

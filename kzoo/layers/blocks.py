@@ -43,6 +43,7 @@ from kzoo.layers.utils import (
     check_positive_float,
     check_positive_int,
     check_rate,
+    gather_rows,
     gradient_boundary,
     serialize_initializer,
 )
@@ -146,6 +147,14 @@ class TransformerBlock(keras.layers.Layer):
         global_attention_mask: `(batch, seq)` global tokens of attention="longformer".
         position_index: first rotary position (int, or `(batch,)` one a row; default
             `cache_index` or 0), see `MultiHeadAttention`.
+        output_positions: `(batch, num_positions)` integers in `[0, seq)`: the block's
+            output at these rows only, `(batch, num_positions, dim)`, equal to
+            `gather(block(inputs), output_positions)`. Keys and values still come from every
+            row; only these rows' queries, attention, feed-forward and norms are computed
+            where the block allows it (full self-attention without rotary embeddings, no
+            `attention_bias` or `global_attention_mask`, no mixture of experts, no active
+            `Tap`): a masked-LM's last layer at its masked positions. Otherwise the whole
+            block runs and its rows are gathered. Not with a cache.
 
     Returns:
         The block output; with a cache, `(output, cache)`; with a cross cache too,
@@ -373,6 +382,7 @@ class TransformerBlock(keras.layers.Layer):
         cross_cache=None,
         global_attention_mask=None,
         position_index=None,
+        output_positions=None,
         training=None,
     ):
         if self.cross_attention and encoder_outputs is None and cross_cache is None:
@@ -380,6 +390,14 @@ class TransformerBlock(keras.layers.Layer):
                 "This TransformerBlock has cross_attention=True: pass `encoder_outputs` "
                 "(or a precomputed `cross_cache`)."
             )
+        if output_positions is not None and (cache is not None or cross_cache is not None):
+            raise ValueError(
+                "`output_positions` selects rows of a whole-sequence call; it takes no "
+                "`cache` or `cross_cache`."
+            )
+        tap = active_tap()
+        rows_only = output_positions is not None and self._rows_only(
+            attention_bias, cross_attention_bias, global_attention_mask, tap)
         tensors = {
             "inputs": inputs,
             "padding_mask": padding_mask,
@@ -389,8 +407,8 @@ class TransformerBlock(keras.layers.Layer):
             "encoder_padding_mask": encoder_padding_mask,
             "cross_attention_bias": cross_attention_bias,
             "global_attention_mask": global_attention_mask,
+            "output_positions": output_positions if rows_only else None,
         }
-        tap = active_tap()
         if cache is not None or cross_cache is not None:
             # Cached decoding (inference): the plain forward pass, always the whole block.
             x, cache, cross_cache = self._forward(
@@ -408,12 +426,22 @@ class TransformerBlock(keras.layers.Layer):
 
         if tap is not None:
             x = tap._on_block(self, x)
+        if output_positions is not None and not rows_only:
+            x = gather_rows(x, output_positions)
 
         if cache is None and cross_cache is None:
             return x
         if cross_cache is None:
             return x, cache
         return x, cache, cross_cache
+
+    def _rows_only(self, attention_bias, cross_attention_bias, global_attention_mask, tap):
+        """Whether `output_positions` may restrict the block to those rows (see `call`):
+        nothing in it depends on a query's position or on the number of rows."""
+        attention = self.self_attention
+        return (tap is None and attention.attention == "full" and attention.rotary is None
+                and attention_bias is None and cross_attention_bias is None
+                and global_attention_mask is None and self.feedforward != "moe")
 
     def _layerdrop_keep(self):
         """A scalar boolean, False with probability `layerdrop`: one draw per call (the
@@ -473,7 +501,10 @@ class TransformerBlock(keras.layers.Layer):
 
             if keep is None:
                 return run()
-            return ops.cond(keep, run, lambda: (self._skipped(named["inputs"]), *seeds))
+            skipped = named["inputs"]
+            if named["output_positions"] is not None:
+                skipped = gather_rows(skipped, named["output_positions"])
+            return ops.cond(keep, run, lambda: (self._skipped(skipped), *seeds))
 
         if self.remat:
             block = keras.remat(block)
@@ -506,10 +537,12 @@ class TransformerBlock(keras.layers.Layer):
         cache_index=None,
         cross_cache=None,
         position_index=None,
+        output_positions=None,
         training=None,
     ):
         """The block itself: `(output, cache, cross_cache)` (the caches None unless
-        given)."""
+        given); with `output_positions`, at those rows only (`call` checked that the block
+        allows it)."""
         # On JAX on CPU the residual stream's gradient is materialised at each sub-layer
         # boundary instead of being recomputed by every fusion that reads it (see
         # `gradient_boundary`); elsewhere the tensor itself.
@@ -519,11 +552,22 @@ class TransformerBlock(keras.layers.Layer):
         residual = x
         if self.norm_first:
             x = self.self_attention_norm(x)
+        mask = merge_masks(padding_mask, attention_mask)
+        causal = self.causal
+        keys = None
+        if output_positions is not None:
+            # The selected rows ask; every row still gives its key and value.
+            keys = x
+            x = gather_rows(x, output_positions)
+            residual = gather_rows(residual, output_positions)
+            mask = _mask_rows(mask, output_positions, ops.shape(keys)[1], causal)
+            causal = False
         x = self.self_attention(
             x,
-            attention_mask=merge_masks(padding_mask, attention_mask),
+            value=keys,
+            attention_mask=mask,
             attention_bias=attention_bias,
-            use_causal_mask=self.causal,
+            use_causal_mask=causal,
             cache=cache,
             cache_index=cache_index,
             global_attention_mask=global_attention_mask,
@@ -572,8 +616,10 @@ class TransformerBlock(keras.layers.Layer):
 
         return x, cache, cross_cache
 
-    def compute_output_shape(self, input_shape, *args, **kwargs):
-        return input_shape
+    def compute_output_shape(self, inputs_shape, output_positions_shape=None):
+        if output_positions_shape is None:
+            return tuple(inputs_shape)
+        return (inputs_shape[0], output_positions_shape[1], inputs_shape[-1])
 
     # === Saving ===
 
@@ -621,6 +667,23 @@ class TransformerBlock(keras.layers.Layer):
             }
         )
         return config
+
+
+def _mask_rows(mask, positions, key_length, causal):
+    """The attention mask `(batch|1, heads|1, seq|1, keys)` (or None) of the query rows at
+    `positions` `(batch, rows)`: its rows gathered, and with `causal` the keys up to each
+    row's own position (`j <= positions[b, i]`) -> `(batch|1, heads|1, rows|1, keys)`."""
+    if mask is not None and mask.shape[2] != 1:
+        batch, rows = ops.shape(positions)[0], ops.shape(positions)[1]
+        shape = (batch, mask.shape[1], rows, ops.shape(mask)[3])
+        index = ops.broadcast_to(ops.cast(positions, "int32")[:, None, :, None], shape)
+        full = ops.broadcast_to(mask, (batch, mask.shape[1], ops.shape(mask)[2], shape[3]))
+        mask = ops.take_along_axis(full, index, axis=2)
+    if causal:
+        keys = ops.arange(key_length, dtype="int32")
+        visible = keys[None, None, None, :] <= ops.cast(positions, "int32")[:, None, :, None]
+        mask = visible if mask is None else ops.logical_and(mask, visible)
+    return mask
 
 
 class _StateOverlay(keras.StatelessScope):

@@ -193,15 +193,17 @@ def decode_block(block, x, training=False, causal_bias=False, **kwargs):
 # === Whole-sequence forward passes in inference (predict, evaluate, a prompt's encoder) ===
 
 # The keyword arguments of `TransformerBlock.call` that `block_forward` handles.
-_FORWARD_KWARGS = frozenset({"padding_mask", "attention_bias", "training"})
+_FORWARD_KWARGS = frozenset({"padding_mask", "attention_bias", "output_positions",
+                             "training"})
 
 
 def forward_applies(block, inputs, args, kwargs):
     """Whether `TransformerBlock.__call__(inputs, *args, **kwargs)` may run as
     `block_forward`: torch, no tap, `KZOO_FAST_DECODE` not "0", a built block of full
     self-attention without cross-attention, called inside a model's call (the block is not
-    the outermost layer) on a torch tensor of its compute dtype, with only `padding_mask` and
-    `attention_bias` (no packed-document mask, cache or position index). In inference with
+    the outermost layer) on a torch tensor of its compute dtype, with only `padding_mask`,
+    `attention_bias` and `output_positions` (no packed-document mask, cache or position
+    index). In inference with
     autograd off, any such block; when training or with autograd on (a training step's
     forward pass), only a block that `trains_plainly`: then autograd differentiates the
     torch calls as it would the Keras layers'."""
@@ -250,32 +252,47 @@ def trains_plainly(block):
     return not (block.remat or block.layerdrop or block.feedforward == "moe")
 
 
-def block_forward(block, x, padding_mask=None, attention_bias=None, training=None):
-    """`block(x, padding_mask=..., attention_bias=...)` in torch calls, in inference or a
-    training step of a block that `trains_plainly` (see
+def block_forward(block, x, padding_mask=None, attention_bias=None, output_positions=None,
+                  training=None):
+    """`block(x, padding_mask=..., attention_bias=..., output_positions=...)` in torch calls,
+    in inference or a training step of a block that `trains_plainly` (see
     `forward_applies`): the same layers' variables and the same attention kernel
     (`dot_product_attention` with the layer's `kernel`), without the Keras layer call of each
-    sub-layer (about 0.2 ms each on this CPU; a GPT/BERT block has a dozen)."""
+    sub-layer (about 0.2 ms each on this CPU; a GPT/BERT block has a dozen). With
+    `output_positions`, the rows the Keras call would compute (see `TransformerBlock`)."""
+    from kzoo.layers.blocks import _mask_rows
     from kzoo.layers.kernels import dot_product_attention
     from kzoo.layers.masks import normalize_mask
+    from kzoo.layers.utils import gather_rows
 
+    rows = output_positions
+    if rows is not None and not block._rows_only(attention_bias, None, None, active_tap()):
+        out = block_forward(block, x, padding_mask, attention_bias, training=training)
+        return gather_rows(out, rows)
     training = _training_flag(training)
     layer = block.self_attention
     batch, length = x.shape[0], x.shape[1]
+    mask, causal = normalize_mask(padding_mask, "attention_mask"), block.causal
+    if rows is not None:
+        mask, causal = _mask_rows(mask, rows, length, causal), False
 
     def attend(h):
-        q, k, v = _project_qkv(layer, h)
-        q = q.reshape(batch, length, layer.num_heads, layer._head_dim)
+        if rows is None:
+            q, k, v = _project_qkv(layer, h)
+        else:  # (the selected rows ask; every row gives its key and value)
+            q = _dense(layer.query_dense, gather_rows(h, rows))
+            k, v = _dense(layer.key_dense, h), _dense(layer.value_dense, h)
+        q = q.reshape(batch, q.shape[1], layer.num_heads, layer._head_dim)
         k = k.reshape(batch, length, layer._kv_heads, layer._head_dim)
         v = v.reshape(batch, length, layer._kv_heads, layer._head_dim)
         if layer.rotary is not None:
             k = layer.rotary(k, start_index=0)
             q = layer.rotary(q, start_index=0)
         out = dot_product_attention(
-            q, k, v, mask=normalize_mask(padding_mask, "attention_mask"), bias=attention_bias,
-            is_causal=block.causal, scale=layer.scale, kernel=layer.kernel,
+            q, k, v, mask=mask, bias=attention_bias,
+            is_causal=causal, scale=layer.scale, kernel=layer.kernel,
             dropout_rate=layer.dropout, training=training, seed_generator=layer.seed_generator)
-        out = _dense(layer.output_dense, out.reshape(batch, length, -1))
+        out = _dense(layer.output_dense, out.reshape(batch, q.shape[1], -1))
         return _dropout(block.self_attention_dropout, out, training)
 
     def feedforward(h):
@@ -284,7 +301,7 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, training=Non
         h = _feedforward(block.feedforward_layer, h, training)
         return _dropout(block.feedforward_dropout, h, training)
 
-    x = _sublayer(block, block.self_attention_norm, x, attend)
+    x = _sublayer(block, block.self_attention_norm, x, attend, rows)
     return _sublayer(block, block.feedforward_norm, x, feedforward)
 
 
@@ -294,13 +311,16 @@ def _dropout(layer, x, training):
     return layer(x, training=True) if training and layer.rate else x
 
 
-def _sublayer(block, norm, x, fn):
+def _sublayer(block, norm, x, fn, rows=None):
     """A residual sub-layer of `TransformerBlock._forward`: `x + fn(norm(x))` (pre-LN) or
     `norm(x + fn(x))` (post-LN). When `fn` returns `(h, extra)` (an attention with its
-    cache), `(x, extra)`."""
+    cache), `(x, extra)`. With `rows` (positions `(batch, n)`), `fn` returns those rows and
+    the residual is taken at them."""
+    from kzoo.layers.utils import gather_rows
+
     out = fn(_norm(norm, x) if block.norm_first else x)
     h, extra = out if isinstance(out, tuple) else (out, None)
-    x = x + h
+    x = (x if rows is None else gather_rows(x, rows)) + h
     if not block.norm_first:
         x = _norm(norm, x)
     return (x, extra) if isinstance(out, tuple) else x

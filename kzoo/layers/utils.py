@@ -289,3 +289,11 @@ def _jax_boundary():
 
     boundary.defvjp(forward, backward)
     return boundary
+
+
+def gather_rows(x, positions):
+    """`x[b, positions[b, p]]`: the rows of `x` `(batch, seq, ...)` at `positions`
+    `(batch, num_positions)`, per example -> `(batch, num_positions, ...)`."""
+    index = ops.cast(positions, "int32")
+    index = ops.reshape(index, tuple(ops.shape(index)) + (1,) * (len(x.shape) - 2))
+    return ops.take_along_axis(x, index, axis=1)
