@@ -24,8 +24,9 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
   transformers `BertForMaskedLM`): `train` and `forward` at 8 x 256, masked-LM loss on 15%
   of the positions (38 a row). `train`: each library's own way to train that loss: kzoo and
   keras-hub take the masked positions as `mask_positions` and run the LM head and the loss
-  there only; transformers' `BertForMaskedLM` has no such input: its head runs at every
-  position and the loss ignores the unmasked ones (labels -100). `forward`: logits at every
+  there only (kzoo also its last layer's queries, attention and feed-forward, as
+  `BertBackbone`'s `output_positions`); transformers' `BertForMaskedLM` has no such input:
+  its head runs at every position and the loss ignores the unmasked ones (labels -100). `forward`: logits at every
   position for all three (keras-hub is given every position as `mask_positions`).
 - T5 v1.0 style: width 256, 4 heads of 64, ReLU feed-forward 1024, 4 + 4 layers,
   vocabulary 8192 (kzoo `t5_small` resized, keras-hub `T5Seq2SeqLM`, transformers
@@ -150,13 +151,17 @@ def masked_count(size):
 
 def train_flops_per_token(model, size):
     """Forward + backward: three times the forward matmuls the loss needs. BERT's head
-    (transform and LM head) counts at the masked positions only: the loss reads no other
-    logits (transformers computes them anyway; that work is not counted as useful)."""
+    (transform and LM head) and its last layer's query projection, attention, output
+    projection and feed-forward count at the masked positions only: the loss reads no other
+    logits, and nothing else reads the last layer's other rows (its keys and values count at
+    every position). transformers computes them anyway; that work is not counted as
+    useful."""
     if model == "bert":
-        d, vocab = size["width"], size["vocab"]
+        d, ff, seq, vocab = (size[k] for k in ("width", "ff", "seq", "vocab"))
         head = 2 * d * d + 2 * d * vocab
-        share = masked_count(size) / size["seq"]
-        return 3 * (forward_flops_per_token(model, size) - head + head * share)
+        last_rows = 2 * (2 * d * d + 2 * d * ff) + 2 * 2 * seq * d
+        unused = 1 - masked_count(size) / seq
+        return 3 * (forward_flops_per_token(model, size) - (head + last_rows) * unused)
     return 3 * forward_flops_per_token(model, size)
 
 
@@ -164,22 +169,29 @@ def gemm_shapes(model, size, train=False):
     """The matmuls of one step of `model` ("gpt" or "bert") at `size`, as `(batch, m, k, n)`
     (`batch` independent `(m, k) @ (k, n)` products): fused q/k/v and the output projection,
     the two feed-forward matmuls, the two attention products per head, and the head (GPT's
-    tied LM head; BERT's transform and LM head, at the masked positions when `train`).
-    `train` adds the backward pass: each `A @ B -> C` also computes `dC @ B^T` and `A^T @ dC`.
+    tied LM head; BERT's transform and LM head). BERT's `train` step needs its head and its
+    last layer at the masked positions only, but for the keys and values of every position
+    (see `train_flops_per_token`). `train` adds the backward pass: each `A @ B -> C` also
+    computes `dC @ B^T` and `A^T @ dC`.
     """
     d, ff, layers, t, vocab = (size[k] for k in ("width", "ff", "layers", "seq", "vocab"))
     b, h = size["batch"], size["heads"]
     rows, hd = b * t, d // h
     per_layer = [(1, rows, d, 3 * d), (1, rows, d, d), (1, rows, d, ff), (1, rows, ff, d),
                  (b * h, t, hd, t), (b * h, t, t, hd)]
+    last = per_layer
     if model == "gpt":
         head = [(1, rows, d, vocab)]
     elif model == "bert":
         head_rows = b * masked_count(size) if train else rows
         head = [(1, head_rows, d, d), (1, head_rows, d, vocab)]
+        if train:
+            m = masked_count(size)
+            last = [(1, rows, d, 2 * d), (1, b * m, d, d), (1, b * m, d, d), (1, b * m, d, ff),
+                    (1, b * m, ff, d), (b * h, m, hd, t), (b * h, m, t, hd)]
     else:
         raise ValueError(f"`model` must be 'gpt' or 'bert' (trained here); got model={model!r}.")
-    forward = per_layer * layers + head
+    forward = per_layer * (layers - 1) + last + head
     if not train:
         return forward
     return forward + [(n, m, q, k) for n, m, k, q in forward] + [

@@ -62,9 +62,12 @@ def test_flops_per_token_by_hand():
     assert peers.forward_flops_per_token("gpt", TINY) == 288 + 2 * 4 * 10  # + tied LM head
     assert peers.forward_flops_per_token("bert", TINY) == 288 + 32 + 80  # + head transform
     assert peers.train_flops_per_token("gpt", TINY) == 3 * 368
-    # BERT trains its head at the masked positions only: 1 of the 2 here (15% of 2 -> 1).
+    # BERT trains its head at the masked positions only: 1 of the 2 here (15% of 2 -> 1),
+    # and its last layer (here the only one) there too, but for its keys and values:
+    # k/v 2 * 2 * 4*4 = 64 a token; q, output, feed-forward (192) and attention (32) and
+    # the head (112) at half the tokens.
     assert peers.masked_count(TINY) == 1
-    assert peers.train_flops_per_token("bert", TINY) == 3 * (288 + (32 + 80) / 2)
+    assert peers.train_flops_per_token("bert", TINY) == 3 * (64 + (192 + 32 + 112) / 2)
     assert peers.masked_count({**TINY, "seq": 256}) == 38
     with pytest.raises(ValueError, match="model='t5'"):
         peers.forward_flops_per_token("t5", TINY)
@@ -133,10 +136,14 @@ def test_gemm_shapes_by_hand():
     # The forward FLOPs agree with the utilisation's count (fused q/k/v = 3 projections).
     assert peers.gemm_flops(peers.gemm_shapes("gpt", TINY)) == peers.forward_flops_per_token(
         "gpt", TINY) * TINY["seq"]
+    assert peers.gemm_shapes("bert", TINY) == layer + [(1, 2, 4, 4), (1, 2, 4, 10)]
     train = peers.gemm_shapes("bert", TINY, train=True)
-    forward = layer + [(1, 1, 4, 4), (1, 1, 4, 10)]  # head at the 1 masked position
+    # The last layer's keys and values at both rows; its queries, output, feed-forward,
+    # attention products and the head at the 1 masked position.
+    forward = [(1, 2, 4, 8), (1, 1, 4, 4), (1, 1, 4, 4), (1, 1, 4, 8), (1, 1, 8, 4),
+               (1, 1, 4, 2), (1, 1, 2, 4), (1, 1, 4, 4), (1, 1, 4, 10)]
     assert train[:len(forward)] == forward
-    assert (1, 2, 12, 4) in train and (1, 4, 2, 12) in train  # dA = dC B^T, dB = A^T dC
+    assert (1, 2, 8, 4) in train and (1, 4, 2, 8) in train  # dA = dC B^T, dB = A^T dC
     assert peers.gemm_flops(train) == 3 * peers.gemm_flops(forward)
     assert peers.gemm_flops(train) == peers.train_flops_per_token("bert", TINY) * TINY["seq"]
 

@@ -148,6 +148,27 @@ def test_backbone_and_mlm_match_numpy_reference():
     assert_close(to_numpy(mlm(inputs))[m], logits_ref[m], atol=5e-5, rtol=1e-4)
 
 
+def test_backbone_output_positions_match_numpy_reference():
+    """`output_positions`: `sequence_output` at those rows only (the last block computes
+    them and the [CLS] row alone), `pooled_output` unchanged; no rows at all (a
+    classifier's call) leaves the pooled output alone; positions out of range are
+    refused."""
+    inputs = make_inputs()
+    backbone = tiny_backbone()
+    randomize(backbone)
+    seq_ref, pooled_ref = np_bert(backbone, inputs)
+    positions = np.array([[8, 0, 3], [5, 5, 1], [2, 0, 1]], "int32")  # real tokens, repeats
+    out = backbone({**inputs, "output_positions": positions})
+    assert_close(out["sequence_output"], np.take_along_axis(seq_ref, positions[..., None], 1),
+                 atol=2e-5)
+    assert_close(out["pooled_output"], pooled_ref, atol=2e-5)
+    none = backbone({**inputs, "output_positions": np.zeros((3, 0), "int32")})
+    assert tuple(none["sequence_output"].shape) == (3, 0, 16)
+    assert_close(none["pooled_output"], pooled_ref, atol=2e-5)
+    with pytest.raises(ValueError, match=r"`output_positions`.*holds position 9.*\[0, 9\)"):
+        backbone({**inputs, "output_positions": positions + 1})
+
+
 def test_classifier_matches_numpy_reference():
     inputs = make_inputs()
     clf = BertClassifier(tiny_backbone(), num_classes=3)

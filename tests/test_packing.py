@@ -208,11 +208,18 @@ def test_bert_packed_row_matches_documents_alone():
     logits = to_numpy(forward(packed, x))
     assert np.isfinite(logits).all()
     worst = 0.0
+    assembled = np.zeros_like(logits)
     for span, tokens in zip(_spans(docs), docs):
         alone = _alone(plain, tokens, {"segment_ids": segments[:, span]})
         worst = max(worst, float(np.abs(logits[0, span] - alone).max()))
+        assembled[:, span] = alone
     print(f"BERT: max |packed - alone| = {worst:.2e}")
     assert worst < 1e-5
+    # At `mask_positions` the last block computes those rows only, each under its own row
+    # of the document mask.
+    positions = np.array([[13, 0, 6, 9, 5, 6]], "int32")  # the three documents, a repeat
+    rows = to_numpy(forward(packed, {**x, "mask_positions": positions}))
+    np.testing.assert_allclose(rows, assembled[:, positions[0]], atol=1e-5)
 
 
 def test_gpt_packed_loss_is_the_token_weighted_mean_of_document_losses():
@@ -298,8 +305,8 @@ def test_packed_config_rules():
         BertClassifier(backbone, num_classes=2)
     # Without the flag the inputs are keras-hub's, exactly as before.
     assert sorted(GPTBackbone(**GPT_SMALL).input) == ["padding_mask", "token_ids"]
-    assert sorted(backbone.input) == ["document_ids", "padding_mask", "segment_ids",
-                                      "token_ids"]
+    assert sorted(backbone.input) == ["document_ids", "output_positions", "padding_mask",
+                                      "segment_ids", "token_ids"]
 
 
 def test_packed_models_round_trip_keras_files(tmp_path):
