@@ -43,7 +43,6 @@ from kzoo.layers.utils import (
     check_positive_float,
     check_positive_int,
     check_rate,
-    gather_rows,
 )
 from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, TaskModel
 
@@ -132,35 +131,6 @@ class OutputBias(keras.layers.Layer):
         if self.units is not None:
             config["units"] = self.units
         return config
-
-
-@keras.saving.register_keras_serializable(package="kzoo")
-class GatherPositions(keras.layers.Layer):
-    """`x[b, positions[b, p]]`: the rows of `x` at `positions`, per example; `x` itself when
-    `positions` is None.
-
-    Call args:
-        inputs: `(batch, seq, dim)`.
-        positions: `(batch, num_positions)` integers in `[0, seq)`, or None.
-
-    Returns:
-        `(batch, num_positions, dim)`, or `inputs` when `positions` is None.
-
-    Example:
-    >>> x = keras.ops.reshape(keras.ops.arange(12.0), (1, 4, 3))
-    >>> GatherPositions()(x, keras.ops.convert_to_tensor([[3, 1]])).shape  # rows 3 and 1
-    (1, 2, 3)
-    """
-
-    def call(self, inputs, positions=None):
-        if positions is None:
-            return inputs
-        return gather_rows(inputs, positions)
-
-    def compute_output_shape(self, inputs_shape, positions_shape=None):
-        if positions_shape is None:
-            return tuple(inputs_shape)
-        return (inputs_shape[0], positions_shape[1], inputs_shape[-1])
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
