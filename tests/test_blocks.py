@@ -153,7 +153,8 @@ def test_block_output_positions_match_numpy(kwargs, rows_only, wrapped, monkeypa
     assert rows[0] == (3 if rows_only else 6) and len(rows) == 1 + block.cross_attention
 
 
-@pytest.mark.parametrize("kwargs", [dict(norm_first=False), dict(norm_first=True, causal=True)])
+@pytest.mark.parametrize("kwargs", [dict(norm_first=False), dict(norm_first=True, causal=True),
+                                    dict(norm_first=False, remat=True)])
 def test_block_output_positions_gradients_equal_the_whole_blocks(kwargs):
     """The gradients of a loss on the selected rows, with respect to the block's input and
     its weights, are those of the whole block's output gathered at those rows (the rows'
@@ -184,6 +185,18 @@ def test_block_output_positions_gradients_equal_the_whole_blocks(kwargs):
     assert np.abs(g_all[0]).max() > 1e-3 and np.abs(g_all[0][1, 5]).max() == 0  # (padded key)
     for a, b in zip(g_rows, g_all):
         assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_block_output_positions_of_a_block_layerdrop_skips_are_the_input_rows():
+    """A block that LayerDrop skips in training is the identity: at `output_positions`, the
+    input's rows (the skipped branch gathers them too)."""
+    x = np.random.default_rng(7).normal(size=(2, 5, 8)).astype("float32")
+    positions = np.array([[4, 0], [2, 2]], "int32")
+    block = TransformerBlock(num_heads=2, intermediate_dim=16, layerdrop=0.5)
+    block._layerdrop_keep = lambda: keras.ops.convert_to_tensor(False)  # (this draw: skip)
+    out = block(x, output_positions=positions, training=True)
+    np.testing.assert_array_equal(to_numpy(out), np.take_along_axis(x, positions[..., None], 1))
+    assert np.abs(to_numpy(block(x, output_positions=positions)) - to_numpy(out)).max() > 1e-3
 
 
 def test_block_output_positions_refused_with_a_cache():
