@@ -243,6 +243,100 @@ def test_released_logits_give_the_same_gradients(made_by):
     assert torch.equal(outside.detach(), kept)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_tied_logits_into_a_kept_buffer(bias):
+    """`tied_logits_into` inside `logits_released`: the logits `h @ E^T + b` (NumPy's), written
+    into a buffer its owner keeps, which the loss then turns into their gradient; the
+    gradients of `h`, `E` and `b` equal NumPy's. The next released step writes the same
+    memory; a second product in one step, a call outside the context, or another dtype
+    take `F.linear` (new memory). Pure torch, so checked under every backend."""
+    import torch
+
+    from kzoo.losses import _torch_cross_entropy, logits_released, tied_logits_into
+
+    class Owner:
+        pass
+
+    r = np.random.default_rng(8)
+    h = r.normal(size=(2, 3, 4)).astype("float32")
+    table = (2 * r.normal(size=(9, 4))).astype("float32")
+    b = r.normal(size=(9,)).astype("float32") if bias else None
+    y = r.integers(0, 9, (6,))
+    z = (h.reshape(6, 4).astype("float64") @ table.T.astype("float64")
+         + (0 if b is None else b))
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    d = (p - np.eye(9)[y]) / y.size
+    owner, pointers = Owner(), []
+    for step in range(2):
+        hidden = torch.tensor(h, requires_grad=True)
+        weights = torch.tensor(table, requires_grad=True)
+        offset = None if b is None else torch.tensor(b, requires_grad=True)
+        with logits_released():
+            logits = tied_logits_into(owner, hidden, weights, offset)
+            second = tied_logits_into(owner, hidden, weights, offset)
+            np.testing.assert_allclose(logits.detach().numpy().reshape(6, 9), z, rtol=1e-5,
+                                       atol=1e-5)
+            before = logits.detach().clone()
+            loss = _torch_cross_entropy().apply(logits.reshape(6, 9), torch.tensor(y)).mean()
+        loss.backward()
+        assert not torch.equal(logits.detach(), before)  # (the memory became the gradient)
+        pointers.append(logits.data_ptr())
+        assert second.data_ptr() != logits.data_ptr()
+        assert owner._logits_buffer.data_ptr() == logits.data_ptr()
+        np.testing.assert_allclose(hidden.grad.numpy().reshape(6, 4), d @ table, rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(weights.grad.numpy(), d.T @ h.reshape(6, 4), rtol=1e-5,
+                                   atol=1e-6)
+        if bias:
+            np.testing.assert_allclose(offset.grad.numpy(), d.sum(0), rtol=1e-5, atol=1e-6)
+    assert pointers[0] == pointers[1]
+    outside = tied_logits_into(owner, torch.tensor(h), torch.tensor(table))
+    assert outside.data_ptr() != pointers[0]
+    with logits_released():
+        double = tied_logits_into(owner, torch.tensor(h, dtype=torch.float64),
+                                  torch.tensor(table, dtype=torch.float64))
+    assert double.dtype == torch.float64 and double.data_ptr() != pointers[0]
+
+
+def test_train_steps_with_the_kept_logits_buffer_equal_plain_ones(monkeypatch):
+    """Three SGD steps of a GPT with its default loss (on torch, the tied logits written into
+    the buffer kept between steps and turned into their gradient) give the weights of the
+    same steps with a plain `F.linear` head."""
+    import kzoo.losses
+
+    keras.utils.set_random_seed(6)
+
+    def build():
+        lm = GPTCausalLM(GPTBackbone(vocabulary_size=37, num_layers=1, num_heads=2,
+                                     hidden_dim=8, intermediate_dim=16,
+                                     max_sequence_length=12, dropout=0.0))
+        lm.compile(optimizer=keras.optimizers.SGD(0.5))
+        return lm
+
+    ours, plain = build(), build()
+    plain.set_weights(ours.get_weights())
+    batches = [GPTCausalLM.lm_batch(np.random.default_rng(i).integers(0, 37, (3, 10)))
+               for i in range(3)]
+    for x, y, w in batches:
+        ours.train_on_batch(x, y, sample_weight=w)
+    if keras.backend.backend() == "torch":
+        assert ours.backbone.token_embedding._logits_buffer.shape == (3, 9, 37)
+        import torch.nn.functional as F
+
+        monkeypatch.setattr(kzoo.losses, "tied_logits_into",
+                            lambda owner, h, table, bias=None: F.linear(h, table, bias))
+    for x, y, w in batches:
+        plain.train_on_batch(x, y, sample_weight=w)
+    assert not hasattr(plain.backbone.token_embedding, "_logits_buffer")
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # `fit` gives the memory back when its loop ends.
+    x, y, w = batches[0]
+    ours.fit(x, y, sample_weight=w, epochs=2, verbose=0)
+    assert not hasattr(ours.backbone.token_embedding, "_logits_buffer")
+
+
 @pytest.mark.parametrize("metrics", [None, ["accuracy"]])
 def test_train_step_matches_keras_loss_with_and_without_metrics(metrics):
     """One SGD step of a GPT with its default loss (on torch: the logits released to the loss

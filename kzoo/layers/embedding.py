@@ -129,7 +129,9 @@ class TokenEmbedding(keras.layers.Layer):
         On torch a tied table without a soft cap takes one `F.linear` (an `addmm` with the
         bias): the `(tokens, vocabulary)` logits are written once instead of a product and
         then a second full-size tensor for the bias (measured: the separate add and the
-        page faults of its 64 MiB output cost a third of BERT's forward at 8 x 256 tokens).
+        page faults of its 64 MiB output cost a third of BERT's forward at 8 x 256 tokens);
+        in a training step that releases the logits to the loss, into memory kept from one
+        step to the next (`kzoo.losses.tied_logits_into`).
         On JAX the bias is a column of the tied product (`_jax_tied_logits_with_bias`).
         """
         dtype = self.reverse_dtype or self.compute_dtype
@@ -138,9 +140,9 @@ class TokenEmbedding(keras.layers.Layer):
             bias = ops.cast(bias, dtype)
         if (self.tie_weights and self.logit_soft_cap is None
                 and keras.backend.backend() == "torch"):
-            import torch.nn.functional as F
+            from kzoo.losses import tied_logits_into
 
-            return F.linear(hidden, ops.cast(self.embeddings, dtype), bias)
+            return tied_logits_into(self, hidden, ops.cast(self.embeddings, dtype), bias)
         if self.tie_weights and keras.backend.backend() == "jax":
             table = ops.convert_to_tensor(ops.cast(self.embeddings, dtype))
             if bias is not None and self.logit_soft_cap is None:

@@ -323,7 +323,14 @@ class FunctionalModel(keras.Model):
             return keras_method(*bound.args[1:], **bound.kwargs)
 
     def fit(self, *args, **kwargs):
-        return self._run_checked("fit", args, kwargs, {"x": False, "validation_data": True})
+        try:
+            return self._run_checked("fit", args, kwargs,
+                                     {"x": False, "validation_data": True})
+        finally:
+            # (torch: the logits' memory kept from step to step, `losses.tied_logits_into`,
+            # is given back once the loop ends; `train_on_batch` keeps it for the next call)
+            for layer in self._flatten_layers():
+                layer.__dict__.pop("_logits_buffer", None)
 
     def evaluate(self, *args, **kwargs):
         return self._run_checked("evaluate", args, kwargs, {"x": False})
