@@ -26,8 +26,9 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
   keras-hub take the masked positions as `mask_positions` and run the LM head and the loss
   there only (kzoo also its last layer's queries, attention and feed-forward, as
   `BertBackbone`'s `output_positions`); transformers' `BertForMaskedLM` has no such input:
-  its head runs at every position and the loss ignores the unmasked ones (labels -100). `forward`: logits at every
-  position for all three (keras-hub is given every position as `mask_positions`).
+  its head runs at every position and the loss ignores the unmasked ones (labels -100).
+  `forward`: logits at every position for all three (keras-hub is given every position as
+  `mask_positions`).
 - T5 v1.0 style: width 256, 4 heads of 64, ReLU feed-forward 1024, 4 + 4 layers,
   vocabulary 8192 (kzoo `t5_small` resized, keras-hub `T5Seq2SeqLM`, transformers
   `T5ForConditionalGeneration.generate`): `decode` as for GPT, from encoder inputs of 32.
