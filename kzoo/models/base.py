@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import keras
 
+from kzoo import allocator
 from kzoo import inputs as input_checks
 from kzoo.inputs import IdInput  # noqa: F401  (the families declare their ids with it)
 from kzoo.layers.feedforward import get_activation
@@ -331,12 +332,19 @@ class FunctionalModel(keras.Model):
             # is given back once the loop ends; `train_on_batch` keeps it for the next call)
             for layer in self._flatten_layers():
                 layer.__dict__.pop("_logits_buffer", None)
+            allocator.release_memory()  # what malloc kept for the steps (kzoo.allocator)
 
     def evaluate(self, *args, **kwargs):
-        return self._run_checked("evaluate", args, kwargs, {"x": False})
+        try:
+            return self._run_checked("evaluate", args, kwargs, {"x": False})
+        finally:
+            allocator.release_memory()
 
     def predict(self, *args, **kwargs):
-        return self._run_checked("predict", args, kwargs, {"x": False})
+        try:
+            return self._run_checked("predict", args, kwargs, {"x": False})
+        finally:
+            allocator.release_memory()
 
     def train_on_batch(self, *args, **kwargs):
         return self._run_checked("train_on_batch", args, kwargs, {"x": False})
