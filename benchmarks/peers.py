@@ -57,6 +57,12 @@ adds to a process holding the model. A worker trains GPT first and BERT after it
 process, so BERT's row reuses memory that GPT's training left to the allocator and
 understates; the GPT rows are the comparable ones.
 
+Allocator: `import kzoo` sets glibc's malloc to keep freed memory for reuse (`kzoo.allocator`,
+its default; on JAX it also runs XLA's CPU programs inline), so kzoo's workers run with it and
+the peers' with glibc's defaults. `--same-allocator` gives keras-hub's and transformers'
+workers the same settings (`kzoo.allocator.keep_freed_memory`, loaded without the rest of
+kzoo), to show how much of a difference is the allocator's.
+
 Training utilisation: each training row's model FLOPs per token (matmuls only: 2 x
 multiply-adds forward, 3x that for forward + backward; attention counted over all keys, the
 PaLM convention, embedding lookups not counted) times tokens/s, as GFLOP/s and as a fraction
@@ -282,6 +288,16 @@ def utilisation_rows(medians, size, models, peak):
             gflops = flops * tps / 1e9
             rows.append((model, system, tps, gflops, ratio(gflops, peak)))
     return rows
+
+
+def allocator_note(same_allocator):
+    """The report's line on malloc's settings in the workers (see the module docstring)."""
+    if same_allocator:
+        return ("every system ran with kzoo's allocator settings (--same-allocator: freed "
+                "memory kept for reuse; on JAX, XLA's CPU programs inline)")
+    return ("kzoo's processes keep freed memory for reuse (kzoo.allocator, kzoo's default); "
+            "keras-hub's and transformers' run with glibc's default malloc (--same-allocator "
+            "gives them kzoo's settings)")
 
 
 def token_count_notes(medians, models, expected):
@@ -718,11 +734,32 @@ def _transformers_worker(models, size, data):
     return results
 
 
-def run_worker(library, models, size):
-    """Measure one system in this process; return {model: {metric: value}, "matmul": GFLOP/s}."""
+def use_kzoo_allocator():
+    """A peer's worker with kzoo's allocator settings (`--same-allocator`): the module
+    `kzoo/allocator.py` loaded alone (no `import kzoo`), its `keep_freed_memory()`, and on JAX
+    XLA's CPU programs run inline, as `import kzoo` does. Returns whether malloc took them."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "_kzoo_allocator_alone", os.path.join(root, "kzoo", "allocator.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        import jax
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return module.keep_freed_memory()
+
+
+def run_worker(library, models, size, same_allocator=False):
+    """Measure one system in this process; return {model: {metric: value}, "matmul": GFLOP/s}.
+    `same_allocator`: a peer (not kzoo) runs with kzoo's allocator settings."""
     import warnings
 
     warnings.filterwarnings("ignore")
+    if same_allocator and library != "kzoo":
+        use_kzoo_allocator()
     data = _data(size)
     if library == "transformers":
         results = _transformers_worker(models, size, data)
@@ -755,11 +792,12 @@ def _quiet_env(backend):
     return env
 
 
-def run_system(library, backend, models, size_name, timeout):
+def run_system(library, backend, models, size_name, timeout, same_allocator=False):
     """One system in a fresh process: (results, error message or None)."""
     return run_worker_process(
         ["benchmarks.peers", "--worker", library, "--size", size_name, "--only",
-         ",".join(models)], backend, timeout)
+         ",".join(models)] + (["--same-allocator"] if same_allocator else []), backend,
+        timeout)
 
 
 def run_worker_process(module_args, backend, timeout):
@@ -790,6 +828,9 @@ def main(argv=None):
                         help="Keras backends for kzoo and keras-hub")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     parser.add_argument("--json", default=None, help="also write the medians to this file")
+    parser.add_argument("--same-allocator", action="store_true",
+                        help="run keras-hub and transformers with kzoo's allocator settings "
+                             "too (kzoo.allocator; by default only kzoo's processes have them)")
     parser.add_argument("--worker", choices=LIBRARIES, help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -801,7 +842,7 @@ def main(argv=None):
         if bad or not values:
             parser.error(f"{name} must name some of {list(allowed)}; got {bad or values}.")
     if args.worker:
-        results = run_worker(args.worker, models, SIZES[args.size])
+        results = run_worker(args.worker, models, SIZES[args.size], args.same_allocator)
         print(RESULT_MARK + json.dumps(results), flush=True)
         return
 
@@ -817,7 +858,8 @@ def main(argv=None):
         for library, backend in order[shift:] + order[:shift]:
             key = system_key(library, backend)
             start = time.perf_counter()
-            values, error = run_system(library, backend, models, size_name, args.timeout)
+            values, error = run_system(library, backend, models, size_name, args.timeout,
+                                       args.same_allocator)
             print(f"round {r + 1}/{rounds} {key}: {time.perf_counter() - start:.0f} s"
                   + (f" FAILED ({error})" if error else ""), file=sys.stderr, flush=True)
             if error:
@@ -832,6 +874,7 @@ def main(argv=None):
     medians = median_results(per_round)
     size = SIZES[size_name]
     notes += token_count_notes(medians, models, size["prompts"] * size["new_tokens"])
+    notes.append(allocator_note(args.same_allocator))
     print(report(medians, backends, models, size, rounds, notes))
     if args.json:
         with open(args.json, "w") as f:

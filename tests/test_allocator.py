@@ -20,11 +20,17 @@ from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
-import ctypes, json, sys, threading
+import ctypes, json, os, sys, threading
 if sys.argv[1:] == ["jax-first"]:  # a JAX computation before kzoo is imported
     import jax.numpy as jnp
     jnp.ones(3).block_until_ready()
-import kzoo
+if sys.argv[1:] == ["peers-alone"]:  # the peers benchmark's --same-allocator, no kzoo
+    from benchmarks import peers
+    peers.use_kzoo_allocator()
+    alloc = None
+else:
+    import kzoo
+    alloc = kzoo.allocator
 
 libc = ctypes.CDLL("libc.so.6")
 FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -41,8 +47,8 @@ def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
 
-out = {"state": kzoo.allocator.state()}
-if kzoo.allocator._keras_backend() == "jax":
+out = {"state": alloc.state() if alloc else None, "kzoo_imported": "kzoo" in sys.modules}
+if os.environ["KERAS_BACKEND"] == "jax":
     import jax
     out["jax_async"] = jax.config.values["jax_cpu_enable_async_dispatch"]
 
@@ -60,7 +66,7 @@ worker = threading.Thread(target=probe, args=("thread",))  # a thread of its own
 worker.start()
 worker.join()
 held = rss()
-out["released"] = kzoo.allocator.release_memory()
+out["released"] = bool(libc.malloc_trim(0)) if alloc is None else alloc.release_memory()
 out["rss_change_on_release"] = rss() - held
 print(json.dumps(out))
 """
@@ -115,6 +121,18 @@ def test_opting_out_leaves_glibcs_policy():
         return
     assert out["main_mapped"] >= 64 * MIB and out["thread_mapped"] >= 64 * MIB
     assert out["main_rss_change_on_free"] < -48 * MIB
+
+
+def test_the_peers_benchmark_gives_a_peer_the_same_settings_without_kzoo():
+    """`benchmarks/peers.py --same-allocator`: a keras-hub or transformers worker gets kzoo's
+    malloc settings (and on JAX inline CPU programs) without importing kzoo."""
+    out = _probe("peers-alone")
+    assert out["kzoo_imported"] is False
+    assert out.get("jax_async") is (False if keras.backend.backend() == "jax" else None)
+    if _glibc_here():
+        assert out["main_mapped"] == 0 and out["thread_mapped"] == 0
+        assert out["main_rss_change_on_free"] > -8 * MIB
+        assert out["released"] is True and out["rss_change_on_release"] < -48 * MIB
 
 
 def test_jax_already_dispatching_asynchronously_leaves_malloc_alone():
