@@ -45,6 +45,7 @@ import sys
 
 ENV_VAR = "KZOO_KEEP_FREED_MEMORY"
 DEFAULT_LIMIT_MIB = 1024
+MAX_LIMIT_MIB = 2047  # mallopt takes a C int of bytes: below 2 GiB
 
 # mallopt's parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -110,13 +111,14 @@ def keep_freed_memory(limit_mib=DEFAULT_LIMIT_MIB):
     change the limit.
 
     Example:
-    >>> kzoo.allocator.keep_freed_memory(limit_mib=2048)  # logits of a larger vocabulary
+    >>> kzoo.allocator.keep_freed_memory(limit_mib=2000)  # logits of a larger vocabulary
     True
     """
     if isinstance(limit_mib, bool) or not isinstance(limit_mib, int) or not (
-            1 <= limit_mib <= 1 << 20):
+            1 <= limit_mib <= MAX_LIMIT_MIB):
         raise ValueError(f"limit_mib={limit_mib!r}: expected a whole number of MiB from 1 to "
-                         f"{1 << 20} (the default is {DEFAULT_LIMIT_MIB}).")
+                         f"{MAX_LIMIT_MIB} (glibc's mallopt takes the bytes as a C int; the "
+                         f"default is {DEFAULT_LIMIT_MIB}).")
     libc = _glibc()
     if libc is None:
         _state.update(applied=False, limit_mib=None, reason="the C library is not glibc")
