@@ -270,3 +270,12 @@ def test_token_embedding_reverse_logits_with_bias_value_and_gradients(tied):
     assert_close(g_b, flat_w.sum(0), atol=1e-5)
     assert_close(g_e, flat_w.T @ flat_h, atol=1e-5)
     assert_close(g_h, (flat_w @ table).reshape(h.shape), atol=1e-5)
+
+    def loss_without_bias(e, x):  # the tied product alone (its own backward pass on JAX, TF)
+        with keras.StatelessScope(state_mapping=[(layer.embeddings, e)]):
+            return keras.ops.sum(keras.ops.multiply(layer.reverse_logits(x), w))
+
+    value, (g_e, g_h) = value_and_grads(loss_without_bias, to_numpy(layer.embeddings), h)
+    assert abs(value - float(((logits - bias) * w).sum())) < 1e-3
+    assert_close(g_e, flat_w.T @ flat_h, atol=1e-5)
+    assert_close(g_h, (flat_w @ table).reshape(h.shape), atol=1e-5)

@@ -217,12 +217,20 @@ def _jax_tied_logits():
 
 def _jax_tied_gradients(hidden, table, d):
     """`(d_hidden, d_table)` of `hidden @ table.T` for the output gradient `d`: `d @ table`
-    and `(hidden^T @ d)^T` (see `_jax_tied_logits`)."""
+    and `(hidden^T @ d)^T` (see `_jax_tied_logits`).
+
+    `hidden^T` is written out row-major before the product and the product before its
+    transpose (`lax.optimization_barrier` around each): left to itself, XLA on CPU gave the
+    `(dim, vocab)` product a transposed output layout and ran it as a slower dot. At 2048
+    tokens, width 256, vocabulary 8192 (2-core CPU, freed memory kept): 65 -> 44 ms;
+    GPT training interleaved in one process, 6 rounds: 3,797 -> 3,991 tokens/s."""
     import jax.numpy as jnp
+    from jax import lax
 
     d_hidden = jnp.einsum("...v,vd->...d", d, table)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    d_table = jnp.matmul(flat_h.T, d.reshape(-1, d.shape[-1])).T
+    d_table = lax.optimization_barrier(
+        lax.optimization_barrier(flat_h.T) @ d.reshape(-1, d.shape[-1])).T
     return d_hidden.astype(hidden.dtype), d_table.astype(table.dtype)
 
 
