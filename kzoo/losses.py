@@ -133,7 +133,7 @@ def tied_logits_into(owner, hidden, table, bias=None):
     allows it: inside `logits_released` (nothing reads the logits after the backward pass,
     which turns their memory into their gradient), autograd on, CPU, float32, and only the
     first such product of the step (a second would overwrite the first's logits). Otherwise
-    the plain `F.linear`.
+    `kzoo.layers.utils.torch_linear` (oneDNN's product outside autograd on CPU).
 
     A fresh `(tokens, vocabulary)` output is mapped afresh each step: at 2048 x 8192 float32
     the product took 71-76 ms into new memory and 52 ms into a reused buffer on the 2-core
@@ -143,13 +143,14 @@ def tied_logits_into(owner, hidden, table, bias=None):
     buffer (as large as the logits) stays with `owner` between `train_on_batch` calls;
     `fit` gives it back when its loop ends."""
     import torch
-    import torch.nn.functional as F
+
+    from kzoo.layers.utils import torch_linear
 
     if not (getattr(_STATE, "released", False) and not getattr(_STATE, "buffer_taken", False)
             and torch.is_grad_enabled() and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and table.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32)):
-        return F.linear(hidden, table, bias)
+        return torch_linear(hidden, table, bias)
     _STATE.buffer_taken = True
     shape = tuple(hidden.shape[:-1]) + (table.shape[0],)
     buffer = getattr(owner, "_logits_buffer", None)

@@ -253,6 +253,61 @@ def test_products_of_a_few_rows_equal_numpy(monkeypatch, use_bias):
                 assert not fast_decode._few_rows(x, w, copied=fast_decode._COPY_LIMIT + 1)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_torch_linear_takes_onednn_outside_autograd_and_equals_numpy(monkeypatch, use_bias):
+    """`torch_linear(x, W, b)` (the products of the torch fast path and the tied logits) is
+    `x @ W.T + b` of NumPy in float64, for 2-D and 3-D inputs, a transposed-view weight (a
+    Dense kernel's `.t()`) and 1 to 300 rows; oneDNN's op (found in this torch build) is
+    taken on CPU in float32 outside autograd only: with grad mode on and an operand that
+    requires a gradient it is `F.linear` (gradients against NumPy), as in bfloat16 and with
+    `torch.backends.mkldnn.enabled = False`. Pure torch, so it runs on every backend."""
+    import torch
+
+    from kzoo.layers import utils
+
+    assert utils._onednn_linear_op() is not None  # torch 2.13's CPU build has it
+    taken = []
+    op = utils._onednn_linear_op()
+    monkeypatch.setattr(utils, "_ONEDNN_LINEAR",
+                        [lambda *a: taken.append(tuple(a[0].shape)) or op(*a)])
+    r = np.random.default_rng(3)
+    kernel = r.normal(size=(16, 24)).astype("float32")  # (in, out), as a Dense kernel
+    bias = r.normal(size=(24,)).astype("float32") if use_bias else None
+    weight = torch.from_numpy(kernel).t()  # (out, in), a column-major view
+    b = None if bias is None else torch.from_numpy(bias)
+    for shape in ((1, 16), (7, 16), (2, 5, 16), (300, 16)):
+        x = r.normal(size=shape).astype("float32")
+        want = x.astype(np.float64) @ kernel.astype(np.float64) + (0.0 if bias is None else bias)
+        taken.clear()
+        with torch.no_grad():
+            got = utils.torch_linear(torch.from_numpy(x), weight, b)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+        assert taken == [shape]
+        # grad mode on but nothing requires a gradient: still oneDNN
+        got = utils.torch_linear(torch.from_numpy(x), weight, b)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+        assert len(taken) == 2
+    x = torch.from_numpy(r.normal(size=(3, 16)).astype("float32")).requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    taken.clear()
+    out = utils.torch_linear(x, w, b)
+    out.backward(torch.ones_like(out))
+    assert taken == []
+    np.testing.assert_allclose(x.grad.numpy(), np.tile(kernel.sum(1), (3, 1)), rtol=1e-5)
+    np.testing.assert_allclose(w.grad.numpy(), np.tile(x.detach().numpy().sum(0), (24, 1)),
+                               rtol=1e-5)
+    with torch.no_grad():
+        utils.torch_linear(x.to(torch.bfloat16), weight.to(torch.bfloat16),
+                           None if b is None else b.to(torch.bfloat16))
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # torch's own switch
+        got = utils.torch_linear(x, weight, b)
+        monkeypatch.undo()
+        assert torch.backends.mkldnn.enabled
+    assert taken == []
+    np.testing.assert_allclose(got.numpy(), x.detach().numpy() @ kernel
+                               + (0.0 if bias is None else bias), rtol=1e-5, atol=1e-5)
+
+
 # === Compiled loops (JAX / TensorFlow): values made once before the while_loop ===
 
 

@@ -76,6 +76,7 @@ import threading
 import keras
 
 from kzoo.layers.taps import active_tap
+from kzoo.layers.utils import torch_linear
 
 _STATE = threading.local()
 
@@ -343,8 +344,6 @@ def _dense(layer, x):
     if (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
             or layer.activation is not keras.activations.linear):
         return layer(x)
-    import torch.nn.functional as F
-
     dtype = _torch_dtype(layer.compute_dtype)  # (mixed precision: Keras' autocast)
     kernel = _value(layer._kernel).to(dtype)
     bias = None if layer.bias is None else _value(layer.bias).to(dtype)
@@ -352,8 +351,8 @@ def _dense(layer, x):
     if _few_rows(x, kernel):
         weight = memo(("rows_t", id(layer)), [kernel], lambda: kernel.t().contiguous())
         return _few_rows_product(x, weight, bias)
-    # (one `addmm` with the bias: no second output tensor for the bias add)
-    return F.linear(x, kernel.t(), bias)
+    # (one product with the bias: no second output tensor for the bias add)
+    return torch_linear(x, kernel.t(), bias)
 
 
 # Rows of a product that `_few_rows_product` takes (a decode step of 2 to 4 sequences).
@@ -542,7 +541,7 @@ def _project_qkv(layer, x):
         return _few_rows_product(x, weight, bias).split(sizes, -1)
     kernel, bias = memo(("qkv", id(layer)), sources,
                         lambda: (torch.cat(kernels, 1), joined_bias()))
-    y = torch.nn.functional.linear(x, kernel.t(), bias)
+    y = torch_linear(x, kernel.t(), bias)
     return y.split(sizes, -1)
 
 
