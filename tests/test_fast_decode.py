@@ -257,8 +257,9 @@ def test_products_of_a_few_rows_equal_numpy(monkeypatch, use_bias):
 def test_torch_linear_takes_onednn_outside_autograd_and_equals_numpy(monkeypatch, use_bias):
     """`torch_linear(x, W, b)` (the products of the torch fast path and the tied logits) is
     `x @ W.T + b` of NumPy in float64, for 2-D and 3-D inputs, a transposed-view weight (a
-    Dense kernel's `.t()`) and 1 to 300 rows; oneDNN's op (found in this torch build) is
-    taken on CPU in float32 outside autograd only: with grad mode on and an operand that
+    Dense kernel's `.t()`) or a row-major one, and 1 to 300 rows; oneDNN's op (found in this
+    torch build) is taken on CPU in float32 outside autograd only, and for one row only with
+    the row-major weight: with grad mode on and an operand that
     requires a gradient it is `F.linear` (gradients against NumPy), as in bfloat16 and with
     `torch.backends.mkldnn.enabled = False`. Pure torch, so it runs on every backend."""
     import torch
@@ -275,18 +276,23 @@ def test_torch_linear_takes_onednn_outside_autograd_and_equals_numpy(monkeypatch
     bias = r.normal(size=(24,)).astype("float32") if use_bias else None
     weight = torch.from_numpy(kernel).t()  # (out, in), a column-major view
     b = None if bias is None else torch.from_numpy(bias)
-    for shape in ((1, 16), (7, 16), (2, 5, 16), (300, 16)):
+    row_major = weight.contiguous()
+    for shape in ((1, 16), (1, 1, 16), (4, 16), (7, 16), (2, 5, 16), (300, 16)):
         x = r.normal(size=shape).astype("float32")
         want = x.astype(np.float64) @ kernel.astype(np.float64) + (0.0 if bias is None else bias)
+        one_row = x.size == 16  # (with the transposed view: F.linear)
         taken.clear()
         with torch.no_grad():
             got = utils.torch_linear(torch.from_numpy(x), weight, b)
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
-        assert taken == [shape]
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+            assert taken == ([] if one_row else [shape])
+            got = utils.torch_linear(torch.from_numpy(x), row_major, b)
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+            assert len(taken) == (1 if one_row else 2)
         # grad mode on but nothing requires a gradient: still oneDNN
-        got = utils.torch_linear(torch.from_numpy(x), weight, b)
+        got = utils.torch_linear(torch.from_numpy(x), row_major, b)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
-        assert len(taken) == 2
+        assert len(taken) == (2 if one_row else 3)
     x = torch.from_numpy(r.normal(size=(3, 16)).astype("float32")).requires_grad_()
     w = weight.detach().clone().requires_grad_()
     taken.clear()
