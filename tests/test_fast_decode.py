@@ -314,6 +314,47 @@ def test_torch_linear_takes_onednn_outside_autograd_and_equals_numpy(monkeypatch
                                + (0.0 if bias is None else bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_torch_linear_activation_equals_numpy_on_both_paths(monkeypatch, activation):
+    """`torch_linear(..., activation=...)`: oneDNN's post-op (no autograd) and `F.linear`
+    then the torch function (autograd on) both give NumPy's exact GELU (erf), tanh GELU or
+    ReLU of `x @ W.T + b` in float64; an unknown name is refused naming it."""
+    import math
+
+    import torch
+
+    from kzoo.layers import utils
+
+    taken = []
+    op = utils._onednn_linear_op()
+    monkeypatch.setattr(utils, "_ONEDNN_LINEAR",
+                        [lambda *a: taken.append(a[3:]) or op(*a)])
+    r = np.random.default_rng(4)
+    x = r.normal(size=(2, 9, 16)).astype("float32")
+    kernel = r.normal(scale=0.5, size=(16, 24)).astype("float32")
+    bias = r.normal(size=(24,)).astype("float32")
+    pre = x.astype(np.float64) @ kernel.astype(np.float64) + bias
+    want = {
+        "gelu": 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))),
+        "gelu_tanh": 0.5 * pre * (1 + np.tanh(math.sqrt(2 / math.pi) * (pre + 0.044715 * pre ** 3))),
+        "relu": np.maximum(pre, 0),
+    }[activation]
+    weight = torch.from_numpy(kernel).t()
+    with torch.no_grad():
+        got = utils.torch_linear(torch.from_numpy(x), weight, torch.from_numpy(bias),
+                                 activation=activation)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert taken == [(utils._TORCH_LINEAR_ACTIVATIONS[activation][0], [],
+                      utils._TORCH_LINEAR_ACTIVATIONS[activation][1])]
+    w = weight.detach().clone().requires_grad_()
+    got = utils.torch_linear(torch.from_numpy(x), w, torch.from_numpy(bias),
+                             activation=activation)
+    np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-5, atol=1e-5)
+    assert len(taken) == 1
+    with pytest.raises(ValueError, match="activation='swish'"):
+        utils.torch_linear(torch.from_numpy(x), weight, activation="swish")
+
+
 # === Compiled loops (JAX / TensorFlow): values made once before the while_loop ===
 
 

@@ -472,14 +472,35 @@ def _feedforward(layer, x, training=False):
     from kzoo.layers.feedforward import FeedForward, GatedFeedForward
 
     if type(layer) is FeedForward:
-        act = _activation(layer.activation)
-        h = _dropout(layer.dropout_layer, act(_dense(layer.intermediate_dense, x)), training)
-        return _dense(layer.output_dense, h)
+        h = _dense_activated(layer.intermediate_dense, x, layer.activation)
+        if h is None:
+            h = _activation(layer.activation)(_dense(layer.intermediate_dense, x))
+        return _dense(layer.output_dense, _dropout(layer.dropout_layer, h, training))
     if type(layer) is GatedFeedForward:
         act = _activation(layer.activation)
         h = act(_dense(layer.gate_dense, x)) * _dense(layer.up_dense, x)
         return _dense(layer.output_dense, _dropout(layer.dropout_layer, h, training))
     return layer(x, training=training)  # a mixture of experts or another: its Keras call
+
+
+# kzoo activation names -> the `torch_linear` activation that computes them.
+_ONEDNN_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                       "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def _dense_activated(layer, x, activation):
+    """`activation(_dense(layer, x))` in one oneDNN product (`torch_linear`'s post-op) where
+    `torch_linear` takes oneDNN and the activation is one it applies; otherwise None."""
+    name = _ONEDNN_ACTIVATIONS.get(activation)
+    if name is None or not _plain_dense(layer):
+        return None
+    dtype = _torch_dtype(layer.compute_dtype)
+    kernel = _value(layer._kernel).to(dtype)
+    bias = None if layer.bias is None else _value(layer.bias).to(dtype)
+    x = x.to(dtype)
+    if _few_rows(x, kernel) or not torch_linear_uses_onednn(x, kernel.t(), bias):
+        return None
+    return torch_linear(x, kernel.t(), bias, activation=name)
 
 
 def _key_mask(mask):
