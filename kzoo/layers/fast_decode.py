@@ -341,18 +341,23 @@ def _value(variable):
 
 def _dense(layer, x):
     """`keras.layers.Dense` in inference (Keras' own call for LoRA, quantised, activation)."""
-    if (getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
-            or layer.activation is not keras.activations.linear):
+    if not _plain_dense(layer):
         return layer(x)
-    dtype = _torch_dtype(layer.compute_dtype)  # (mixed precision: Keras' autocast)
-    kernel = _value(layer._kernel).to(dtype)
-    bias = None if layer.bias is None else _value(layer.bias).to(dtype)
-    x = x.to(dtype)
+    x, kernel, bias = _dense_operands(layer, x)
     if _few_rows(x, kernel):
         weight = memo(("rows_t", id(layer)), [kernel], lambda: kernel.t().contiguous())
         return _few_rows_product(x, weight, bias)
     # (one product with the bias: no second output tensor for the bias add)
     return torch_linear(x, kernel.t(), bias)
+
+
+def _dense_operands(layer, x):
+    """`(x, kernel, bias)` of a plain `Dense` layer in its compute dtype (mixed precision:
+    Keras' autocast); bias None without one."""
+    dtype = _torch_dtype(layer.compute_dtype)
+    kernel = _value(layer._kernel).to(dtype)
+    bias = None if layer.bias is None else _value(layer.bias).to(dtype)
+    return x.to(dtype), kernel, bias
 
 
 # Rows of a product that `_few_rows_product` takes (a decode step of 2 to 4 sequences).
@@ -494,10 +499,7 @@ def _dense_activated(layer, x, activation):
     name = _ONEDNN_ACTIVATIONS.get(activation)
     if name is None or not _plain_dense(layer):
         return None
-    dtype = _torch_dtype(layer.compute_dtype)
-    kernel = _value(layer._kernel).to(dtype)
-    bias = None if layer.bias is None else _value(layer.bias).to(dtype)
-    x = x.to(dtype)
+    x, kernel, bias = _dense_operands(layer, x)
     if _few_rows(x, kernel) or not torch_linear_uses_onednn(x, kernel.t(), bias):
         return None
     return torch_linear(x, kernel.t(), bias, activation=name)
