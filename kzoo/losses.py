@@ -106,7 +106,7 @@ _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBa
 _OUTPUT_FREE_NODES = _VIEW_NODES | {
     "MmBackward0", "AddmmBackward0", "BmmBackward0", "AddBackward0", "SubBackward0",
     "MulBackward0", "DivBackward0", "ToCopyBackward0", "CloneBackward0",
-    "TiedLogitsIntoBufferBackward",
+    "TiedLogitsBackward",
 }
 
 
@@ -128,28 +128,40 @@ def logits_released():
 
 
 def tied_logits_into(owner, hidden, table, bias=None):
-    """`F.linear(hidden, table, bias)` (torch, tied logits), written into a buffer that
-    `owner` (the embedding layer) keeps from one training step to the next when the step
-    allows it: inside `logits_released` (nothing reads the logits after the backward pass,
-    which turns their memory into their gradient), autograd on, CPU, float32, and only the
-    first such product of the step (a second would overwrite the first's logits). Otherwise
-    `kzoo.layers.utils.torch_linear` (oneDNN's product outside autograd on CPU).
+    """`F.linear(hidden, table, bias)` (torch, tied logits). For a training step on CPU in
+    float32 (autograd on, an operand requiring its gradient) an autograd function whose
+    backward products (`g @ table`, `(hidden^T @ g)^T`) are oneDNN's where
+    `kzoo.layers.utils.torch_linear` takes oneDNN, and whose forward product is written
+    into memory that `owner` (the embedding layer) keeps from one training step to the next
+    when the step allows it: inside `logits_released` (nothing reads the logits after the
+    backward pass, which turns their memory into their gradient), and only the first such
+    product of the step (a second would overwrite the first's logits). Elsewhere the
+    forward product is `torch_linear`'s.
 
-    A fresh `(tokens, vocabulary)` output is mapped afresh each step: at 2048 x 8192 float32
-    the product took 71-76 ms into new memory and 52 ms into a reused buffer on the 2-core
-    CPU (the page faults of 64 MiB: ~20 ms); GPT training at 8 x 256 tokens, 6 interleaved
-    rounds in one process: 4,147 -> 4,299 tokens/s. The backward pass is the same two
-    products as `F.linear`'s (`g @ table`, `g^T @ hidden`, and the bias' row sum). The
-    buffer (as large as the logits) stays with `owner` between `train_on_batch` calls;
-    `fit` gives it back when its loop ends."""
+    - A fresh `(tokens, vocabulary)` output is mapped afresh each step: at 2048 x 8192
+      float32 the product took 71-76 ms into new memory and 52 ms into a reused buffer on
+      the 2-core CPU (the page faults of 64 MiB: ~20 ms); GPT training at 8 x 256 tokens, 6
+      interleaved rounds in one process: 4,147 -> 4,299 tokens/s. The buffer (as large as
+      the logits) stays with `owner` between `train_on_batch` calls; `fit` gives it back
+      when its loop ends.
+    - oneDNN's backward products against MKL's at 2048 x 256 -> 8192, ms: 44.0 -> 40.5 and
+      47.3 -> 41.6 (largest error against float64 1e-6 of the largest value, MKL's 3e-7);
+      GPT training, 5 interleaved rounds: 4,013 -> 4,139 tokens/s. (oneDNN's forward
+      product, 49.6 -> 41.7 ms alone, writes a new output: in the step it gained nothing
+      over MKL's into the kept buffer, 4,172 against 4,160 tokens/s, and lost without
+      kzoo's allocator setting, which lets malloc reuse the freed memory.)"""
     import torch
 
-    from kzoo.layers.utils import torch_linear
+    from kzoo.layers.utils import onednn_linear_available, torch_linear
 
-    if not (getattr(_STATE, "released", False) and not getattr(_STATE, "buffer_taken", False)
-            and torch.is_grad_enabled() and hidden.device.type == "cpu"
+    if not (torch.is_grad_enabled() and hidden.device.type == "cpu"
             and hidden.dtype == torch.float32 and table.dtype == torch.float32
-            and (bias is None or bias.dtype == torch.float32)):
+            and (bias is None or bias.dtype == torch.float32)
+            and any(t is not None and t.requires_grad for t in (hidden, table, bias))):
+        return torch_linear(hidden, table, bias)
+    if not (getattr(_STATE, "released", False) and not getattr(_STATE, "buffer_taken", False)):
+        if onednn_linear_available():
+            return _tied_logits_function().apply(hidden, table, bias, None)
         return torch_linear(hidden, table, bias)
     _STATE.buffer_taken = True
     shape = tuple(hidden.shape[:-1]) + (table.shape[0],)
@@ -165,23 +177,30 @@ def tied_logits_into(owner, hidden, table, bias=None):
 
 def _tied_logits_function():
     """The autograd function of `tied_logits_into` (made once): `apply(hidden (..., d),
-    table (vocab, d), bias (vocab,) or None, out (..., vocab))` -> `out` holding
-    `hidden @ table^T + bias`."""
+    table (vocab, d), bias (vocab,) or None, out (..., vocab) or None)` -> `hidden @ table^T
+    + bias`, written into `out` when given (MKL's product), else oneDNN's new output
+    (`torch_linear`); the backward products through `torch_linear` (oneDNN where it takes
+    it, else MKL's `g @ table`, `g^T @ hidden`)."""
     if _TIED_FUNCTION:
         return _TIED_FUNCTION[0]
     import torch
 
-    class TiedLogitsIntoBuffer(torch.autograd.Function):
+    from kzoo.layers.utils import torch_linear, torch_linear_uses_onednn
+
+    class TiedLogits(torch.autograd.Function):
         @staticmethod
         def forward(ctx, hidden, table, bias, out):
             rows = hidden.reshape(-1, hidden.shape[-1])
+            ctx.save_for_backward(hidden, table)
+            ctx.has_bias = bias is not None
+            if out is None:  # (autograd records nothing in here: oneDNN's product)
+                return torch_linear(rows, table, bias).view(
+                    tuple(hidden.shape[:-1]) + (table.shape[0],))
             flat = out.view(-1, table.shape[0])
             if bias is None:
                 torch.mm(rows, table.t(), out=flat)
             else:
                 torch.addmm(bias, rows, table.t(), out=flat)
-            ctx.save_for_backward(hidden, table)
-            ctx.has_bias = bias is not None
             ctx.mark_dirty(out)
             return out
 
@@ -191,13 +210,16 @@ def _tied_logits_function():
             hidden, table = ctx.saved_tensors
             g = grad.reshape(-1, table.shape[0])
             rows = hidden.reshape(-1, hidden.shape[-1])
-            d_hidden = (g @ table).reshape(hidden.shape)
-            d_table = g.t() @ rows
+            if torch_linear_uses_onednn(g, table.t()):
+                d_hidden = torch_linear(g, table.t())
+                d_table = torch_linear(rows.t(), g.t()).t()
+            else:
+                d_hidden, d_table = g @ table, g.t() @ rows
             d_bias = g.sum(0) if ctx.has_bias else None
-            return d_hidden, d_table, d_bias, None
+            return d_hidden.reshape(hidden.shape), d_table, d_bias, None
 
-    _TIED_FUNCTION.append(TiedLogitsIntoBuffer)
-    return TiedLogitsIntoBuffer
+    _TIED_FUNCTION.append(TiedLogits)
+    return TiedLogits
 
 
 def _may_overwrite(logits):

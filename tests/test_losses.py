@@ -243,16 +243,32 @@ def test_released_logits_give_the_same_gradients(made_by):
     assert torch.equal(outside.detach(), kept)
 
 
+@pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tied_logits_into_a_kept_buffer(bias):
+def test_tied_logits_into_a_kept_buffer(monkeypatch, bias, onednn):
     """`tied_logits_into` inside `logits_released`: the logits `h @ E^T + b` (NumPy's), written
     into a buffer its owner keeps, which the loss then turns into their gradient; the
-    gradients of `h`, `E` and `b` equal NumPy's. The next released step writes the same
-    memory; a second product in one step, a call outside the context, or another dtype
-    take `F.linear` (new memory). Pure torch, so checked under every backend."""
+    gradients of `h`, `E` and `b` equal NumPy's, their two products taken by oneDNN
+    (`g @ E` and `h^T @ g`). The next released step writes the same memory; a second
+    product in one step (oneDNN's product, new memory, its gradients NumPy's too), a call
+    outside the context, or another dtype take new memory. With `torch.backends.mkldnn`
+    off, all of it takes MKL's products, the same values. Pure torch, so checked under
+    every backend."""
     import torch
 
+    from kzoo.layers import utils
     from kzoo.losses import _torch_cross_entropy, logits_released, tied_logits_into
+
+    op = utils._onednn_linear_op()
+    assert op is not None  # torch 2.13's CPU build has it
+    taken = []
+    monkeypatch.setattr(utils, "_ONEDNN_LINEAR",
+                        [lambda *a: taken.append(tuple(a[0].shape)) or op(*a)])
+    if not onednn:
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+
+    def by_onednn(*shapes):
+        return list(shapes) if onednn else []
 
     class Owner:
         pass
@@ -272,14 +288,21 @@ def test_tied_logits_into_a_kept_buffer(bias):
         hidden = torch.tensor(h, requires_grad=True)
         weights = torch.tensor(table, requires_grad=True)
         offset = None if b is None else torch.tensor(b, requires_grad=True)
+        taken.clear()
         with logits_released():
             logits = tied_logits_into(owner, hidden, weights, offset)
+            assert taken == []  # (MKL's product into the buffer)
             second = tied_logits_into(owner, hidden, weights, offset)
+            assert taken == by_onednn((6, 4))  # (oneDNN's product, a new output)
             np.testing.assert_allclose(logits.detach().numpy().reshape(6, 9), z, rtol=1e-5,
+                                       atol=1e-5)
+            np.testing.assert_allclose(second.detach().numpy().reshape(6, 9), z, rtol=1e-5,
                                        atol=1e-5)
             before = logits.detach().clone()
             loss = _torch_cross_entropy().apply(logits.reshape(6, 9), torch.tensor(y)).mean()
         loss.backward()
+        # the backward products: g (6, 9) @ E, and (h^T (4, 6) @ g)^T
+        assert taken == by_onednn((6, 4), (6, 9), (4, 6))
         assert not torch.equal(logits.detach(), before)  # (the memory became the gradient)
         pointers.append(logits.data_ptr())
         assert second.data_ptr() != logits.data_ptr()
@@ -291,6 +314,22 @@ def test_tied_logits_into_a_kept_buffer(bias):
         if bias:
             np.testing.assert_allclose(offset.grad.numpy(), d.sum(0), rtol=1e-5, atol=1e-6)
     assert pointers[0] == pointers[1]
+    hidden = torch.tensor(h, requires_grad=True)
+    weights = torch.tensor(table, requires_grad=True)
+    offset = None if b is None else torch.tensor(b, requires_grad=True)
+    taken.clear()
+    second = tied_logits_into(owner, hidden, weights, offset)  # outside: oneDNN, new memory
+    loss = _torch_cross_entropy().apply(second.reshape(6, 9), torch.tensor(y)).mean()
+    loss.backward()
+    assert taken == by_onednn((6, 4), (6, 9), (4, 6))
+    assert second.data_ptr() != pointers[0]
+    np.testing.assert_allclose(second.detach().numpy().reshape(6, 9), z, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hidden.grad.numpy().reshape(6, 4), d @ table, rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(weights.grad.numpy(), d.T @ h.reshape(6, 4), rtol=1e-5,
+                               atol=1e-6)
+    if bias:
+        np.testing.assert_allclose(offset.grad.numpy(), d.sum(0), rtol=1e-5, atol=1e-6)
     outside = tied_logits_into(owner, torch.tensor(h), torch.tensor(table))
     assert outside.data_ptr() != pointers[0]
     with logits_released():

@@ -361,6 +361,16 @@ def torch_linear_uses_onednn(x, weight, bias=None):
         # oneDNN reorders the weight at every call, slower than MKL (us: `(256 -> 1024)`
         # 24 -> 46); from 4 rows on it was faster (4 rows 74 -> 53, 128 rows 499 -> 343)
         return False
+    return onednn_linear_available()
+
+
+def onednn_linear_available():
+    """Whether oneDNN's linear op can be taken at all: this torch build has it, it computed
+    a small product right (checked once), and `torch.backends.mkldnn.enabled` is on."""
+    import torch
+
+    if not torch.backends.mkldnn.enabled:
+        return False
     if not _ONEDNN_LINEAR:
         _ONEDNN_LINEAR.append(_onednn_linear_op())
     return _ONEDNN_LINEAR[0] is not None
