@@ -265,21 +265,31 @@ def _torch_cross_entropy():
         def forward(ctx, logits, labels):
             ignored = labels == -100
             picked = labels.masked_fill(ignored, 0)
-            lse = _logsumexp_rows(logits)
-            losses = (lse - logits.gather(1, picked[:, None])[:, 0]).masked_fill(ignored, 0.0)
-            ctx.save_for_backward(logits, lse, picked, ignored)
+            target = logits.gather(1, picked[:, None])[:, 0]
             ctx.overwrite = _may_overwrite(logits)
-            return losses
+            if ctx.overwrite:
+                # The logits' memory becomes exp(logits - row max) now and their gradient
+                # in the backward pass (one product by the row's scale there, instead of
+                # subtracting the logsumexp and exponentiating again).
+                top = torch.amax(logits, dim=1)
+                top.masked_fill_(top.abs() == float("inf"), 0.0)  # (torch.logsumexp's rule)
+                sums = logits.sub_(top[:, None]).exp_().sum(1)
+                lse = sums.log().add_(top)
+                ctx.save_for_backward(logits, sums, picked, ignored)
+            else:
+                lse = _logsumexp_rows(logits)
+                ctx.save_for_backward(logits, lse, picked, ignored)
+            return (lse - target).masked_fill(ignored, 0.0)
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, grad):
-            logits, lse, picked, ignored = ctx.saved_tensors
+            logits, saved, picked, ignored = ctx.saved_tensors
             scale = grad.masked_fill(ignored, 0.0)[:, None]
-            if ctx.overwrite:  # the logits' memory becomes the gradient
-                d = logits.sub_(lse[:, None]).exp_().mul_(scale)
-            else:
-                d = torch.sub(logits, lse[:, None]).exp_().mul_(scale)  # softmax * grad
+            if ctx.overwrite:  # logits holds exp(logits - max), saved the rows' sums
+                d = logits.mul_(scale / saved[:, None])                # softmax * grad
+            else:  # saved: the logsumexp
+                d = torch.sub(logits, saved[:, None]).exp_().mul_(scale)
             d.scatter_add_(1, picked[:, None], -scale)               # - one_hot * grad
             return d, None
 
