@@ -159,7 +159,7 @@ def tied_logits_into(owner, hidden, table, bias=None):
             and (bias is None or bias.dtype == torch.float32)
             and any(t is not None and t.requires_grad for t in (hidden, table, bias))):
         return torch_linear(hidden, table, bias)
-    if not (getattr(_STATE, "released", False) and not getattr(_STATE, "buffer_taken", False)):
+    if not getattr(_STATE, "released", False) or getattr(_STATE, "buffer_taken", False):
         if onednn_linear_available():
             return _tied_logits_function().apply(hidden, table, bias, None)
         return torch_linear(hidden, table, bias)
@@ -178,9 +178,9 @@ def tied_logits_into(owner, hidden, table, bias=None):
 def _tied_logits_function():
     """The autograd function of `tied_logits_into` (made once): `apply(hidden (..., d),
     table (vocab, d), bias (vocab,) or None, out (..., vocab) or None)` -> `hidden @ table^T
-    + bias`, written into `out` when given (MKL's product), else oneDNN's new output
+    + bias`, written into `out` when given (`torch.mm`'s product), else oneDNN's new output
     (`torch_linear`); the backward products through `torch_linear` (oneDNN where it takes
-    it, else MKL's `g @ table`, `g^T @ hidden`)."""
+    it, else `g @ table` and `g^T @ hidden` by `torch.mm`)."""
     if _TIED_FUNCTION:
         return _TIED_FUNCTION[0]
     import torch

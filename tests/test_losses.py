@@ -201,9 +201,8 @@ def test_token_models_default_to_it_and_it_serialises(tmp_path):
 def test_released_logits_losses_with_large_values_and_ignored_targets():
     """Inside `logits_released` with logits a matmul made (their memory turned into
     exp(logits - row max) in the forward pass, the gradient in the backward): losses and
-    gradients equal `F.cross_entropy`'s (logits up to ~500 in size, a row of -100), and a
-    second call outside the context on the same values, too. Pure torch, so checked under
-    every backend."""
+    gradients equal `F.cross_entropy`'s (logits up to ~500 in size, a row of -100). Pure
+    torch, so checked under every backend."""
     import torch
     import torch.nn.functional as F
 
