@@ -310,11 +310,22 @@ def test_tied_logits_into_a_kept_buffer(monkeypatch, bias, onednn):
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     d = (p - np.eye(9)[y]) / y.size
+
+    def operands():
+        return (torch.tensor(h, requires_grad=True), torch.tensor(table, requires_grad=True),
+                None if b is None else torch.tensor(b, requires_grad=True))
+
+    def check_gradients(hidden, weights, offset):
+        np.testing.assert_allclose(hidden.grad.numpy().reshape(6, 4), d @ table, rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(weights.grad.numpy(), d.T @ h.reshape(6, 4), rtol=1e-5,
+                                   atol=1e-6)
+        if bias:
+            np.testing.assert_allclose(offset.grad.numpy(), d.sum(0), rtol=1e-5, atol=1e-6)
+
     owner, pointers = Owner(), []
     for step in range(2):
-        hidden = torch.tensor(h, requires_grad=True)
-        weights = torch.tensor(table, requires_grad=True)
-        offset = None if b is None else torch.tensor(b, requires_grad=True)
+        hidden, weights, offset = operands()
         taken.clear()
         with logits_released():
             logits = tied_logits_into(owner, hidden, weights, offset)
@@ -334,16 +345,9 @@ def test_tied_logits_into_a_kept_buffer(monkeypatch, bias, onednn):
         pointers.append(logits.data_ptr())
         assert second.data_ptr() != logits.data_ptr()
         assert owner._logits_buffer.data_ptr() == logits.data_ptr()
-        np.testing.assert_allclose(hidden.grad.numpy().reshape(6, 4), d @ table, rtol=1e-5,
-                                   atol=1e-6)
-        np.testing.assert_allclose(weights.grad.numpy(), d.T @ h.reshape(6, 4), rtol=1e-5,
-                                   atol=1e-6)
-        if bias:
-            np.testing.assert_allclose(offset.grad.numpy(), d.sum(0), rtol=1e-5, atol=1e-6)
+        check_gradients(hidden, weights, offset)
     assert pointers[0] == pointers[1]
-    hidden = torch.tensor(h, requires_grad=True)
-    weights = torch.tensor(table, requires_grad=True)
-    offset = None if b is None else torch.tensor(b, requires_grad=True)
+    hidden, weights, offset = operands()
     taken.clear()
     second = tied_logits_into(owner, hidden, weights, offset)  # outside: oneDNN, new memory
     loss = _torch_cross_entropy().apply(second.reshape(6, 9), torch.tensor(y)).mean()
@@ -351,12 +355,7 @@ def test_tied_logits_into_a_kept_buffer(monkeypatch, bias, onednn):
     assert taken == by_onednn((6, 4), (6, 9), (4, 6))
     assert second.data_ptr() != pointers[0]
     np.testing.assert_allclose(second.detach().numpy().reshape(6, 9), z, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(hidden.grad.numpy().reshape(6, 4), d @ table, rtol=1e-5,
-                               atol=1e-6)
-    np.testing.assert_allclose(weights.grad.numpy(), d.T @ h.reshape(6, 4), rtol=1e-5,
-                               atol=1e-6)
-    if bias:
-        np.testing.assert_allclose(offset.grad.numpy(), d.sum(0), rtol=1e-5, atol=1e-6)
+    check_gradients(hidden, weights, offset)
     outside = tied_logits_into(owner, torch.tensor(h), torch.tensor(table))
     assert outside.data_ptr() != pointers[0]
     with logits_released():
