@@ -352,7 +352,7 @@ def torch_linear_uses_onednn(x, weight, bias=None):
 
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
             or (bias is not None and bias.dtype != torch.float32) or x.dim() < 2
-            or x.numel() == 0 or not torch.backends.mkldnn.enabled
+            or x.numel() == 0
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
                 bias is not None and bias.requires_grad)))):
         return False
