@@ -332,6 +332,77 @@ def test_kernel_gradients_match_reference(kernel, case):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
 
 
+def _np_attention_grads(q, k, v, w, mask=None, bias=None, causal=False):
+    """Gradients of sum(attention(q, k, v) * w) in float64 with respect to q, k, v and the
+    bias (summed to its shape): the softmax's backward written out (dV = P^T dO,
+    dS = P * (dO V^T - rowsum(dO V^T * P)), dQ = scale dS K, dK = scale dS^T Q)."""
+    q, k, v, w = (np.asarray(x, np.float64) for x in (q, k, v, w))
+    b, t, h, d = q.shape
+    s_len, hk = k.shape[1], k.shape[2]
+    kr, vr = (np.repeat(x, h // hk, axis=2) for x in (k, v))
+    scale = 1.0 / np.sqrt(d)
+    scores = np.einsum("bthd,bshd->bhts", q, kr) * scale + (0.0 if bias is None else bias)
+    allowed = np.ones(scores.shape, bool)
+    if mask is not None:
+        allowed &= np.broadcast_to(mask, scores.shape)
+    if causal:
+        allowed &= np.arange(s_len)[None, :] <= np.arange(t)[:, None] + (s_len - t)
+    scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    e = np.where(allowed, np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = e.sum(-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    dv = np.einsum("bhts,bthd->bshd", p, w)
+    dp = np.einsum("bthd,bshd->bhts", w, vr)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq = np.einsum("bhts,bshd->bthd", ds, kr) * scale
+    dk = np.einsum("bhts,bthd->bshd", ds, q) * scale
+    group = lambda x: x.reshape(b, s_len, hk, h // hk, d).sum(3)  # noqa: E731
+    grads = [dq, group(dk), group(dv)]
+    if bias is not None:
+        axes = tuple(i for i, n in enumerate(bias.shape) if n == 1)
+        grads.append(ds.sum(axis=axes, keepdims=True))
+    return grads
+
+
+@pytest.mark.parametrize("case", ["causal", "padding_bias_gqa", "empty_rows"])
+def test_reference_causal_query_blocks_match_numpy(monkeypatch, case):
+    """Causal self-attention split into query blocks (JAX's reference kernel; 13 positions
+    in blocks of 4, 4 and 5 rows here) gives the NumPy formula's outputs and gradients; on
+    the other backends the same checks run on the whole product."""
+    from kzoo.layers import kernels
+
+    monkeypatch.setattr(kernels, "CAUSAL_BLOCK_ROWS", 4)
+    assert kernels.causal_query_blocks(13, 13, True, backend="jax") == [(0, 4), (4, 8),
+                                                                      (8, 13)]
+    assert kernels.causal_query_blocks(13, 13, False, backend="jax") is None
+    assert kernels.causal_query_blocks(6, 13, True, backend="jax") is None  # not square
+    assert kernels.causal_query_blocks(13, 13, True, backend="torch") is None
+    r = np.random.default_rng(11)
+    if case == "causal":
+        q, k, v = _data(t=13, h=4, d=8)
+        kw = dict(causal=True)
+    elif case == "padding_bias_gqa":
+        q, k, v = _data(t=13, h=4, hk=2, d=8)
+        kw = dict(causal=True, mask=_pad(2, 13, [13, 6])[:, None, None, :],
+                  bias=r.normal(size=(1, 4, 13, 13)).astype("float32"))
+    else:  # rows whose only visible keys are masked: zeros, zero gradients
+        q, k, v = _data(t=13, h=4, d=8)
+        mask = np.ones((2, 1, 13, 13), bool)
+        mask[1, 0, 9:11, :] = False
+        kw = dict(causal=True, mask=mask)
+    expected = np_attention(q, k, v, **kw)
+    out = dot_product_attention(q, k, v, mask=kw.get("mask"), bias=kw.get("bias"),
+                                is_causal=True, kernel="reference")
+    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    w = (np.arange(expected.size).reshape(expected.shape) % 7 - 3.0).astype("float32")
+    got = _grad_fn("reference", kw)(q, k, v, kw.get("bias"))
+    want = _np_attention_grads(q, k, v, w, kw.get("mask"), kw.get("bias"), True)
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, atol=2e-5, rtol=1e-4)
+
+
 def test_reference_gradient_matches_finite_differences():
     """The reference kernel's gradient against central differences of the NumPy formula."""
     q, k, v = _data(b=1, t=3, h=2, d=4)
