@@ -15,7 +15,7 @@ from kzoo.models.gpt import GPTBackbone
 from kzoo.models.graphormer import GraphormerBackbone
 from kzoo.models.t5 import T5Backbone
 from kzoo.models.vit import ViTBackbone
-from kzoo.layers.utils import gradient_boundary, project
+from kzoo.layers.utils import broadcast_leading, gradient_boundary, project
 from tests.harness import assert_close, ref, roundtrip_layer, to_numpy
 from tests.helpers import value_and_grads
 
@@ -603,6 +603,34 @@ def test_weights_saved_with_former_block_classes_load(tmp_path, family, legacy):
     fresh.load_weights(path)
     for a, b in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b), a.path)
+
+
+@pytest.mark.parametrize("shape, trailing", [((2, 5, 3), (5, 3)), ((2, 4, 5, 3), (3,)),
+                                             ((7, 3), (7, 3))])
+def test_broadcast_leading_values_and_gradient(shape, trailing):
+    """`broadcast_leading(x, shape)` is NumPy's broadcast, and its gradient the incoming one
+    summed over the new leading axes (NumPy, float64); on JAX on CPU the compiled gradient
+    sums them as a matrix product, not a reduce."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=trailing).astype("float32")
+    w = rng.normal(size=shape).astype("float32")
+
+    def f(t):
+        return keras.ops.sum(keras.ops.convert_to_tensor(w) * broadcast_leading(t, shape))
+
+    np.testing.assert_array_equal(
+        to_numpy(broadcast_leading(keras.ops.convert_to_tensor(x), shape)),
+        np.broadcast_to(x, shape))
+    value, (grad,) = value_and_grads(f, x)
+    lead = tuple(range(len(shape) - len(trailing)))
+    np.testing.assert_allclose(grad, w.astype("float64").sum(axis=lead), rtol=1e-5, atol=1e-5)
+    assert_close(value, np.sum(w * x))
+    if keras.backend.backend() == "jax" and lead:
+        import jax
+
+        if jax.default_backend() == "cpu":
+            hlo = jax.jit(jax.grad(f)).lower(x).as_text()
+            assert "dot_general" in hlo and "reduce" not in hlo
 
 
 def test_gradient_boundary_is_the_identity_and_passes_gradients_exactly():

@@ -21,6 +21,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.layers.utils import broadcast_leading
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import clip
 from kzoo.layers.utils import check_positive_float
@@ -280,7 +281,7 @@ class PositionEmbedding(keras.layers.Layer):
         table = ops.convert_to_tensor(self.embeddings)
         rows = ops.slice(table, start, [seq_len, dim])
         rows = ops.cast(rows, self.compute_dtype)
-        return ops.broadcast_to(rows[None, :, :], shape)
+        return broadcast_leading(rows, shape)  # (its gradient: a product on JAX's CPU)
 
     def compute_output_shape(self, input_shape):
         # Declared rather than traced: symbolic tracing substitutes arbitrary lengths for

@@ -291,6 +291,59 @@ def _jax_boundary():
     return boundary
 
 
+_LEADING_SUM = []
+
+
+def broadcast_leading(x, shape):
+    """`ops.broadcast_to(x, shape)` for `x` of the trailing shape `shape[k:]` (new leading
+    axes only); on JAX on CPU its gradient sums the leading axes as one matrix product by a
+    row of ones.
+
+    Reverse-mode autodiff of a broadcast is a `reduce_sum` over the new axes, and XLA's CPU
+    backend (jax 0.10, its YNNPACK reduce) runs a sum over the major axis ~30 times slower
+    than the same sum as a product: `(8, 256, 256) -> (256, 256)` 2.65 ms against 0.08 (2
+    cores), 3.75 ms of a GPT training step for the learned positions' gradient (jax.profiler).
+    The product accumulates in float32 (`preferred_element_type`). Elsewhere, with symbolic
+    sizes, or with nothing to broadcast, `ops.broadcast_to` unchanged. Reverse-mode only:
+    under `jax.jvp` it raises.
+    """
+    shape = tuple(shape)
+    lead = shape[:len(shape) - len(x.shape)]
+    if (keras.backend.backend() != "jax" or not lead or not _static(shape)
+            or tuple(x.shape) != shape[len(lead):] or 0 in shape):
+        return ops.broadcast_to(x, shape)
+    if not _LEADING_SUM:
+        import jax
+
+        _LEADING_SUM.append(jax.default_backend() == "cpu" and _jax_broadcast_leading())
+    broadcast = _LEADING_SUM[0]
+    return broadcast(x, shape, len(lead)) if broadcast else ops.broadcast_to(x, shape)
+
+
+def _jax_broadcast_leading():
+    import functools
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def broadcast(x, shape, lead):
+        return jnp.broadcast_to(x, shape)
+
+    def forward(x, shape, lead):
+        return jnp.broadcast_to(x, shape), None
+
+    def backward(shape, lead, _, g):
+        rows = math.prod(shape[:lead])
+        ones = jnp.ones((1, rows), g.dtype)
+        total = jax.lax.dot(ones, g.reshape(rows, -1), preferred_element_type=jnp.float32)
+        return (total.reshape(shape[lead:]).astype(g.dtype),)
+
+    broadcast.defvjp(forward, backward)
+    return broadcast
+
+
 def gather_rows(x, positions):
     """`x[b, positions[b, p]]`: the rows of `x` `(batch, seq, ...)` at `positions`
     `(batch, num_positions)`, per example -> `(batch, num_positions, ...)`."""
