@@ -287,6 +287,13 @@ def test_presets_load_attention_overrides_and_errors():
                          ("vit", "vit_tiny_patch16_224")):
         with pytest.raises(ValueError, match="window"):
             kzoo.presets.load(name, attention="sliding_window", window=-2)
+    # An option of other attention types names them; `seed` points to the weights' seed.
+    with pytest.raises(ValueError, match=r"'seed' is an option of attention=\['bigbird', "
+                       r"'linear', 'performer'\].*keras.utils.set_random_seed"):
+        kzoo.presets.load("gpt_mini", num_layers=1, seed=1)
+    with pytest.raises(ValueError, match=r"'window' is an option of attention=\["
+                       r"'sliding_window', 'longformer'\]\.$"):
+        kzoo.presets.load("gpt_mini", num_layers=1, attention="linear", window=4)
 
 
 def test_call_time_errors_name_the_problem():

@@ -179,9 +179,16 @@ def check_attention(attention, options=None):
     allowed = ATTENTION_OPTIONS[attention]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
+        owners = {name: [t for t, opts in ATTENTION_OPTIONS.items() if name in opts]
+                  for name in unknown}
+        hint = "".join(f" {name!r} is an option of attention={types}." for name, types in
+                       owners.items() if types)
+        if "seed" in unknown:
+            hint += (" (The initial weights follow keras.utils.set_random_seed(...), called "
+                     "before the model is built.)")
         raise ValueError(
             f"attention={attention!r} takes the options {sorted(allowed) or 'none'}; got "
-            f"unknown option(s) {unknown} in attention_options={options!r}."
+            f"unknown option(s) {unknown} in attention_options={options!r}.{hint}"
         )
     checked = {}
     for name, default in allowed.items():
