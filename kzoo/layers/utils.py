@@ -322,7 +322,6 @@ def broadcast_leading(x, shape):
 
 def _jax_broadcast_leading():
     import functools
-    import math
 
     import jax
     import jax.numpy as jnp
