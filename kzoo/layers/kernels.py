@@ -60,6 +60,8 @@ BLOCK_SIZES = {"tensorflow": (256, 128)}
 # 6.4 -> 4.9 ms; GPT training (the peers' model) 4,449 -> 4,621 tokens/s, forward 14,520 ->
 # 15,256. TensorFlow's XLA trained slower with the blocks (4,585 -> 4,395 heads-major, 4,502
 # -> 4,360 with its own formula) and keeps the whole product.
+# (Only the JAX path of `reference_attention` runs blocks: adding a backend here needs a
+# blocked path there too.)
 CAUSAL_BLOCK_ROWS = 128
 CAUSAL_BLOCK_BACKENDS = ("jax",)
 

@@ -238,7 +238,17 @@ def project(dense, x):
     return ops.reshape(y, lead + (y.shape[-1],))
 
 
-_GRADIENT_BOUNDARY = []
+_JAX_CPU_FUNCTIONS = {}
+
+
+def _jax_cpu_function(make):
+    """`make()` (a JAX function with a hand-written gradient) built once per process where
+    JAX runs on CPU, else None (GPU / TPU keep the plain op)."""
+    if make not in _JAX_CPU_FUNCTIONS:
+        import jax
+
+        _JAX_CPU_FUNCTIONS[make] = make() if jax.default_backend() == "cpu" else None
+    return _JAX_CPU_FUNCTIONS[make]
 
 
 def gradient_boundary(x):
@@ -260,11 +270,7 @@ def gradient_boundary(x):
     """
     if keras.backend.backend() != "jax" or not _static(x.shape) or 0 in tuple(x.shape):
         return x
-    if not _GRADIENT_BOUNDARY:
-        import jax
-
-        _GRADIENT_BOUNDARY.append(jax.default_backend() == "cpu" and _jax_boundary())
-    boundary = _GRADIENT_BOUNDARY[0]
+    boundary = _jax_cpu_function(_jax_boundary)
     return boundary(x) if boundary else x
 
 
@@ -291,9 +297,6 @@ def _jax_boundary():
     return boundary
 
 
-_LEADING_SUM = []
-
-
 def broadcast_leading(x, shape):
     """`ops.broadcast_to(x, shape)` for `x` of the trailing shape `shape[k:]` (new leading
     axes only); on JAX on CPU its gradient sums the leading axes as one matrix product by a
@@ -312,11 +315,7 @@ def broadcast_leading(x, shape):
     if (keras.backend.backend() != "jax" or not lead or not _static(shape)
             or tuple(x.shape) != shape[len(lead):] or 0 in shape):
         return ops.broadcast_to(x, shape)
-    if not _LEADING_SUM:
-        import jax
-
-        _LEADING_SUM.append(jax.default_backend() == "cpu" and _jax_broadcast_leading())
-    broadcast = _LEADING_SUM[0]
+    broadcast = _jax_cpu_function(_jax_broadcast_leading)
     return broadcast(x, shape, len(lead)) if broadcast else ops.broadcast_to(x, shape)
 
 
