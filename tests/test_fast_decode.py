@@ -314,6 +314,87 @@ def test_torch_linear_takes_onednn_outside_autograd_and_equals_numpy(monkeypatch
                                + (0.0 if bias is None else bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("layout", ["kernel_view", "row_major"])
+def test_torch_linear_trains_through_onednn_and_equals_numpy(monkeypatch, use_bias, layout):
+    """Under autograd, from `ONEDNN_TRAIN_ROWS` rows, `torch_linear` runs the product and the
+    input's gradient through oneDNN (two calls of its op) and the weight's gradient through
+    `torch.mm`: values and gradients of `x`, the weight (a Dense kernel's `.t()` or a
+    row-major leaf) and the bias equal NumPy's in float64, the weight's gradient has the
+    weight's layout (the kernel's gradient row-major, no copy), and a second derivative
+    (`create_graph`) equals NumPy's. Fewer rows, `torch.backends.mkldnn.enabled = False` and
+    bfloat16 take `F.linear` with the same values. Pure torch: every backend."""
+    import torch
+
+    from kzoo.layers import utils
+
+    op = utils._onednn_linear_op()
+    assert op is not None  # torch 2.13's CPU build has it
+    taken = []
+    monkeypatch.setattr(utils, "_ONEDNN_LINEAR",
+                        [lambda *a: taken.append(tuple(a[0].shape)) or op(*a)])
+    r = np.random.default_rng(11)
+    kernel = r.normal(size=(16, 24))  # (in, out)
+    bias = r.normal(size=(24,)) if use_bias else None
+    rows = utils.ONEDNN_TRAIN_ROWS
+
+    def run(shape):
+        x = r.normal(size=shape)
+        upstream = r.normal(size=shape[:-1] + (24,))
+        xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+        if layout == "kernel_view":
+            leaf = torch.tensor(kernel, dtype=torch.float32, requires_grad=True)
+            weight = leaf.t()
+        else:
+            leaf = weight = torch.tensor(np.ascontiguousarray(kernel.T), dtype=torch.float32,
+                                         requires_grad=True)
+        bt = None if bias is None else torch.tensor(bias, dtype=torch.float32,
+                                                    requires_grad=True)
+        taken.clear()
+        y = utils.torch_linear(xt, weight, bt)
+        y.backward(torch.tensor(upstream, dtype=torch.float32))
+        want = x @ kernel + (0.0 if bias is None else bias)
+        np.testing.assert_allclose(y.detach().numpy(), want, rtol=1e-5, atol=1e-5)
+        g2, x2 = upstream.reshape(-1, 24), x.reshape(-1, 16)
+        np.testing.assert_allclose(xt.grad.numpy(), upstream @ kernel.T, rtol=1e-5, atol=1e-5)
+        d_kernel = x2.T @ g2
+        np.testing.assert_allclose(leaf.grad.numpy(), d_kernel if layout == "kernel_view"
+                                   else d_kernel.T, rtol=1e-5, atol=1e-5)
+        if bias is not None:
+            np.testing.assert_allclose(bt.grad.numpy(), g2.sum(0), rtol=1e-5, atol=1e-5)
+        return xt, leaf, weight, bt, upstream
+
+    _, leaf, weight, bt, _ = run((2, rows // 2 + 3, 16))
+    assert taken == [(2, rows // 2 + 3, 16), (2 * (rows // 2 + 3), 24)]
+    # the weight's own gradient as autograd hands it over (no accumulation): its layout
+    x = torch.tensor(r.normal(size=(rows, 16)), dtype=torch.float32)
+    (raw,) = torch.autograd.grad(utils.torch_linear(x, weight, bt).sum(), leaf)
+    assert raw.is_contiguous()
+    # a second derivative: d/dW sum((G W)^2) = 2 G^T (G W), through differentiable ops
+    xt = x.clone().requires_grad_()
+    upstream = r.normal(size=(rows, 24))
+    taken.clear()
+    (d_x,) = torch.autograd.grad(utils.torch_linear(xt, weight, bt), xt,
+                                 torch.tensor(upstream, dtype=torch.float32), create_graph=True)
+    leaf.grad = None
+    (d_x ** 2).sum().backward()
+    w_np = kernel.T  # (out, in)
+    d_w = 2 * upstream.T @ (upstream @ w_np)
+    np.testing.assert_allclose(leaf.grad.numpy(), d_w.T if layout == "kernel_view" else d_w,
+                               rtol=1e-5, atol=1e-4)
+    assert taken == [(rows, 16)]  # (the forward; the create_graph backward is torch ops)
+    run((rows - 1, 16))  # fewer rows: F.linear
+    assert taken == []
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    run((3, rows, 16))
+    assert taken == []
+    monkeypatch.undo()
+    xb = torch.tensor(r.normal(size=(rows, 16)), dtype=torch.bfloat16, requires_grad=True)
+    utils.torch_linear(xb, weight.detach().to(torch.bfloat16).requires_grad_(),
+                       None if bt is None else bt.detach().to(torch.bfloat16)).sum().backward()
+    assert taken == []
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 def test_torch_linear_activation_equals_numpy_on_both_paths(monkeypatch, activation):
     """`torch_linear(..., activation=...)`: oneDNN's post-op (no autograd) and `F.linear`

@@ -271,6 +271,36 @@ def test_released_logits_give_the_same_gradients(made_by):
 
 
 @pytest.mark.parametrize("onednn", [True, False])
+def test_tied_logits_table_gradient_is_row_major(monkeypatch, onednn):
+    """The tied product's backward hands autograd the table's gradient `g^T @ h` (NumPy's)
+    row-major like the table, through oneDNN's product and through MKL's: a transposed one
+    made autograd's sum with the embedding lookup's gradient and the accumulation into
+    `.grad` strided passes over the whole table. Pure torch: every backend."""
+    import torch
+
+    from kzoo.losses import logits_released, tied_logits_into
+
+    if not onednn:
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    r = np.random.default_rng(12)
+    h = r.normal(size=(3, 5, 4)).astype("float32")
+    table = r.normal(size=(11, 4)).astype("float32")
+    g = r.normal(size=(3, 5, 11)).astype("float32")
+    hidden = torch.tensor(h, requires_grad=True)
+    weights = torch.tensor(table, requires_grad=True)
+
+    class Owner:
+        pass
+
+    with logits_released():
+        logits = tied_logits_into(Owner(), hidden, weights, None)
+        (raw,) = torch.autograd.grad(logits, weights, torch.tensor(g))
+    np.testing.assert_allclose(raw.numpy(), g.reshape(15, 11).T.astype(np.float64)
+                               @ h.reshape(15, 4), rtol=1e-5, atol=1e-5)
+    assert raw.is_contiguous() and raw.shape == (11, 4)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tied_logits_into_a_kept_buffer(monkeypatch, bias, onednn):
     """`tied_logits_into` inside `logits_released`: the logits `h @ E^T + b` (NumPy's), written
