@@ -1,7 +1,8 @@
 """kzoo: a Keras 3 transformer model zoo for JAX, PyTorch and TensorFlow.
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.allocator`,
-`kzoo.checkpoints`, `kzoo.convert`, `kzoo.distribution`, `kzoo.registry`, `kzoo.generation`,
+`kzoo.checkpoints`, `kzoo.convert`, `kzoo.distribution`, `kzoo.fused_adam`, `kzoo.registry`,
+`kzoo.generation`,
 `kzoo.inputs`, `kzoo.interpret`, `kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.lora`,
 `kzoo.losses`, `kzoo.models`, `kzoo.presets`, `kzoo.quantize`, `kzoo.schedules`. None of them
 imports a framework that the current backend does not use (heavy optional packages are
@@ -27,6 +28,7 @@ from kzoo import convert  # noqa: E402
 from kzoo import data  # noqa: E402
 from kzoo import distribution  # noqa: E402
 from kzoo import export  # noqa: E402
+from kzoo import fused_adam  # noqa: E402
 from kzoo import generation  # noqa: E402
 from kzoo import graphs  # noqa: E402
 from kzoo import inputs  # noqa: E402
@@ -47,6 +49,7 @@ SUBMODULES = (
     "layers",
     "distribution",
     "export",
+    "fused_adam",
     "lora",
     "losses",
     "models",

@@ -226,6 +226,9 @@ class FunctionalModel(keras.Model):
         super().compile(*args, **kwargs)
         self._jit_compile_auto = isinstance(jit_compile, str) and jit_compile == "auto"
         _sum_sparse_gradients(getattr(self, "optimizer", None))
+        from kzoo import fused_adam  # (torch: Keras' Adam / AdamW by torch's fused kernel)
+
+        fused_adam.install(getattr(self, "optimizer", None))
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # torch: Keras' `train_on_batch` / `test_on_batch` call this at every batch, and it
