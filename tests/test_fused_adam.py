@@ -11,6 +11,7 @@ from kzoo import fused_adam
 from tests.helpers import backend
 
 TORCH = backend() == "torch"
+FUSED = backend() in ("torch", "tensorflow")  # (JAX: XLA fuses Keras' update itself)
 SHAPES = [(30, 4), (4,), (3, 2, 5)]
 
 
@@ -38,29 +39,37 @@ def numpy_adamw(init, grads, lr, wd=0.0, beta_1=0.9, beta_2=0.999, eps=1e-7, dec
     return w
 
 
-def run_keras(optimizer, init, grads, install=True):
-    """`optimizer.apply` over `grads` (lists of NumPy arrays) from `init`; counts the fused
-    kernel's calls on torch."""
+def run_keras(optimizer, init, grads):
+    """`optimizer.apply` (eager) over `grads` (lists of NumPy arrays) from `init`, after
+    `fused_adam.install`; returns the variables, whether it was installed, and how many
+    variables the fused kernel updated (torch's `_fused_adam_`, TensorFlow's
+    `ResourceApplyAdam`)."""
     variables = [keras.Variable(a, name=f"w{i}") for i, a in enumerate(init)]
-    installed = fused_adam.install(optimizer) if install else False
+    installed = fused_adam.install(optimizer)
     calls = []
     if TORCH:
-        import torch
+        import torch as module
 
-        kernel = torch._fused_adam_
+        name = "_fused_adam_"
+    elif FUSED:
+        import tensorflow as tf
+
+        module, name = tf.raw_ops, "ResourceApplyAdam"
+    if FUSED:
+        kernel = getattr(module, name)
 
         def counted(*args, **kwargs):
-            calls.append(len(args[0]))
+            calls.append(len(args[0]) if TORCH else 1)
             return kernel(*args, **kwargs)
 
-        torch._fused_adam_ = counted
+        setattr(module, name, counted)
     try:
         for gs in grads:
             optimizer.apply([keras.ops.convert_to_tensor(g) for g in gs], variables)
     finally:
-        if TORCH:
-            torch._fused_adam_ = kernel
-    return [keras.ops.convert_to_numpy(v) for v in variables], installed, calls
+        if FUSED:
+            setattr(module, name, kernel)
+    return [keras.ops.convert_to_numpy(v) for v in variables], installed, sum(calls)
 
 
 def problem(seed=0, steps=6, scale=1.0):
@@ -74,7 +83,8 @@ def problem(seed=0, steps=6, scale=1.0):
 def test_adamw_with_schedule_decay_and_exclusion_equals_numpy():
     """AdamW with a decaying learning rate, weight decay (one variable excluded by name) and
     a large epsilon (so its place in the formula shows): NumPy's Keras AdamW after 6 steps;
-    on torch all three variables went through the fused kernel at every step."""
+    on torch and TensorFlow all three variables went through the fused kernel at every
+    step."""
     init, grads = problem()
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=2, decay_rate=0.5)
     optimizer = keras.optimizers.AdamW(learning_rate=schedule, weight_decay=0.1, epsilon=1e-3)
@@ -84,8 +94,8 @@ def test_adamw_with_schedule_decay_and_exclusion_equals_numpy():
                        decayed=[True, False, True])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert installed == TORCH
-    assert calls == ([3] * 6 if TORCH else [])
+    assert installed == FUSED
+    assert calls == (3 * 6 if FUSED else 0)
 
 
 def test_adam_with_clipping_and_small_gradients_equals_numpy():
@@ -98,7 +108,7 @@ def test_adam_with_clipping_and_small_gradients_equals_numpy():
     want = numpy_adamw(init, grads, lambda s: 3e-3, clipnorm=0.5)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert calls == ([3] * 4 if TORCH else [])
+    assert calls == (3 * 4 if FUSED else 0)
 
 
 @pytest.mark.parametrize("case", ["amsgrad", "float64", "sgd"])
@@ -115,8 +125,8 @@ def test_other_optimizers_keep_keras_update(case):
         "sgd": lambda: keras.optimizers.SGD(1e-2),
     }[case]()
     got, installed, calls = run_keras(optimizer, init, grads)
-    assert calls == []
-    assert installed == (TORCH and case != "sgd")
+    assert calls == 0
+    assert installed == (FUSED and case != "sgd")
     if case == "float64":
         want = numpy_adamw(init, grads, lambda s: 1e-2)
         for a, b in zip(got, want):
@@ -124,16 +134,39 @@ def test_other_optimizers_keep_keras_update(case):
 
 
 def test_kzoo_model_compile_installs_it_and_trains():
-    """A kzoo model compiled with AdamW updates through the fused kernel on torch (installed
-    once, compiling again keeps one wrapper) and its loss falls over a few steps."""
+    """A kzoo model compiled with AdamW updates through the fused kernel on torch and
+    TensorFlow (installed once, installing again keeps one wrapper) and its loss falls over
+    a few steps."""
     from tests.test_gpt import tiny_lm
 
     model = tiny_lm()
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-2, weight_decay=0.01))
-    assert getattr(model.optimizer, "_kzoo_fused_adam", False) == TORCH
-    assert fused_adam.install(model.optimizer) == TORCH
+    assert getattr(model.optimizer, "_kzoo_fused_adam", False) == FUSED
+    assert fused_adam.install(model.optimizer) == FUSED
     r = np.random.default_rng(5)
     x = r.integers(1, 50, (4, 12))
     inputs = {"token_ids": x[:, :-1], "padding_mask": np.ones((4, 11), bool)}
-    losses = [float(model.train_on_batch(inputs, x[:, 1:])) for _ in range(5)]
+    calls = []
+    if FUSED:  # (TensorFlow: counted while the training graph is traced)
+        if TORCH:
+            import torch as module
+
+            name = "_fused_adam_"
+        else:
+            import tensorflow as tf
+
+            module, name = tf.raw_ops, "ResourceApplyAdam"
+        kernel = getattr(module, name)
+        setattr(module, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    try:
+        losses = [float(model.train_on_batch(inputs, x[:, 1:])) for _ in range(5)]
+    finally:
+        if FUSED:
+            setattr(module, name, kernel)
     assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
+    if TORCH:
+        assert len(calls) == 5
+    elif FUSED:  # (once a variable each time the graph is traced)
+        assert calls and len(calls) % len(model.trainable_variables) == 0
+    else:
+        assert calls == []
