@@ -2,9 +2,9 @@
 
 `import kzoo` makes every public submodule available as an attribute: `kzoo.allocator`,
 `kzoo.checkpoints`, `kzoo.convert`, `kzoo.distribution`, `kzoo.fused_adam`, `kzoo.registry`,
-`kzoo.generation`,
-`kzoo.inputs`, `kzoo.interpret`, `kzoo.data`, `kzoo.graphs`, `kzoo.layers`, `kzoo.lora`,
-`kzoo.losses`, `kzoo.models`, `kzoo.presets`, `kzoo.quantize`, `kzoo.schedules`. None of them
+`kzoo.generation`, `kzoo.inputs`, `kzoo.interpret`, `kzoo.data`, `kzoo.graphs`,
+`kzoo.layers`, `kzoo.lora`, `kzoo.losses`, `kzoo.models`, `kzoo.presets`, `kzoo.quantize`,
+`kzoo.schedules`. None of them
 imports a framework that the current backend does not use (heavy optional packages are
 imported when first used; see `kzoo._lazy_tensorflow` for how Keras' own TensorFlow imports
 are kept off the JAX and torch backends). On Linux, `import kzoo` asks glibc's malloc to keep

@@ -386,8 +386,9 @@ def torch_linear(x, weight, bias=None, activation=None):
     being compiled by `torch.compile` and `torch.backends.mkldnn.enabled = False` (torch's
     own switch, also `with torch.backends.mkldnn.flags(enabled=False):`) take `F.linear`.
     In a GPT / BERT training step (benchmarks.peers' sizes, interleaved in one process, 8
-    rounds) the fused bias and the faster products gave 4,164 -> 4,232 and 6,543 -> 6,705
-    tokens/s with the same losses to all printed digits.
+    rounds, the tied table's row-major gradient in both arms) the fused bias and the faster
+    products gave 4,333 -> 4,498 and 7,014 -> 7,282 tokens/s with the same losses to all
+    printed digits.
 
     `activation` ("gelu", "gelu_tanh", "relu" or None) is applied to the result, by oneDNN
     inside the product where it multiplies (a feed-forward's first product at 2048 rows,

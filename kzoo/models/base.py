@@ -226,7 +226,7 @@ class FunctionalModel(keras.Model):
         super().compile(*args, **kwargs)
         self._jit_compile_auto = isinstance(jit_compile, str) and jit_compile == "auto"
         _sum_sparse_gradients(getattr(self, "optimizer", None))
-        from kzoo import fused_adam  # (torch: Keras' Adam / AdamW by torch's fused kernel)
+        from kzoo import fused_adam  # (Keras' Adam / AdamW by torch's / TF's fused kernel)
 
         fused_adam.install(getattr(self, "optimizer", None))
 
