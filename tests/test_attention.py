@@ -403,6 +403,35 @@ def test_reference_causal_query_blocks_match_numpy(monkeypatch, case):
         np.testing.assert_allclose(g, e, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("additive", [False, True])
+def test_masked_scores_select_and_additive_forms_match_numpy(additive):
+    """`_masked_scores` with the mask selected into the scores or added as a 0 / -1e30 bias
+    (JAX's heads-major kernel adds it): after a softmax both give NumPy's masked softmax,
+    scores up to 1e4 and a bias included; rows without a visible key are flagged."""
+    from kzoo.layers import kernels
+
+    r = np.random.default_rng(5)
+    scores = (r.normal(size=(2, 3, 5, 7)) * np.array([1.0, 100.0, 1e4])[None, :, None, None]
+              ).astype("float32")
+    bias = r.normal(size=(1, 3, 5, 7)).astype("float32")
+    mask = r.random((2, 1, 5, 7)) > 0.4
+    mask[1, 0, 2] = False  # a row with no visible key
+    mask[0, 0, 0] = [False] * 6 + [True]  # one visible key
+    got, rows = kernels._masked_scores(ops.convert_to_tensor(scores), ops.convert_to_tensor(mask),
+                                       ops.convert_to_tensor(bias), False, 0.5, 5, 7,
+                                       additive=additive)
+    weights = to_numpy(ops.softmax(got, axis=-1)).astype("float64")
+    s = scores.astype("float64") * 0.5 + bias
+    s = np.where(mask, s, -np.inf)
+    visible = mask.any(-1, keepdims=True)
+    e = np.exp(s - np.where(visible, s.max(-1, keepdims=True), 0.0))
+    want = np.where(visible, e / np.where(visible, e.sum(-1, keepdims=True), 1.0), 0.0)
+    np.testing.assert_array_equal(to_numpy(rows), np.broadcast_to(visible, (2, 1, 5, 1)))
+    np.testing.assert_allclose(np.where(visible, weights, 0.0), want, atol=1e-6, rtol=1e-5)
+    masked_scores = to_numpy(got)[np.broadcast_to(~mask, got.shape)]
+    np.testing.assert_array_equal(masked_scores, np.float32(-1e30))  # exactly -1e30 either way
+
+
 def test_reference_gradient_matches_finite_differences():
     """The reference kernel's gradient against central differences of the NumPy formula."""
     q, k, v = _data(b=1, t=3, h=2, d=4)
