@@ -21,6 +21,8 @@ from kzoo.layers.utils import serialize_initializer
 def _gelu_exact(x):
     if keras.backend.backend() == "jax" and not _PORTABLE:
         return _jax_gelu_exact(x)
+    if keras.backend.backend() == "tensorflow":
+        return _tf_gelu_exact(x)
     return ops.gelu(x, approximate=False)
 
 
@@ -53,6 +55,18 @@ def _jax_gelu_exact(x):
 
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
+
+
+def _tf_gelu_exact(x):
+    """The exact GELU on TensorFlow as `0.5 x (1 + erf(x / sqrt 2))`, the formula of torch
+    and of `_jax_gelu_exact`, its gradient by TensorFlow. `tf.nn.gelu` takes `erfc`, slower
+    on the 2-core CPU at (2048, 1024) float32 after a product: forward under XLA +1.3-1.7 ->
+    +0.5-1.0 ms over the product alone, forward + backward in a graph 17.8 -> 16.5 ms, in
+    XLA 13.5 -> 12.9 ms; the largest difference from float64 over |x| < 15 is 1.9e-6
+    (erfc: 3.8e-7)."""
+    import tensorflow as tf
+
+    return 0.5 * x * (1.0 + tf.math.erf(x * _SQRT_HALF))
 
 
 def _gelu_tanh(x):
