@@ -54,6 +54,55 @@ def test_gelu_tanh_gradient_matches_numpy():
     assert keras.backend.standardize_dtype(half.dtype) == "bfloat16"
 
 
+def _second_derivative(fn, x, w, v):
+    """d/dx of sum(v * d/dx sum(w * fn(x))) by the backend's autodiff (a gradient of a
+    gradient: torch with `create_graph`, nested tapes on TensorFlow)."""
+    b = keras.backend.backend()
+    if b == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        inner = jax.grad(lambda t: jnp.sum(w * fn(t)))
+        return np.asarray(jax.grad(lambda t: jnp.sum(v * inner(t)))(x))
+    if b == "torch":
+        import torch
+
+        t = torch.tensor(x, requires_grad=True)
+        (d,) = torch.autograd.grad(torch.sum(torch.tensor(w) * fn(t)), t, create_graph=True)
+        (h,) = torch.autograd.grad(torch.sum(torch.tensor(v) * d), t)
+        return h.numpy()
+    import tensorflow as tf
+
+    t = tf.Variable(x)
+    with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+            y = tf.reduce_sum(w * fn(t))
+        d = inner.gradient(y, t)
+        z = tf.reduce_sum(v * d)
+    return outer.gradient(z, t).numpy()
+
+
+def test_gelu_tanh_second_derivative_and_strided_input_match_numpy():
+    """The tanh GELU's second derivative (torch's hand-written backward under `create_graph`
+    is made of differentiable ops), written in float64: with u = c (x + a x^3), t = tanh(u),
+    f'' = (1 - t^2) (u' - x t u'^2 + x u'' / 2); and values of a transposed (strided) input of
+    the size of a feed-forward's hidden layer (the torch CPU path works in passes over it)."""
+    x, w, _, _, gelu, z = _weighted_gelu("gelu_tanh", 5)
+    v = rng(6).uniform(0.5, 1.5, size=x.shape).astype("float32")
+    a, c = 0.044715, np.sqrt(2 / np.pi)
+    t = np.tanh(c * (z + a * z**3))
+    du, ddu = c * (1 + 3 * a * z**2), 6 * a * c * z
+    expected = w * v * (1 - t**2) * (du - z * t * du**2 + 0.5 * z * ddu)
+    # (atol: in float32 1 - t^2 rounds to 0 from |x| ~ 5 on, where f'' is still ~1e-5)
+    np.testing.assert_allclose(_second_derivative(gelu, x, w, v), expected, rtol=1e-4, atol=5e-5)
+    big = rng(7).normal(scale=3, size=(1024, 2048)).astype("float32")
+    strided = keras.ops.transpose(keras.ops.convert_to_tensor(big))
+    bz = big.T.astype(np.float64)
+    np.testing.assert_allclose(
+        to_numpy(gelu(strided)), 0.5 * bz * (1 + np.tanh(c * (bz + a * bz**3))),
+        rtol=1e-5, atol=2e-6)
+
+
 def test_gelu_exact_gradient_matches_numpy():
     """d/dx of x Phi(x) = Phi(x) + x phi(x), written in float64 with math.erf, far into both
     tails too (JAX runs its own erf form here, torch and TensorFlow their native GELU)."""

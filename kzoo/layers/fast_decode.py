@@ -454,12 +454,14 @@ def _activation(name):
         import torch
         import torch.nn.functional as F
 
+        from kzoo.layers.feedforward import _torch_gelu_tanh
+
         _ACTIVATIONS.update({
             "relu": F.relu,
             "gelu": F.gelu,
-            "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-            "gelu_new": lambda h: F.gelu(h, approximate="tanh"),
-            "gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"),
+            "gelu_tanh": _torch_gelu_tanh,
+            "gelu_new": _torch_gelu_tanh,
+            "gelu_pytorch_tanh": _torch_gelu_tanh,
             "silu": F.silu,
             "swish": F.silu,
             "sigmoid": torch.sigmoid,

@@ -72,6 +72,8 @@ def _tf_gelu_exact(x):
 def _gelu_tanh(x):
     if keras.backend.backend() == "tensorflow":
         return _tf_gelu_tanh(x)
+    if keras.backend.backend() == "torch":
+        return _torch_gelu_tanh(x)
     return ops.gelu(x, approximate=True)
 
 
@@ -102,6 +104,73 @@ def _tf_gelu_tanh(x):
         return x * s, grad
 
     return gelu(x)
+
+
+def _torch_gelu_tanh(x):
+    """The tanh GELU on torch, for CPU float32 tensors, as `x * sigmoid(x (k1 + k2 x^2))`
+    in four passes over the tensor (`addcmul`, then in place), with a hand-written gradient
+    `g (s + x s (1 - s) (k1 + 3 k2 x^2))` that recomputes the sigmoid `s` from the kept
+    input (so training keeps what autograd's own `gelu` keeps: the input). torch's
+    `gelu(approximate="tanh")` and its backward evaluate `tanh` per element, slow on this
+    CPU build (`torch.tanh` of a (8, 256, 1024) float32 tensor: 2.8 ms, `sigmoid` 0.5).
+    Measured on the 2-core CPU at that size, inputs rotating through 12 tensors (192 MiB,
+    out of cache), ms: forward 1.78-1.83 -> 1.04-1.52, backward 2.01-2.07 -> 1.62-1.72; in
+    a GPT training step (benchmarks.peers' size, interleaved in one process, 8 rounds, each
+    faster) 4,369 -> 4,452 tokens/s, the same losses to all printed digits (keeping `s`
+    from the forward pass instead: 4,466, 32 MiB more memory). Largest errors against
+    float64 as torch's own (forward 5e-7, gradient 6e-6 for |x| up to 9). Other devices and
+    dtypes, and code that `torch.compile` traces, take `F.gelu(approximate="tanh")`."""
+    import torch
+
+    if (not isinstance(x, torch.Tensor) or x.device.type != "cpu"
+            or x.dtype != torch.float32 or torch.compiler.is_compiling()):
+        return ops.gelu(x, approximate=True)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _torch_gelu_tanh_function().apply(x)
+    return _torch_gelu_tanh_sigmoid(x).mul_(x)
+
+
+def _torch_gelu_tanh_sigmoid(x):
+    """`sigmoid(x (k1 + k2 x^2))`, a new tensor, in three passes."""
+    import torch
+
+    return torch.addcmul(_torch_constant(_K1), x, x, value=_K2).mul_(x).sigmoid_()
+
+
+def _torch_constant(value):
+    import torch
+
+    return torch.tensor(value, dtype=torch.float32)
+
+
+_TORCH_GELU_FUNCTION = []  # the autograd function of `_torch_gelu_tanh`, made once
+
+
+def _torch_gelu_tanh_function():
+    if _TORCH_GELU_FUNCTION:
+        return _TORCH_GELU_FUNCTION[0]
+    import torch
+
+    class GeluTanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return _torch_gelu_tanh_sigmoid(x).mul_(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            if torch.is_grad_enabled():  # (create_graph: differentiable ops)
+                s = torch.sigmoid(x * (_K1 + _K2 * x * x))
+                return g * (s + x * s * (1.0 - s) * (_K1 + 3.0 * _K2 * x * x))
+            s = _torch_gelu_tanh_sigmoid(x)
+            d = torch.addcmul(_torch_constant(_K1), x, x, value=3.0 * _K2).mul_(x)
+            d.addcmul_(d, s, value=-1.0)  # x (k1 + 3 k2 x^2) (1 - s)
+            torch.addcmul(s, d, s, out=d)  # s + s x (k1 + 3 k2 x^2) (1 - s)
+            return d.mul_(g)
+
+    _TORCH_GELU_FUNCTION.append(GeluTanh)
+    return GeluTanh
 
 
 def _quick_gelu(x):
