@@ -29,10 +29,12 @@ def test_activation_matches_numpy(name):
                  rtol=1e-5)
 
 
-def _weighted_gelu(name, seed):
+def _weighted_gelu(name, seed, repeat=1):
     """(x, w, sum(w * act(x)), d/dx of it, the activation, x in float64) with x reaching far
-    into both tails."""
+    into both tails; x's 84 values `repeat` times (torch's CPU tanh GELU takes its own
+    passes from 8,192 elements on)."""
     x = np.concatenate([x_values(), np.array([-30.0, -9.0, 9.0, 30.0], "float32")])
+    x = np.tile(x, repeat)
     w = rng(seed).uniform(0.5, 1.5, size=x.shape).astype("float32")
     gelu = get_activation(name)
     value, (grad,) = value_and_grads(
@@ -43,8 +45,14 @@ def _weighted_gelu(name, seed):
 def test_gelu_tanh_gradient_matches_numpy():
     """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), written in float64:
     0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), far into both tails
-    too (TensorFlow runs its own gradient of the sigmoid form here)."""
-    x, w, value, grad, gelu, z = _weighted_gelu("gelu_tanh", 3)
+    too (TensorFlow and torch run their own gradient of the sigmoid form here, torch from
+    8,192 elements on: 88 and 8,800 values)."""
+    for repeat in (1, 100):
+        _check_gelu_tanh_gradient(repeat)
+
+
+def _check_gelu_tanh_gradient(repeat):
+    x, w, value, grad, gelu, z = _weighted_gelu("gelu_tanh", 3, repeat)
     c = np.sqrt(2 / np.pi)
     t = np.tanh(c * (z + 0.044715 * z**3))
     slope = 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * c * (1 + 3 * 0.044715 * z**2)
@@ -87,7 +95,7 @@ def test_gelu_tanh_second_derivative_and_strided_input_match_numpy():
     is made of differentiable ops), written in float64: with u = c (x + a x^3), t = tanh(u),
     f'' = (1 - t^2) (u' - x t u'^2 + x u'' / 2); and values of a transposed (strided) input of
     the size of a feed-forward's hidden layer (the torch CPU path works in passes over it)."""
-    x, w, _, _, gelu, z = _weighted_gelu("gelu_tanh", 5)
+    x, w, _, _, gelu, z = _weighted_gelu("gelu_tanh", 5, repeat=100)
     v = rng(6).uniform(0.5, 1.5, size=x.shape).astype("float32")
     a, c = 0.044715, np.sqrt(2 / np.pi)
     t = np.tanh(c * (z + a * z**3))
