@@ -118,7 +118,8 @@ def _torch_gelu_tanh(x):
     a GPT training step (benchmarks.peers' size, interleaved in one process, 8 rounds, each
     faster) 4,369 -> 4,452 tokens/s, the same losses to all printed digits (keeping `s`
     from the forward pass instead: 4,466, 32 MiB more memory). Largest errors against
-    float64 as torch's own (forward 5e-7, gradient 6e-6 for |x| up to 9). Other devices and
+    float64 for |x| up to 9: forward 5.2e-7 (torch's 4.3e-7), gradient 6.4e-6 (3.8e-6); the
+    same results as torch's for infinities, NaN and +-0. Other devices and
     dtypes, tensors of fewer than `_TORCH_GELU_PASSES_FROM` elements (a decode step's few
     rows: there the passes' fixed cost wins, us: 4,096 elements 8.1 -> 11.5, 16,384 28.4 ->
     19.0) and code that `torch.compile` traces take `F.gelu(approximate="tanh")`."""
