@@ -183,21 +183,29 @@ def test_one_adam_step_is_adam_of_the_summed_gradient(name):
 
 
 def test_predict_on_batch_returns_each_call_its_own_array():
-    """`predict_on_batch` (kzoo's torch version hands out the output's memory without a copy)
-    returns NumPy arrays equal to the model's own call; each call's array is its own (writing
-    to one changes neither the next call's result nor the model), for a single output and for
-    a dict of outputs."""
+    """`predict_on_batch` (kzoo's hands out a large output's memory without a copy) returns
+    NumPy arrays equal to the model's own call; each call's array is its own (writing to one
+    changes neither the next call's result nor the model), for small and large outputs
+    (copied / shared) and for a dict of outputs."""
     r = np.random.default_rng(3)
-    lm = _gpt()
-    x, _ = _lm_data(r)
-    reference = to_numpy(lm(x, training=False))
-    first = lm.predict_on_batch(x)
-    assert isinstance(first, np.ndarray) and first.dtype == np.float32
-    np.testing.assert_allclose(first, reference, rtol=1e-6, atol=1e-6)
-    first[...] = 7.0  # the caller owns it
-    second = lm.predict_on_batch(x)
-    np.testing.assert_allclose(second, reference, rtol=1e-6, atol=1e-6)
-    assert not np.shares_memory(first, second)
+    for vocab, shared in ((VOCAB, False), (8192, True)):  # logits of 4 x 8 x 8192: 1 MiB
+        lm = GPTCausalLM(GPTBackbone(vocabulary_size=vocab, num_layers=1, num_heads=2,
+                                     hidden_dim=16, intermediate_dim=32,
+                                     max_sequence_length=16, dropout=0.0))
+        x, _ = _lm_data(r)
+        weights = [to_numpy(w).copy() for w in lm.weights]
+        reference = to_numpy(lm(x, training=False))
+        first = lm.predict_on_batch(x)
+        assert isinstance(first, np.ndarray) and first.dtype == np.float32
+        assert first.flags.writeable
+        assert first.flags.owndata is not shared, (vocab, first.flags.owndata)
+        np.testing.assert_allclose(first, reference, rtol=1e-6, atol=1e-6)
+        first[...] = 7.0  # the caller owns it
+        second = lm.predict_on_batch(x)
+        np.testing.assert_allclose(second, reference, rtol=1e-6, atol=1e-6)
+        assert not np.shares_memory(first, second)
+        for w, before in zip(lm.weights, weights):
+            np.testing.assert_array_equal(to_numpy(w), before)
 
     backbone = _bert_backbone()
     data = _bert_data(r)
@@ -207,6 +215,41 @@ def test_predict_on_batch_returns_each_call_its_own_array():
     for key, value in outputs.items():
         assert isinstance(value, np.ndarray)
         np.testing.assert_allclose(value, to_numpy(expected[key]), rtol=1e-6, atol=1e-6)
+
+
+class _PassThrough(keras.layers.Layer):
+    """Returns its input unchanged, its (large) weight, and twice its input twice."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(512, 1024), initializer="ones", name="table")
+
+    def call(self, x):
+        doubled = x * 2.0
+        return x, keras.ops.convert_to_tensor(self.table), doubled, doubled
+
+
+def test_predict_on_batch_copies_outputs_that_share_memory():
+    """Outputs of 2 MiB and more that are an input, a variable or another output (a compiled
+    function may forward them unchanged) come back as copies: writing to them changes
+    neither the caller's input, nor the weight, nor each other."""
+    from kzoo.models.base import FunctionalModel
+
+    inputs = keras.Input((512, 1024))
+    model = FunctionalModel(inputs=inputs, outputs=list(_PassThrough()(inputs)))
+    z = np.random.default_rng(4).standard_normal((1, 512, 1024)).astype("float32")
+    kept = z.copy()
+    same, table, doubled, again = model.predict_on_batch(z)
+    np.testing.assert_array_equal(same, kept)
+    np.testing.assert_array_equal(table, np.ones((512, 1024), "float32"))
+    np.testing.assert_array_equal(doubled, 2 * kept)
+    np.testing.assert_array_equal(again, 2 * kept)
+    for out in (same, table, doubled, again):
+        assert out.flags.writeable
+        out[...] = -3.0
+    np.testing.assert_array_equal(z, kept)
+    np.testing.assert_array_equal(to_numpy(model.weights[0]), np.ones((512, 1024), "float32"))
+    assert not np.shares_memory(doubled, again)
+    np.testing.assert_array_equal(model.predict_on_batch(z)[1], np.ones((512, 1024), "float32"))
 
 
 def _predict_jit_flags(model, x, monkeypatch):

@@ -168,15 +168,139 @@ def _on_torch():
     return keras.config.backend() == "torch"
 
 
-def _numpy_view(tensor):
-    """A CPU torch tensor as a NumPy array sharing its memory (what `keras.ops.convert_to_numpy`
-    gives, without its copy); other tensors (bfloat16, on a device) through Keras."""
-    import torch
+# Outputs of `predict_on_batch` at least this large are handed out without a copy (smaller
+# ones are copied as Keras does: nothing to gain there).
+_ZERO_COPY_BYTES = 1 << 20
 
-    if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
-            and tensor.dtype != torch.bfloat16 and not isinstance(tensor, torch.nn.Parameter)):
-        return tensor.detach().numpy()
-    return keras.ops.convert_to_numpy(tensor)
+
+class _Writable:
+    """Exposes the memory of a NumPy `view` as writable (`np.asarray(_Writable(...))`) and keeps
+    `owner`, the backend array that owns that memory, alive as long as any array over it."""
+
+    def __init__(self, owner, view):
+        self.owner = owner
+        interface = dict(view.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+
+
+def _shared_view(value):
+    """A writable NumPy array sharing the memory of the backend array `value` (a CPU torch
+    tensor, TensorFlow eager tensor or JAX array on one CPU device, of a NumPy dtype), or None
+    where there is none to share (then Keras' own conversion copies)."""
+    import numpy as np
+
+    backend = keras.config.backend()
+    if backend == "torch":
+        import torch
+
+        if (isinstance(value, torch.Tensor) and value.device.type == "cpu"
+                and value.dtype != torch.bfloat16 and not isinstance(value, torch.nn.Parameter)):
+            return value.detach().numpy()
+        return None
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if not isinstance(value, tf.Tensor) or not hasattr(value, "_numpy"):
+            return None  # (symbolic, ragged, sparse)
+        if value.device and "CPU" not in value.device.upper():
+            return None
+        view = value._numpy()  # the tensor's own buffer, writable
+        return view if isinstance(view, np.ndarray) and view.flags.writeable else None
+    if backend == "jax":
+        import jax
+
+        if not isinstance(value, jax.Array) or not value.is_fully_addressable:
+            return None
+        devices = value.sharding.device_set
+        if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            return None
+        try:
+            np.dtype(value.dtype.name)
+        except TypeError:  # bfloat16 and other ml_dtypes: Keras' copy
+            return None
+        view = np.asarray(value)  # the buffer itself on CPU, read-only
+        if view.__array_interface__["data"][0] != value.unsafe_buffer_pointer():
+            return None
+        return np.asarray(_Writable(value, view))
+    return None
+
+
+def _numpy_outputs(outputs, sources):
+    """`outputs` (a structure of backend arrays) as NumPy arrays, as Keras' `predict_on_batch`
+    returns them (writable, the caller's own), without copying the large ones.
+
+    Keras converts every output with `np.array(...)`: a second buffer the size of the output
+    (64 MiB for the logits of 8 x 256 tokens and a vocabulary of 8192: ~5-10 ms on the 2-core
+    CPU, 3-5% of a GPT or BERT forward, and ~13 ms more of page faults without kzoo's
+    allocator setting). A model output is normally memory its last op made for this call, so
+    the array can be that memory, kept alive by the array. Not where it could be anything
+    else: an output sharing memory with an input or a variable (`sources(nbytes)` gives the
+    arrays of those at least as large, called only for a large output; JAX forwards inputs to
+    outputs unchanged, TensorFlow's graphs forward a variable's buffer), or with another
+    output, is copied."""
+    import numpy as np
+
+    taken = []
+
+    def convert(value):
+        view = _shared_view(value)
+        if view is None or view.nbytes < _ZERO_COPY_BYTES:
+            return _keras_numpy(value)
+        if any(np.may_share_memory(view, other) for other in sources(view.nbytes) + taken):
+            return np.array(view)
+        taken.append(view)
+        return view
+
+    return keras.tree.map_structure(convert, outputs)
+
+
+def _keras_numpy(value):
+    """What Keras' `predict_on_batch` makes of an output: a copy (TensorFlow's ragged and
+    sparse tensors as they are)."""
+    import numpy as np
+
+    backend = keras.config.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
+            return value
+        return value.numpy()
+    if backend == "jax":
+        return np.array(value)
+    return keras.ops.convert_to_numpy(value)
+
+
+def _source_arrays(model, data, nbytes):
+    """NumPy views of those inputs (`data`) and variables of `model` that may hold `nbytes`
+    bytes or more, what an output of that size could share memory with (see
+    `_numpy_outputs`)."""
+    import numpy as np
+
+    def large(value):
+        shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if shape is None or dtype is None or any(d is None for d in shape):
+            return True  # (unknown: looked at)
+        try:
+            itemsize = np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
+        except TypeError:
+            itemsize = 1  # (bfloat16 and the like: no smaller than this)
+        return int(np.prod(shape, dtype="int64")) * itemsize >= nbytes
+
+    values = [v for v in keras.tree.flatten(data) if large(v)]
+    values += [v.value for v in model.variables if large(v)]
+    arrays = []
+    for value in values:
+        if isinstance(value, np.ndarray):
+            arrays.append(value)
+            continue
+        if keras.config.backend() == "torch" and hasattr(value, "detach"):
+            value = value.detach()  # (a variable's value is a parameter)
+        view = _shared_view(value)
+        if view is not None:
+            arrays.append(view)
+    return arrays
 
 
 class FunctionalModel(keras.Model):
@@ -356,20 +480,34 @@ class FunctionalModel(keras.Model):
         return self._run_checked("test_on_batch", args, kwargs, {"x": False})
 
     def predict_on_batch(self, *args, **kwargs):
-        replacement = self._torch_predict_on_batch if _on_torch() else None
         return self._run_checked("predict_on_batch", args, kwargs, {"x": False},
-                                 keras_method=replacement)
+                                 keras_method=self._predict_on_batch)
 
-    def _torch_predict_on_batch(self, x):
-        """Keras' torch `predict_on_batch` without its copy of every output: Keras converts
-        a CPU output with `np.array(tensor)`, a second buffer the size of the output (64 MiB
-        for the logits of 8 x 256 tokens and a vocabulary of 8192: ~10 ms of copying and
-        ~13 ms of page faults on the 2-core CPU, a sixth of a GPT forward). A model output
-        is a tensor its last op made for this call, never an input or a variable, so the
-        array can share its memory (`Tensor.numpy()`); the tensor lives as long as the array."""
-        self.make_predict_function()
-        outputs = self.predict_function([(x,)])
-        return keras.tree.map_structure(_numpy_view, outputs)
+    def _predict_on_batch(self, x):
+        """Keras' `predict_on_batch` on each backend, with its outputs handed out without a
+        copy where that is safe (`_numpy_outputs`): the same arrays, writable, the caller's
+        own. On JAX, Keras' steps around the compiled function (build, the variables' state
+        in and back) as in its `JAXTrainer.predict_on_batch`."""
+        backend = keras.config.backend()
+        if backend == "jax":
+            if not all(layer.built for layer in self._flatten_layers()):
+                with keras.StatelessScope():
+                    self(x)
+            self.make_predict_function()
+            state = self._get_jax_state(trainable_variables=True,
+                                        non_trainable_variables=True,
+                                        metrics_variables=False, purge_model_variables=False)
+            self._jax_state_synced = False
+            outputs, state = self.predict_function(state, iter([(x,)]))
+            self._jax_state = {"trainable_variables": state[0],
+                               "non_trainable_variables": state[1]}
+            self.jax_state_sync()
+        elif backend in ("torch", "tensorflow"):
+            self.make_predict_function()
+            outputs = self.predict_function([(x,)])
+        else:
+            return super().predict_on_batch(x)
+        return _numpy_outputs(outputs, lambda nbytes: _source_arrays(self, x, nbytes))
 
     def _base_config(self):
         """The `name`, `trainable` and `dtype` entries every kzoo model config starts with.
