@@ -76,6 +76,9 @@ def _cases():
     full[1, 0, 2:4] = False  # two query rows of example 1 see nothing
     cases["fully_masked_rows"] = dict(shape=dict(), kw=dict(mask=full))
     cases["scale_one"] = dict(shape=dict(), kw=dict(scale=1.0, causal=True))
+    # Scales JAX's CPU kernel multiplies into the queries: another float32 one, a power of two.
+    cases["scale_custom"] = dict(shape=dict(), kw=dict(scale=0.3, mask=pad))
+    cases["scale_power_of_two"] = dict(shape=dict(d=16), kw=dict(causal=True))
     # A padding mask with no padding (torch drops it and takes SDPA's is_causal path).
     no_pad = np.ones((2, 1, 1, 6), bool)
     cases["all_true_padding_causal"] = dict(shape=dict(), kw=dict(mask=no_pad, causal=True))
@@ -545,13 +548,16 @@ def test_reference_gradients_of_every_input_match_finite_differences(case):
 
 
 def test_bfloat16_kernels_close_to_float32():
-    q, k, v = _data(t=16, s=16)
-    expected = np_attention(q, k, v, causal=True)
-    for kernel in KERNEL_NAMES:
-        qb, kb, vb = (ops.cast(x, "bfloat16") for x in (q, k, v))
-        out = dot_product_attention(qb, kb, vb, is_causal=True, kernel=kernel)
-        assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
-        assert_close(ops.cast(out, "float32"), expected, atol=2e-2, rtol=2e-2)
+    """bfloat16 operands, head widths 8 (scale 1/sqrt(8): JAX's CPU kernel scales the float32
+    scores) and 16 (scale 1/4, a power of two: it scales the bfloat16 queries, exactly)."""
+    for d in (8, 16):
+        q, k, v = _data(t=16, s=16, d=d)
+        expected = np_attention(q, k, v, causal=True)
+        for kernel in KERNEL_NAMES:
+            qb, kb, vb = (ops.cast(x, "bfloat16") for x in (q, k, v))
+            out = dot_product_attention(qb, kb, vb, is_causal=True, kernel=kernel)
+            assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
+            assert_close(ops.cast(out, "float32"), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_return_weights_are_probabilities():
