@@ -409,8 +409,9 @@ def test_reference_causal_query_blocks_match_numpy(monkeypatch, case):
 @pytest.mark.parametrize("additive", [False, True])
 def test_masked_scores_select_and_additive_forms_match_numpy(additive):
     """`_masked_scores` with the mask selected into the scores or added as a 0 / -1e30 bias
-    (JAX's heads-major kernel adds it): after a softmax both give NumPy's masked softmax,
-    scores up to 1e4 and a bias included; rows without a visible key are flagged."""
+    (JAX's heads-major kernel adds it, -1e30 to -2e30): after a softmax both give NumPy's
+    masked softmax, scores up to 1e4 and a bias included; rows without a visible key are
+    flagged."""
     from kzoo.layers import kernels
 
     r = np.random.default_rng(5)
@@ -432,7 +433,16 @@ def test_masked_scores_select_and_additive_forms_match_numpy(additive):
     np.testing.assert_array_equal(to_numpy(rows), np.broadcast_to(visible, (2, 1, 5, 1)))
     np.testing.assert_allclose(np.where(visible, weights, 0.0), want, atol=1e-6, rtol=1e-5)
     masked_scores = to_numpy(got)[np.broadcast_to(~mask, got.shape)]
-    np.testing.assert_array_equal(masked_scores, np.float32(-1e30))  # exactly -1e30 either way
+    if not additive:
+        np.testing.assert_array_equal(masked_scores, np.float32(-1e30))
+        return
+    # Added: exactly the call's own constant, -1e30 to -2e30 (`DISTINCT_MASK_BIAS`), one per
+    # call, so that XLA cannot merge the biases of two layers.
+    np.testing.assert_array_equal(masked_scores, masked_scores[0])
+    assert -2e30 <= masked_scores[0] <= -1e30
+    again, _ = kernels._masked_scores(ops.convert_to_tensor(scores), ops.convert_to_tensor(mask),
+                                      None, False, 0.5, 5, 7, additive=True)
+    assert to_numpy(again)[np.broadcast_to(~mask, got.shape)][0] != masked_scores[0]
 
 
 def test_reference_gradient_matches_finite_differences():
