@@ -48,7 +48,12 @@ alone (`gemm_shapes`: fused q/k/v, output projection, feed-forward, the two atte
 the head; the backward pass's two products per matmul for `train`) on its backend's own kernels
 (one `jax.jit` / `tf.function` program, eager torch). No implementation on that backend can
 run a step faster than its matmuls, so `floor / transformers` bounds the kzoo/transformers
-ratio reachable there; `kzoo / floor` says how much of the step is matmul time.
+ratio reachable there; `kzoo / floor` says how much of the step is matmul time. For decode,
+the floor is a loop of `new_tokens` steps of just one decode step's matmuls (`decode_shapes`:
+the projections, the attention products over the cache, the head), each weight its own array,
+compiled as kzoo's loop is (`decode_loop`): at 4 rows a step these products stream every
+weight from memory, so the floor is the rate at which this machine reads them, and
+`floor / keras-hub` bounds the kzoo/keras-hub ratio of a float32 decode on that backend.
 
 Training memory: the resident set's high-water mark over the training calls (warm-up and
 compilation included; reset through /proc/self/clear_refs first) minus the resident set
@@ -205,6 +210,33 @@ def gemm_shapes(model, size, train=False):
         (n, k, m, q) for n, m, k, q in forward]
 
 
+def decode_shapes(model, size):
+    """The matmuls of one greedy decode step of `model` ("gpt" or "t5") at `size`, in the
+    order they run, as `(batch, m, k, n)` (see `gemm_shapes`): the `prompts` rows through each
+    layer's fused q/k/v projection, the two attention products per head over the cache
+    (GPT: `prompt_len + new_tokens` slots, T5: `new_tokens`), the output projection (T5 then
+    its cross-attention: query, the two products over the `prompt_len` encoder keys, output),
+    the feed-forward; then the tied head. Every weight, and every cache slot, is read once a
+    step."""
+    d, ff, layers, vocab = (size[k] for k in ("width", "ff", "layers", "vocab"))
+    rows, heads = size["prompts"], size["heads"]
+    hd, bh = d // heads, size["prompts"] * heads
+
+    def attend(keys):
+        return [(bh, 1, hd, keys), (bh, 1, keys, hd)]
+
+    if model == "gpt":
+        self_attention = [(1, rows, d, 3 * d)] + attend(size["prompt_len"] + size["new_tokens"])
+        cross = []
+    elif model == "t5":
+        self_attention = [(1, rows, d, 3 * d)] + attend(size["new_tokens"])
+        cross = [(1, rows, d, d)] + attend(size["prompt_len"]) + [(1, rows, d, d)]
+    else:
+        raise ValueError(f"`model` must be 'gpt' or 't5' (decoded here); got model={model!r}.")
+    layer = self_attention + [(1, rows, d, d)] + cross + [(1, rows, d, ff), (1, rows, ff, d)]
+    return layer * layers + [(1, rows, d, vocab)]
+
+
 def gemm_flops(shapes):
     return sum(2 * n * m * k * q for n, m, k, q in shapes)
 
@@ -236,23 +268,24 @@ def comparison_rows(medians, backends, models):
 
 
 def floor_rows(medians, backends, models):
-    """Rows (model, metric, backend, floor tokens/s, kzoo tokens/s, kzoo/floor,
-    floor/transformers): how close kzoo runs to a step of nothing but its matmuls on that
-    backend, and the largest kzoo/transformers ratio such a step would allow."""
+    """Rows (model, metric, backend, floor, kzoo, kzoo/floor, floor/transformers,
+    floor/keras-hub): how close kzoo runs to a step (a decode loop) of nothing but its matmuls
+    on that backend, and the largest kzoo/transformers and kzoo/keras-hub ratios such a step
+    would allow."""
     rows = []
     hf = medians.get(system_key("transformers", "torch"), {})
     for model in models:
-        for metric in ("train", "forward"):
-            if metric not in METRICS[model]:
-                continue
+        for metric in METRICS[model]:
             for backend in backends:
                 kz = medians.get(system_key("kzoo", backend), {}).get(model, {})
                 floor = kz.get(f"{metric}_floor")
                 if floor is None:
                     continue
+                kh = medians.get(system_key("keras-hub", backend), {}).get(model, {})
                 rows.append((model, metric, backend, floor, kz.get(metric),
                              ratio(kz.get(metric), floor),
-                             ratio(floor, hf.get(model, {}).get(metric))))
+                             ratio(floor, hf.get(model, {}).get(metric)),
+                             ratio(floor, kh.get(metric))))
     return rows
 
 
@@ -370,13 +403,14 @@ def report(medians, backends, models, size, rounds, notes=()):
              "kzoo/transformers", "kzoo/keras-hub"),
             [(m, b, _fmt(kz), _fmt(kh), _fmt(hf), _fmt(r1, "ratio"), _fmt(r2, "ratio"))
              for m, b, kz, kh, hf, r1, r2 in memory_rows(medians, backends, models)], 2)
-    section("Matmul floor: tokens/s of a step that ran only its matmuls (same shapes, the "
-            "backend's own kernels, nothing else); 'floor/transformers' is the largest "
-            "kzoo/transformers ratio any implementation on that backend could reach.",
-            ("model", "metric", "backend", "floor tokens/s", "kzoo tokens/s", "kzoo/floor",
-             "floor/transformers"),
-            [(m, k, b, _fmt(f), _fmt(kz), _fmt(r1, "pct"), _fmt(r2, "ratio"))
-             for m, k, b, f, kz, r1, r2 in floor_rows(medians, backends, models)], 3)
+    section("Matmul floor: tokens/s of a step (new tokens/s of a decode loop) that ran only "
+            "its matmuls (same shapes, the backend's own kernels, nothing else); "
+            "'floor/transformers' and 'floor/keras-hub' are the largest kzoo/transformers and "
+            "kzoo/keras-hub ratios any float32 implementation on that backend could reach.",
+            ("model", "metric", "backend", "floor", "kzoo", "kzoo/floor",
+             "floor/transformers", "floor/keras-hub"),
+            [(m, k, b, _fmt(f), _fmt(kz), _fmt(r1, "pct"), _fmt(r2, "ratio"), _fmt(r3, "ratio"))
+             for m, k, b, f, kz, r1, r2, r3 in floor_rows(medians, backends, models)], 3)
     if notes:
         text.append("")
         text.extend(f"note: {n}" for n in notes)
@@ -486,9 +520,82 @@ def _gemm_seconds(backend, shapes, calls=5):
     return _median_time(run, calls, 1)
 
 
+def _fit(x, count, concat):
+    """The first `count` values of the flat `x`, repeated as often as needed."""
+    size = x.shape[0]
+    if size < count:
+        x = concat([x] * -(-count // size))
+    return x[:count]
+
+
+def decode_loop(backend, shapes, steps, weights, start):
+    """A function running `steps` decode steps that do only `shapes`' matmuls (see
+    `decode_shapes`) with `weights` (NumPy, one per shape: `(k, n)`, or `(batch, k, n)`), one
+    after the other, and returning the flat NumPy values the last step ends with. Each
+    product's left operand is made from the output of the one before it (the first of a step
+    from the flat `start`, then from the step before), its values taken in order and repeated
+    as often as needed (`_fit`), so nothing can be hoisted out of the loop or run ahead; each
+    weight is its own array, read from memory every step. The loop as kzoo's decode runs it:
+    one compiled `while_loop` (JAX; TensorFlow under XLA), eager torch without autograd."""
+
+    def step(x, ws, concat, reshape):
+        for (n, m, k, _), w in zip(shapes, ws):
+            x = reshape(reshape(_fit(x, n * m * k, concat), (n, m, k)[n == 1:]) @ w, (-1,))
+        return _fit(x, start.shape[0], concat)
+
+    if backend == "jax":
+        import jax
+        import numpy as np
+
+        jnp = jax.numpy
+        f = jax.jit(lambda x, ws: jax.lax.fori_loop(
+            0, steps, lambda i, y: step(y, ws, jnp.concatenate, jnp.reshape), x))
+        args = (jnp.asarray(start), [jnp.asarray(w) for w in weights])
+        return lambda: np.asarray(f(*args))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def concat(xs):
+            return tf.concat(xs, 0)
+
+        @tf.function(jit_compile=True)
+        def f(x, ws):
+            return tf.while_loop(lambda i, y: i < steps,
+                                 lambda i, y: (i + 1, step(y, ws, concat, tf.reshape)),
+                                 (tf.constant(0), x))[1]
+
+        args = (tf.constant(start), [tf.constant(w) for w in weights])
+        return lambda: f(*args).numpy()
+    import torch
+
+    args = (torch.from_numpy(start), [torch.from_numpy(w) for w in weights])
+
+    def run():
+        with torch.no_grad():
+            x = args[0]
+            for _ in range(steps):
+                x = step(x, args[1], torch.cat, torch.reshape)
+            return x.numpy()
+
+    return run
+
+
+def _decode_seconds(backend, shapes, steps, calls=3):
+    """Median seconds of `decode_loop` over `shapes` for `steps` steps, with random weights
+    scaled by `1 / sqrt(k)` (the values stay finite)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    weights = [(rng.normal(size=(n, k, q)[n == 1:]) / np.sqrt(k)).astype("float32")
+               for n, m, k, q in shapes]
+    start = rng.normal(size=shapes[0][1] * shapes[0][2]).astype("float32")
+    return _median_time(decode_loop(backend, shapes, steps, weights, start), calls, 1)
+
+
 def _gemm_floors(backend, models, size):
-    """{model: {"train_floor", "forward_floor"}}: tokens/s of a step that did only its
-    matmuls, on `backend` (see `gemm_shapes`)."""
+    """{model: {"train_floor", "forward_floor"} or {"decode_floor"}}: tokens/s of a step that
+    did only its matmuls, on `backend` (see `gemm_shapes`), and new tokens/s of a decode loop
+    of only its matmuls (see `decode_shapes`)."""
     tokens = size["batch"] * size["seq"]
     out = {}
     for model in models:
@@ -496,6 +603,10 @@ def _gemm_floors(backend, models, size):
             out[model] = {
                 f"{kind}_floor": tokens / _gemm_seconds(backend, gemm_shapes(
                     model, size, train=kind == "train")) for kind in ("train", "forward")}
+        if "decode" in METRICS[model]:
+            out.setdefault(model, {})["decode_floor"] = (
+                size["prompts"] * size["new_tokens"]
+                / _decode_seconds(backend, decode_shapes(model, size), size["new_tokens"]))
     return out
 
 

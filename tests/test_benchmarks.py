@@ -150,13 +150,60 @@ def test_gemm_shapes_by_hand():
 
 def test_floor_rows():
     med = {"kzoo/jax": {"gpt": {"train": 50.0, "train_floor": 100.0, "forward": 80.0,
-                                "forward_floor": 160.0}},
-           "transformers/torch": {"gpt": {"train": 40.0, "forward": 200.0}}}
+                                "forward_floor": 160.0, "decode": 30.0, "decode_floor": 40.0},
+                        "t5": {"decode": 9.0, "decode_floor": 12.0}},
+           "keras-hub/jax": {"gpt": {"train": 20.0, "decode": 25.0}},
+           "transformers/torch": {"gpt": {"train": 40.0, "forward": 200.0, "decode": 16.0},
+                                  "t5": {"decode": 8.0}}}
     rows = peers.floor_rows(med, ["jax", "torch"], ["gpt", "t5"])
-    assert rows == [("gpt", "train", "jax", 100.0, 50.0, 0.5, 2.5),
-                    ("gpt", "forward", "jax", 160.0, 80.0, 0.5, 0.8)]
+    assert rows == [("gpt", "train", "jax", 100.0, 50.0, 0.5, 2.5, 5.0),
+                    ("gpt", "forward", "jax", 160.0, 80.0, 0.5, 0.8, None),
+                    ("gpt", "decode", "jax", 40.0, 30.0, 0.75, 2.5, 1.6),
+                    ("t5", "decode", "jax", 12.0, 9.0, 0.75, 1.5, None)]
     text = peers.report(med, ["jax"], ["gpt"], {**TINY, "matmul": 8}, 1)
-    assert "Matmul floor" in text and "0.80x" in text and "50.0%" in text
+    assert "Matmul floor" in text and "0.80x" in text and "50.0%" in text and "1.60x" in text
+
+
+def test_decode_shapes_by_hand():
+    # d=4, ff=8, 2 heads of 2, 3 prompts of 5 tokens, 6 new ones, vocabulary 10, 1 layer.
+    size = dict(vocab=10, layers=1, width=4, heads=2, ff=8, prompts=3, prompt_len=5,
+                new_tokens=6)
+    qkv, out, up, down = (1, 3, 4, 12), (1, 3, 4, 4), (1, 3, 4, 8), (1, 3, 8, 4)
+    head = (1, 3, 4, 10)
+    assert peers.decode_shapes("gpt", size) == [
+        qkv, (6, 1, 2, 11), (6, 1, 11, 2), out, up, down, head]
+    assert peers.decode_shapes("t5", size) == [
+        qkv, (6, 1, 2, 6), (6, 1, 6, 2), out,  # self-attention over the 6 new tokens
+        (1, 3, 4, 4), (6, 1, 2, 5), (6, 1, 5, 2), (1, 3, 4, 4),  # cross-attention: 5 keys
+        up, down, head]
+    assert peers.decode_shapes("gpt", {**size, "layers": 2}) == [
+        qkv, (6, 1, 2, 11), (6, 1, 11, 2), out, up, down] * 2 + [head]
+    with pytest.raises(ValueError, match="model='bert'"):
+        peers.decode_shapes("bert", size)
+
+
+def test_decode_loop_matches_numpy():
+    """The floor's loop on this test's backend computes what the chain of products says:
+    each product's operand the previous output's values in order, repeated to size."""
+    import keras
+
+    shapes = [(1, 2, 3, 5), (4, 1, 2, 3), (1, 2, 8, 4)]  # 10 -> 8 values, 12 -> 16
+    rng = np.random.default_rng(1)
+    weights = [rng.normal(size=(n, k, q)[n == 1:]).astype("float32") / 3
+               for n, m, k, q in shapes]
+    start = rng.normal(size=6).astype("float32")
+
+    def fit(x, count):
+        return np.resize(x, count)  # (NumPy repeats the values in order)
+
+    x = start
+    for _ in range(3):
+        for (n, m, k, q), w in zip(shapes, weights):
+            x = (fit(x, n * m * k).reshape((n, m, k)[n == 1:]) @ w).ravel()
+        x = fit(x, 6)
+    got = peers.decode_loop(keras.backend.backend(), shapes, 3, weights, start)()
+    np.testing.assert_allclose(got, x, rtol=1e-5, atol=1e-6)
+    assert got.shape == (6,)
 
 
 def test_memory_rows_and_report():
