@@ -33,10 +33,11 @@ Models (random initialisation, float32, no dropout, same sizes everywhere):
   vocabulary 8192 (kzoo `t5_small` resized, keras-hub `T5Seq2SeqLM`, transformers
   `T5ForConditionalGeneration.generate`): `decode` as for GPT, from encoder inputs of 32.
 
-Every measurement warms up first (compilation excluded) and takes the median of its timed
-calls. Keras models use `model.compile` defaults (`jit_compile="auto"`: XLA on JAX, eager
-torch, and on TensorFlow XLA only where an accelerator exists: none on a CPU-only machine,
-where kzoo's models still predict with XLA, see `FunctionalModel.xla_prediction`)
+Every measurement warms up first (compilation excluded; `generate` twice, `DECODE_WARMUP`,
+since kzoo's torch loop compiles its decode step at a shape's second call) and takes the
+median of its timed calls. Keras models use `model.compile` defaults (`jit_compile="auto"`:
+XLA on JAX, eager torch, and on TensorFlow XLA only where an accelerator exists: none on a
+CPU-only machine, where kzoo's models still predict with XLA, see `FunctionalModel.xla_prediction`)
 with each library's default loss (kzoo's token models:
 `kzoo.losses.TokenCrossentropy`, one autograd function on torch and Keras' op
 elsewhere; keras-hub: Keras' `SparseCategoricalCrossentropy(from_logits=True)`),
@@ -99,6 +100,9 @@ SIZES = {
                   warmup=1, steps=3, decode_calls=1),
 }
 RESULT_MARK = "PEERS_RESULT "
+# Untimed `generate` calls before the timed ones, every system alike: kzoo's torch loop
+# compiles its step at a shape's second call (`kzoo.layers.compiled_decode`, "auto").
+DECODE_WARMUP = 2
 
 
 # === Results: medians, ratios, FLOPs and the tables (no framework imported here) ===
@@ -538,6 +542,8 @@ def decode_loop(backend, shapes, steps, weights, start):
     weight is its own array, read from memory every step. The loop as kzoo's decode runs it:
     one compiled `while_loop` (JAX; TensorFlow under XLA), eager torch without autograd."""
 
+    import numpy as np
+
     def step(x, ws, concat, reshape):
         for (n, m, k, _), w in zip(shapes, ws):
             x = reshape(reshape(_fit(x, n * m * k, concat), (n, m, k)[n == 1:]) @ w, (-1,))
@@ -545,7 +551,6 @@ def decode_loop(backend, shapes, steps, weights, start):
 
     if backend == "jax":
         import jax
-        import numpy as np
 
         jnp = jax.numpy
         f = jax.jit(lambda x, ws: jax.lax.fori_loop(
@@ -568,7 +573,22 @@ def decode_loop(backend, shapes, steps, weights, start):
         return lambda: f(*args).numpy()
     import torch
 
-    args = (torch.from_numpy(start), [torch.from_numpy(w) for w in weights])
+    class FewRows:
+        """A `(k, n)` weight that 2 to 4 rows multiply as `(W^T x^T)^T` with a row-major
+        copy of `W^T`: MKL's fast path for them, as kzoo's torch loop takes it (see
+        `kzoo.layers.fast_decode._few_rows`)."""
+
+        def __init__(self, w):
+            self.t = torch.from_numpy(np.ascontiguousarray(w.T))
+
+        def __rmatmul__(self, a):
+            return torch.mm(self.t, a.t()).t()
+
+    def torch_weight(shape, w):
+        n, m = shape[:2]
+        return FewRows(w) if n == 1 and 2 <= m <= 4 else torch.from_numpy(w)
+
+    args = (torch.from_numpy(start), [torch_weight(s, w) for s, w in zip(shapes, weights)])
 
     def run():
         with torch.no_grad():
@@ -670,7 +690,7 @@ def _kzoo_worker(models, size, data):
                                  stop_token_ids=None)
             new["n"] = count_new_tokens(out)
 
-        seconds = _median_time(decode, size["decode_calls"], 1)
+        seconds = _median_time(decode, size["decode_calls"], DECODE_WARMUP)
         results["gpt"] = dict(**rates, decode=new["n"] / seconds, new_tokens=new["n"])
     if "bert" in models:
         model = kzoo.presets.load("bert_tiny_uncased", dropout=0.0, attention_dropout=0.0,
@@ -692,7 +712,7 @@ def _kzoo_worker(models, size, data):
                                  strategy="greedy", stop_token_ids=None)
             new["n"] = count_new_tokens(out)
 
-        seconds = _median_time(decode, size["decode_calls"], 1)
+        seconds = _median_time(decode, size["decode_calls"], DECODE_WARMUP)
         results["t5"] = dict(decode=new["n"] / seconds, new_tokens=new["n"])
     return results
 
@@ -724,7 +744,7 @@ def _keras_hub_worker(models, size, data):
             out = model.generate(inputs, stop_token_ids=None)
             new["n"] = int(np.sum(np.asarray(out["padding_mask"]))) - b * p
 
-        seconds = _median_time(decode, size["decode_calls"], 1)
+        seconds = _median_time(decode, size["decode_calls"], DECODE_WARMUP)
         results["gpt"] = dict(**rates, decode=new["n"] / seconds, new_tokens=new["n"])
     if "bert" in models:
         backbone = keras_hub.models.BertBackbone(dropout=0.0, max_sequence_length=t, **shape)
@@ -757,7 +777,7 @@ def _keras_hub_worker(models, size, data):
                 out = model.generate(inputs, stop_token_ids=None)
                 new["n"] = int(np.sum(np.asarray(out["decoder_padding_mask"]))) - b
 
-            seconds = _median_time(decode, size["decode_calls"], 1)
+            seconds = _median_time(decode, size["decode_calls"], DECODE_WARMUP)
             results["t5"] = dict(decode=new["n"] / seconds, new_tokens=new["n"])
     return results
 
@@ -802,7 +822,7 @@ def _transformers_worker(models, size, data):
                                      do_sample=False, num_beams=1, pad_token_id=0)
             new["n"] = (out.shape[1] - prompt_width) * out.shape[0]
 
-        return new, _median_time(decode, size["decode_calls"], 1)
+        return new, _median_time(decode, size["decode_calls"], DECODE_WARMUP)
 
     if "gpt" in models:
         config = transformers.GPT2Config(

@@ -708,24 +708,33 @@ def _loop_body(model, sampler, max_new_tokens):
     return start, step
 
 
-def _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every, graphs=False):
+def _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every, graphs=False,
+                 compiled=False):
     """The loop in Python (PyTorch, and every backend with `compile=False`). `graphs`: the
-    model's steps replay one CUDA graph (`_graphed_step`) where it can be captured."""
+    model's steps replay one CUDA graph (`_graphed_step`) where it can be captured;
+    `compiled`: else one `torch.compile`d step where the model has one
+    (`kzoo.layers.compiled_decode`)."""
     start, step = _loop_body(model, sampler, max_new_tokens)
     carry, state, constants = start(inputs, carry)
     early = sampler.can_end_early()
     model_step = None
     if graphs and max_new_tokens > 1:
         model_step = _graphed_step(model, sampler, carry, state, constants)
+    if model_step is None and compiled and max_new_tokens > 1:
+        from kzoo.layers import compiled_decode
+
+        model_step = compiled_decode.gpt_step(model, state, constants)
     for t in range(1, max_new_tokens):
         if early and (t - 1) % check_every == 0 and bool(
             ops.convert_to_numpy(sampler.done(carry))
         ):
             break
-        if model_step is None:
+        logits = None if model_step is None else model_step(sampler.last_tokens(carry, t - 1),
+                                                            t - 1)
+        if logits is None:  # (eager, or a compiled step that could not compile: eager)
+            model_step = None
             carry, state = step(t, carry, state, constants)
             continue
-        logits = model_step(sampler.last_tokens(carry, t - 1), t - 1)
         carry, rows = sampler.select(logits, carry, t)
         if rows is not None:  # (beam search) the graph reads these tensors: reorder in place
             for x in keras.tree.flatten(state):
@@ -995,11 +1004,12 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         if backend == "torch":
             import torch
 
-            from kzoo.layers.fast_decode import fast_steps
+            from kzoo.layers import fast_decode
 
-            with torch.no_grad(), fast_steps():
+            with torch.no_grad(), fast_decode.fast_steps():
                 carry = _python_loop(model, sampler, max_new_tokens, inputs, carry,
-                                     check_every, graphs=compile and graphs_apply())
+                                     check_every, graphs=compile and graphs_apply(),
+                                     compiled=compile and fast_decode.enabled())
         else:
             carry = _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every)
         tokens, lengths = sampler.result(carry)

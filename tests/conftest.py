@@ -42,6 +42,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _name, _value in _ONE_THREAD_PER_WORKER.items():
         os.environ.setdefault(_name, _value)
 
+# The torch decode loop's compiled step (`kzoo.layers.compiled_decode`) costs 4-15 s of
+# compilation per model shape; the suite's many small models would pay it over and over, so
+# it runs off here except in tests/test_compiled_decode.py, which turns it on and checks it
+# against the eager loop and the full forward pass.
+os.environ.setdefault("KZOO_COMPILED_DECODE", "0")
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -1,0 +1,144 @@
+"""The torch decode loop's compiled step (`kzoo.layers.compiled_decode`): its logits equal
+the model's own full forward pass (the Keras layers) at each new position, left padding
+included; `generate` gives the eager loop's tokens with it (greedy, beam, sampling); models
+it cannot express, and a compiler that fails, decode eagerly; the "auto" policy compiles from
+a shape's second call. On JAX and TensorFlow it never applies (their loops compile whole).
+
+The suite runs with `KZOO_COMPILED_DECODE=0` (tests/conftest.py); these tests set it."""
+
+import keras
+import numpy as np
+import pytest
+
+from kzoo.layers import compiled_decode
+from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+from tests.harness import to_numpy
+
+TORCH = keras.backend.backend() == "torch"
+
+CONFIGS = {
+    "gpt2": {},
+    "post_ln_rms_gqa_untied": dict(norm="rmsnorm", num_kv_heads=1, tie_embeddings=False,
+                                   activation="relu", use_bias=False),
+    "gelu_silu_scale": dict(activation="gelu", attention_scale=0.3),
+}
+
+
+def _lm(**extra):
+    keras.utils.set_random_seed(3)
+    return GPTCausalLM(GPTBackbone(vocabulary_size=97, num_layers=2, num_heads=2, hidden_dim=16,
+                                   intermediate_dim=32, max_sequence_length=40, dropout=0.0,
+                                   **extra))
+
+
+def _no_grad():
+    import contextlib
+
+    if TORCH:
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_compiled_step_logits_match_the_full_forward(monkeypatch, name):
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    lm = _lm(**CONFIGS[name])
+    if name == "post_ln_rms_gqa_untied":  # (GPT is pre-LN: turn its blocks to post-LN)
+        for block in lm.backbone.transformer_layers:
+            block.norm_first = False
+    rows = [[5, 6, 7, 8], [9, 10]]
+    inputs = {"token_ids": np.array([[5, 6, 7, 8], [0, 0, 9, 10]], "int32"),
+              "padding_mask": np.array([[1, 1, 1, 1], [0, 0, 1, 1]], "int32"),
+              "position_offset": np.array([0, 2], "int32")}
+    with _no_grad():
+        logits, state, constants = lm.generation_prefill(inputs, 3)
+        step = compiled_decode.gpt_step(lm, state, constants)
+        if not TORCH:
+            assert step is None
+            return
+        assert step is not None
+        import torch
+
+        for index in range(2):
+            new = np.argmax(to_numpy(logits), axis=-1)
+            rows = [r + [int(t)] for r, t in zip(rows, new)]
+            logits = step(torch.as_tensor(new[:, None]), index)
+            for b, row in enumerate(rows):  # each row alone, unpadded, through Keras' layers
+                full = lm({"token_ids": np.array([row], "int32"),
+                           "padding_mask": np.ones((1, len(row)), "int32")})
+                np.testing.assert_allclose(to_numpy(logits)[b], to_numpy(full)[0, -1],
+                                           rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,kwargs", [("greedy", {}), ("beam", dict(num_beams=2)),
+                                             ("sample", dict(top_k=5, seed=4))])
+def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
+    lm = _lm()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    monkeypatch.setenv(compiled_decode.ENV, "0")
+    eager = lm.generate(prompts, max_new_tokens=10, strategy=strategy, stop_token_ids=None,
+                        **kwargs)
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    calls = []
+    real = compiled_decode._compiled
+
+    def counted(config):
+        run = real(config)
+        return lambda *a: calls.append(1) or run(*a)
+
+    monkeypatch.setattr(compiled_decode, "_compiled", counted)
+    compiled = lm.generate(prompts, max_new_tokens=10, strategy=strategy, stop_token_ids=None,
+                           **kwargs)
+    assert compiled == eager
+    assert len(calls) == (9 if TORCH else 0)  # every step after the prefill's
+
+
+def test_models_it_cannot_express_decode_eagerly(monkeypatch):
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    for extra in (dict(position="rotary"), dict(feedforward="gated", activation="silu")):
+        lm = _lm(**extra)
+        assert compiled_decode._plan(lm) is None
+        out = lm.generate([[5, 6, 7]], max_new_tokens=4, stop_token_ids=None)
+        assert len(out[0]) == 4
+    assert (compiled_decode._plan(_lm()) is not None) == TORCH
+
+
+def test_a_compiler_that_fails_warns_and_decodes_eagerly(monkeypatch):
+    lm = _lm()
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    monkeypatch.setenv(compiled_decode.ENV, "0")
+    eager = lm.generate(prompts, max_new_tokens=6, stop_token_ids=None)
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+
+    def broken(config):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(compiled_decode, "_compiled", broken)
+    if TORCH:
+        with pytest.warns(UserWarning, match="no compiled step for GPTCausalLM.*no C\\+\\+"):
+            out = lm.generate(prompts, max_new_tokens=6, stop_token_ids=None)
+    else:
+        out = lm.generate(prompts, max_new_tokens=6, stop_token_ids=None)
+    assert out == eager
+
+
+def test_auto_policy_compiles_from_a_shapes_second_call(monkeypatch):
+    monkeypatch.delenv(compiled_decode.ENV, raising=False)
+    assert compiled_decode.policy() == "auto"
+    made = []
+    real = compiled_decode._compiled
+    monkeypatch.setattr(compiled_decode, "_compiled",
+                        lambda config: made.append(config) or real(config))
+    lm = _lm()
+    for prompts, expected in (([[5, 6, 7]], 0), ([[8, 9, 10]], 1),  # same shape: compiled
+                              ([[5, 6, 7], [1, 2, 3]], 1),  # a new batch size: eager first
+                              ([[5, 6, 7], [1, 2, 3]], 2)):
+        lm.generate(prompts, max_new_tokens=3, stop_token_ids=None)
+        assert len(made) == (expected if TORCH else 0)
+    monkeypatch.setenv(compiled_decode.ENV, "sometimes")
+    with pytest.raises(ValueError, match="KZOO_COMPILED_DECODE must be 'auto', '1' or '0'"):
+        compiled_decode.policy()
