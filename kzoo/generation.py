@@ -723,7 +723,7 @@ def _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every, gra
     if model_step is None and compiled and max_new_tokens > 1:
         from kzoo.layers import compiled_decode
 
-        model_step = compiled_decode.gpt_step(model, state, constants)
+        model_step = compiled_decode.model_step(model, state, constants)
     for t in range(1, max_new_tokens):
         if early and (t - 1) % check_every == 0 and bool(
             ops.convert_to_numpy(sampler.done(carry))

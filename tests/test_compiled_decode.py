@@ -54,7 +54,7 @@ def test_compiled_step_logits_match_the_full_forward(monkeypatch, name):
               "position_offset": np.array([0, 2], "int32")}
     with _no_grad():
         logits, state, constants = lm.generation_prefill(inputs, 3)
-        step = compiled_decode.gpt_step(lm, state, constants)
+        step = compiled_decode.model_step(lm, state, constants)
         if not TORCH:
             assert step is None
             return
@@ -84,8 +84,8 @@ def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
     calls = []
     real = compiled_decode._compiled
 
-    def counted(config):
-        run = real(config)
+    def counted(config, fn=None):
+        run = real(config, fn)
         return lambda *a: calls.append(1) or run(*a)
 
     monkeypatch.setattr(compiled_decode, "_compiled", counted)
@@ -112,7 +112,7 @@ def test_a_compiler_that_fails_warns_and_decodes_eagerly(monkeypatch):
     eager = lm.generate(prompts, max_new_tokens=6, stop_token_ids=None)
     monkeypatch.setenv(compiled_decode.ENV, "1")
 
-    def broken(config):
+    def broken(config, fn=None):
         def run(*args):
             raise RuntimeError("no C++ compiler")
         return run
@@ -132,7 +132,7 @@ def test_auto_policy_compiles_from_a_shapes_second_call(monkeypatch):
     made = []
     real = compiled_decode._compiled
     monkeypatch.setattr(compiled_decode, "_compiled",
-                        lambda config: made.append(config) or real(config))
+                        lambda config, fn=None: made.append(config) or real(config, fn))
     lm = _lm()
     for prompts, expected in (([[5, 6, 7]], 0), ([[8, 9, 10]], 1),  # same shape: compiled
                               ([[5, 6, 7], [1, 2, 3]], 1),  # a new batch size: eager first
@@ -142,3 +142,56 @@ def test_auto_policy_compiles_from_a_shapes_second_call(monkeypatch):
     monkeypatch.setenv(compiled_decode.ENV, "sometimes")
     with pytest.raises(ValueError, match="KZOO_COMPILED_DECODE must be 'auto', '1' or '0'"):
         compiled_decode.policy()
+
+
+def _t5(**extra):
+    from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
+
+    keras.utils.set_random_seed(5)
+    return T5Seq2SeqLM(T5Backbone(vocabulary_size=61, num_layers=2, num_heads=2, hidden_dim=16,
+                                  intermediate_dim=24, key_value_dim=8, dropout=0.0, **extra))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_t5_compiled_step_logits_match_the_full_forward(monkeypatch, tied):
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    lm = _t5(tie_embeddings=tied)
+    encoder = np.array([[5, 6, 7, 8], [9, 10, 0, 0]], "int32")
+    encoder_mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], "int32")
+    start = np.zeros((2, 1), "int32")
+    with _no_grad():
+        logits, state, constants = lm.generation_prefill(
+            {"encoder_token_ids": encoder, "encoder_padding_mask": encoder_mask,
+             "decoder_start_token_ids": start}, 4)
+        step = compiled_decode.model_step(lm, state, constants)
+        if not TORCH:
+            assert step is None
+            return
+        assert step is not None
+        import torch
+
+        decoded = start
+        for index in range(3):
+            new = np.argmax(to_numpy(logits), axis=-1)
+            decoded = np.concatenate([decoded, new[:, None].astype("int32")], axis=1)
+            logits = step(torch.as_tensor(new[:, None]), index)
+            full = lm({"encoder_token_ids": encoder, "encoder_padding_mask": encoder_mask,
+                       "decoder_token_ids": decoded,
+                       "decoder_padding_mask": np.ones_like(decoded)})
+            np.testing.assert_allclose(to_numpy(logits), to_numpy(full)[:, -1], rtol=1e-5,
+                                       atol=1e-5)
+
+
+def test_t5_generate_gives_the_eager_tokens(monkeypatch):
+    lm = _t5()
+    prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], "int32")
+    monkeypatch.setenv(compiled_decode.ENV, "0")
+    eager = lm.generate(prompts, max_new_tokens=8, stop_token_ids=None)
+    beams = lm.generate(prompts, max_new_tokens=8, stop_token_ids=None, strategy="beam",
+                        num_beams=2)
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    assert lm.generate(prompts, max_new_tokens=8, stop_token_ids=None) == eager
+    assert lm.generate(prompts, max_new_tokens=8, stop_token_ids=None, strategy="beam",
+                       num_beams=2) == beams
+    assert (compiled_decode._t5_plan(lm) is not None) == TORCH
+    assert compiled_decode._t5_plan(_t5(feedforward="gated-gelu")) is None

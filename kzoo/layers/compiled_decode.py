@@ -1,4 +1,4 @@
-"""PyTorch: a GPT model's whole decode step as one `torch.compile`d function.
+"""PyTorch: a GPT or T5 model's whole decode step as one `torch.compile`d function.
 
 The torch decode loop (`kzoo.generation`) runs each step in eager torch calls
 (`kzoo.layers.fast_decode`): at a few rows a step, the matrix products stream the weights and
@@ -8,13 +8,16 @@ the mask) becomes a few fused C++ loops and the step one call. Measured on the 2
 `benchmarks/peers.py`'s size (GPT, 4 prompts, 128 new tokens; see the README): a lean eager
 step 4.6 ms, the same compiled 2.8 ms.
 
-`gpt_step(model, state, constants)` returns `step(last_tokens, index) -> float32 logits` (the
-interface of the loop's `model_step`) for a `GPTCausalLM` whose step it can express, or None:
-learned positions (or none) with `position_offset`, full softmax self-attention (grouped
-query heads too), LayerNorm or RMSNorm before or after each sub-layer, a dense feed-forward
-with a plain activation, plain float32 `Dense` kernels, a tied or untied head without a
-soft cap. Anything else (rotary or ALiBi positions, efficient attention, gated or mixture-of-
-experts feed-forwards, LoRA or quantised kernels, half precision) decodes eagerly as before.
+`model_step(model, state, constants)` returns `step(last_tokens, index) -> float32 logits`
+(the interface of the loop's `model_step`) for a `GPTCausalLM` or `T5Seq2SeqLM` whose step
+it can express, or None. GPT: learned positions with `position_offset`, full softmax
+self-attention (grouped query heads too), LayerNorm or RMSNorm before or after each
+sub-layer, a plain (not gated) feed-forward with a plain activation, plain float32 `Dense`
+kernels, a tied or untied head without a soft cap. T5: the same blocks with cross-attention
+over the precomputed encoder keys and values, the decoder's relative position bias (one
+table per loop, the causal mask folded in), the tied head of v1.0 or an untied `lm_head`.
+Anything else (rotary positions, efficient attention, gated (T5 v1.1) or mixture-of-experts
+feed-forwards, LoRA or quantised kernels, half precision) decodes eagerly as before.
 
 The compiled function reads the weights as arguments (made once per `generate` call, as the
 eager path's transposed copies are), so training between calls needs no recompilation; a new
@@ -108,14 +111,15 @@ def _norm_spec(layer):
     return None
 
 
-def _block_spec(block):
-    """(static config, weights) of a `TransformerBlock` the step can run, else None."""
+def _block_spec(block, cross=False):
+    """(static config, weights) of a `TransformerBlock` the step can run, else None; `cross`:
+    a decoder block with cross-attention (T5), whose keys and values come precomputed."""
     import torch
 
     from kzoo.layers import fast_decode
 
     attention = block.self_attention
-    if (block.cross_attention or not block.causal or block.feedforward != "plain"
+    if (block.cross_attention != cross or not block.causal or block.feedforward != "plain"
             or block.attention != "full" or block.activation not in _ACTIVATIONS
             or attention.rotary is not None or attention.attention != "full"):
         return None
@@ -148,11 +152,27 @@ def _block_spec(block):
         "down_bias": None if ff.output_dense.bias is None else value(ff.output_dense.bias),
         "norm1": norms[0][2:], "norm2": norms[1][2:],
     }
-    scale = attention.scale if attention.scale is not None else attention._head_dim ** -0.5
     config = (block.norm_first, norms[0][:2], norms[1][:2], block.activation,
-              attention.num_heads, attention._kv_heads, attention._head_dim, float(scale),
+              attention.num_heads, attention._kv_heads, attention._head_dim, _scale(attention),
               q.kernel.shape[1], k.kernel.shape[1])
+    if cross:
+        layer = block.cross_attention_layer
+        norm = _norm_spec(block.cross_attention_norm)
+        pair = (layer.query_dense, layer.output_dense)
+        if (norm is None or not all(_plain(d) for d in pair) or layer.rotary is not None
+                or layer.attention != "full"):
+            return None
+        weights.update(cross_query=t(pair[0]), cross_query_bias=None if pair[0].bias is None
+                       else value(pair[0].bias), cross_out=t(pair[1]),
+                       cross_out_bias=None if pair[1].bias is None else value(pair[1].bias),
+                       norm_cross=norm[2:])
+        config += (norm[:2], layer.num_heads, layer._kv_heads, layer._head_dim, _scale(layer))
     return config, weights
+
+
+def _scale(attention):
+    return float(attention.scale if attention.scale is not None
+                 else attention._head_dim ** -0.5)
 
 
 def _plan(model):
@@ -182,6 +202,50 @@ def _plan(model):
     weights = {"table": table, "head": head, "positions": positions,
                "blocks": [w for _, w in blocks], "final": final[2:]}
     return config, weights
+
+
+def _t5_plan(model):
+    """(static config, weights) of a `T5Seq2SeqLM`'s decoder step, or None."""
+    import torch
+
+    from kzoo.layers import fast_decode
+    from kzoo.models.t5 import T5Seq2SeqLM
+
+    if not isinstance(model, T5Seq2SeqLM) or keras.backend.backend() != "torch":
+        return None
+    backbone = model.backbone
+    embedding = backbone.token_embedding
+    if embedding.logit_soft_cap is not None or embedding.compute_dtype != "float32":
+        return None
+    blocks = [_block_spec(block, cross=True) for block in backbone.decoder_layers]
+    final = _norm_spec(backbone.decoder_output_norm)
+    if None in blocks or final is None or (model.lm_head is not None
+                                           and not _plain(model.lm_head)):
+        return None
+    value = fast_decode._value
+    table = value(embedding.embeddings)
+    if model.lm_head is None:  # the tied table, the hidden states scaled by d^-1/2 first
+        head, head_scale = table, float(backbone.hidden_dim ** -0.5)
+    else:
+        head, head_scale = value(model.lm_head.kernel).t().contiguous(), 1.0
+    if table.dtype != torch.float32 or head.dtype != torch.float32:
+        return None
+    config = (tuple(c for c, _ in blocks), final[:2], head_scale)
+    weights = {"table": table, "head": head, "blocks": [w for _, w in blocks],
+               "final": final[2:], "bias": backbone.decoder_relative_attention_bias}
+    return config, weights
+
+
+def _t5_bias(layer, length):
+    """The decoder self-attention's relative position bias `(heads, length, length)` with the
+    keys after each query at the dtype's minimum (as `T5Backbone._causal_bias_rows`)."""
+    import torch
+    from keras import ops
+
+    positions = ops.zeros((1, length, 1), layer.compute_dtype)
+    table = layer(positions, positions)[0]
+    future = torch.ones((length, length), dtype=torch.bool, device=table.device).triu(1)
+    return table.masked_fill(future, torch.finfo(table.dtype).min).contiguous()
 
 
 def _norm(spec, params, x):
@@ -215,7 +279,6 @@ def _step(config, weights, tokens, slot, offsets, padding_mask, caches):
     import torch.nn.functional as F
 
     block_configs, final_spec = config
-    batch = tokens.shape[0]
     x = weights["table"].index_select(0, tokens)
     if weights["positions"] is not None:
         table = weights["positions"]
@@ -223,46 +286,104 @@ def _step(config, weights, tokens, slot, offsets, padding_mask, caches):
         x = x + table.index_select(0, position)
     length = caches[0][0].shape[2]
     visible = (torch.arange(length, device=x.device) <= slot)[None, :] & (padding_mask != 0)
-    visible = visible[:, None, None, :]
-    index = slot.reshape(1)
-    for (norm_first, norm1, norm2, activation, heads, kv_heads, head_dim, scale, q_units,
-         kv_units), w, (keys, values) in zip(block_configs, weights["blocks"], caches):
-        h = _norm(norm1, w["norm1"], x) if norm_first else x
-        qkv = _product(h, w["qkv"], w["qkv_bias"])
-        q = qkv[:, :q_units].reshape(batch, heads, 1, head_dim)
-        k = qkv[:, q_units:q_units + kv_units].reshape(batch, kv_heads, 1, head_dim)
-        v = qkv[:, q_units + kv_units:].reshape(batch, kv_heads, 1, head_dim)
-        keys.index_copy_(2, index, k)
-        values.index_copy_(2, index, v)
-        attended = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=visible, scale=scale, enable_gqa=heads != kv_heads)
-        h = _product(attended.reshape(batch, heads * head_dim), w["out"], w["out_bias"])
-        x = x + h if norm_first else _norm(norm1, w["norm1"], x + h)
-        h = _norm(norm2, w["norm2"], x) if norm_first else x
-        h = _activate(activation, _product(h, w["up"], w["up_bias"]))
-        h = _product(h, w["down"], w["down_bias"])
-        x = x + h if norm_first else _norm(norm2, w["norm2"], x + h)
+    for config, w, cache in zip(block_configs, weights["blocks"], caches):
+        x = _self_attention(config, w, x, cache, slot, visible[:, None, None, :])
+        x = _feedforward(config, w, x)
     x = _norm(final_spec, weights["final"], x)
     return _product(x, weights["head"], None).float()
 
 
-def _compiled(config):
-    """The compiled `_step` for one static `config` (cached: a new one per model shape)."""
+def _sublayer(norm_first, norm, params, x, fn):
+    """`x + fn(norm(x))` (pre-LN) or `norm(x + fn(x))` (post-LN)."""
+    if norm_first:
+        return x + fn(_norm(norm, params, x))
+    return _norm(norm, params, x + fn(x))
+
+
+def _attend(q, keys, values, mask, scale, heads, out, out_bias):
+    import torch.nn.functional as F
+
+    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=heads != keys.shape[1])
+    return _product(attended.reshape(q.shape[0], -1), out, out_bias)
+
+
+def _self_attention(config, w, x, cache, slot, mask):
+    """A block's self-attention sub-layer for one new token per row, its keys and values
+    written into `cache` at `slot`; `mask`: boolean or additive, over the cache slots."""
+    norm_first, norm1, _, _, heads, kv_heads, head_dim, scale, q_units, kv_units = config[:10]
+    batch, (keys, values) = x.shape[0], cache
+
+    def attend(h):
+        qkv = _product(h, w["qkv"], w["qkv_bias"])
+        q = qkv[:, :q_units].reshape(batch, heads, 1, head_dim)
+        k = qkv[:, q_units:q_units + kv_units].reshape(batch, kv_heads, 1, head_dim)
+        v = qkv[:, q_units + kv_units:].reshape(batch, kv_heads, 1, head_dim)
+        keys.index_copy_(2, slot.reshape(1), k)
+        values.index_copy_(2, slot.reshape(1), v)
+        return _attend(q, keys, values, mask, scale, heads, w["out"], w["out_bias"])
+
+    return _sublayer(norm_first, norm1, w["norm1"], x, attend)
+
+
+def _feedforward(config, w, x):
+    norm_first, _, norm2, activation = config[:4]
+
+    def ff(h):
+        h = _activate(activation, _product(h, w["up"], w["up_bias"]))
+        return _product(h, w["down"], w["down_bias"])
+
+    return _sublayer(norm_first, norm2, w["norm2"], x, ff)
+
+
+def _t5_step(config, weights, tokens, slot, encoder_mask, bias, caches, cross_caches):
+    """One T5 decoder step: `tokens (batch,)` at position `slot` (0-d); `encoder_mask (batch,
+    enc_len)`, `bias (heads, length, length)` (see `_t5_bias`), `caches` as `_step`'s and
+    `cross_caches` the cross-attention's precomputed `(keys, values)`; returns the float32
+    logits."""
+    block_configs, final_spec, head_scale = config
+    x = weights["table"].index_select(0, tokens)
+    self_bias = bias.index_select(1, slot.reshape(1))[None]  # (1, heads, 1, length)
+    cross_mask = (encoder_mask != 0)[:, None, None, :]
+    for config, w, cache, (keys, values) in zip(block_configs, weights["blocks"], caches,
+                                                cross_caches):
+        x = _self_attention(config, w, x, cache, slot, self_bias)
+        norm_first = config[0]
+        norm, heads, _, head_dim, scale = config[10:]
+
+        def cross(h):
+            q = _product(h, w["cross_query"], w["cross_query_bias"]).reshape(
+                h.shape[0], heads, 1, head_dim)
+            return _attend(q, keys, values, cross_mask, scale, heads, w["cross_out"],
+                           w["cross_out_bias"])
+
+        x = _sublayer(norm_first, norm, w["norm_cross"], x, cross)
+        x = _feedforward(config, w, x)
+    x = _norm(final_spec, weights["final"], x)
+    if head_scale != 1.0:
+        x = x * head_scale
+    return _product(x, weights["head"], None).float()
+
+
+def _compiled(config, fn=None):
+    """The compiled `fn` (default `_step`) for one static `config` (cached: one per model
+    shape)."""
     import functools
 
     import torch
 
-    if config not in _COMPILED:
-        _COMPILED[config] = torch.compile(functools.partial(_step, config))
-    return _COMPILED[config]
+    fn = _step if fn is None else fn
+    if (fn, config) not in _COMPILED:
+        _COMPILED[fn, config] = torch.compile(functools.partial(fn, config))
+    return _COMPILED[fn, config]
 
 
-def gpt_step(model, state, constants):
-    """`step(last_tokens, index) -> float32 logits (batch, vocab)`: `model`'s decode step,
-    compiled, reading and writing `state`'s caches in place (CPU tensors); or None where it
-    does not apply (see the module docstring). Where the first call cannot compile (no C++
-    compiler, say), it warns and returns None, having changed nothing: the loop then steps
-    eagerly."""
+def model_step(model, state, constants):
+    """`step(last_tokens, index) -> float32 logits (batch, vocab)`: the decode step of a GPT
+    or T5 `model`, compiled, reading and writing `state`'s caches in place (CPU tensors); or
+    None where it does not apply (see the module docstring). Where the first call cannot
+    compile (no C++ compiler, say), it warns and returns None, having changed nothing: the
+    loop then steps eagerly."""
     import warnings
 
     import torch
@@ -274,24 +395,34 @@ def gpt_step(model, state, constants):
             isinstance(c, (tuple, list)) and len(c) == 2 and c[0].device.type == "cpu"
             for c in caches):
         return None
-    plan = _plan(model)
-    if plan is None or not _wanted(model, caches):
-        return None
-    config, weights = plan
-    run = _compiled(config)
-    start = constants["prompt_length"][0].to(torch.long)
-    offsets = constants["position_offset"].to(torch.long)
-    mask = constants["padding_mask"]
     caches = [tuple(c) for c in caches]
+    if "cross_cache" in constants:  # T5
+        plan = _t5_plan(model)
+        cross = constants["cross_cache"]
+        if plan is None or not isinstance(cross, list) or not _wanted(model, caches):
+            return None
+        config, weights = plan
+        run = _compiled(config, _t5_step)
+        bias = _t5_bias(weights.pop("bias"), caches[0][0].shape[2])
+        args = (constants["encoder_padding_mask"], bias, caches, [tuple(c) for c in cross])
+        first = 1  # (the start token sits at position 0: step `index` feeds `index + 1`)
+    else:
+        plan = _plan(model)
+        if plan is None or not _wanted(model, caches):
+            return None
+        config, weights = plan
+        run = _compiled(config)
+        first = constants["prompt_length"][0].to(torch.long)
+        args = (constants["position_offset"].to(torch.long), constants["padding_mask"], caches)
     compiled = []
 
     def step(last_tokens, index):
         tokens = last_tokens.reshape(-1).to(torch.long)
-        slot = start + index
+        slot = torch.as_tensor(first + index, dtype=torch.long)
         if compiled:
-            return run(weights, tokens, slot, offsets, mask, caches)
+            return run(weights, tokens, slot, *args)
         try:
-            logits = run(weights, tokens, slot, offsets, mask, caches)
+            logits = run(weights, tokens, slot, *args)
         except Exception as error:  # compilation: nothing was written yet
             warnings.warn(f"kzoo decode: no compiled step for {type(model).__name__} "
                           f"({type(error).__name__}: {error}); decoding eagerly (set "
