@@ -54,7 +54,9 @@ the floor is a loop of `new_tokens` steps of just one decode step's matmuls (`de
 the projections, the attention products over the cache, the head), each weight its own array,
 compiled as kzoo's loop is (`decode_loop`): at 4 rows a step these products stream every
 weight from memory, so the floor is the rate at which this machine reads them, and
-`floor / keras-hub` bounds the kzoo/keras-hub ratio of a float32 decode on that backend.
+`floor / keras-hub` bounds the kzoo/keras-hub ratio of a float32 decode on that backend (on
+JAX and TensorFlow; torch's floor loop is eager, one Python call a product, and kzoo's
+compiled torch step, `kzoo.layers.compiled_decode`, runs above it).
 
 Training memory: the resident set's high-water mark over the training calls (warm-up and
 compilation included; reset through /proc/self/clear_refs first) minus the resident set
