@@ -29,7 +29,6 @@ calls never wait. It needs a C++ compiler: where compiling fails, a warning, and
 decodes eagerly. `KZOO_COMPILED_DECODE=1` compiles from the first call, `0` never.
 """
 
-import math
 import os
 import weakref
 
@@ -37,9 +36,6 @@ import keras
 
 ENV = "KZOO_COMPILED_DECODE"
 
-# `x * sigmoid(x (k1 + k2 x^2))`: the tanh GELU (see `kzoo.layers.feedforward`).
-_K1 = 2.0 * math.sqrt(2.0 / math.pi)
-_K2 = _K1 * 0.044715
 _TANH_GELUS = ("gelu_tanh", "gelu_new", "gelu_pytorch_tanh")
 _ACTIVATIONS = ("relu", "gelu", "silu", "swish", "linear") + _TANH_GELUS
 
@@ -74,7 +70,9 @@ def _activate(name, h):
     import torch
     import torch.nn.functional as F
 
-    if name in _TANH_GELUS:
+    from kzoo.layers.feedforward import _K1, _K2
+
+    if name in _TANH_GELUS:  # `x * sigmoid(x (k1 + k2 x^2))`, as `feedforward`'s forward
         return h * torch.sigmoid(h * (_K1 + _K2 * h * h))
     if name == "gelu":
         return F.gelu(h)
@@ -237,15 +235,10 @@ def _t5_plan(model):
 
 
 def _t5_bias(layer, length):
-    """The decoder self-attention's relative position bias `(heads, length, length)` with the
-    keys after each query at the dtype's minimum (as `T5Backbone._causal_bias_rows`)."""
-    import torch
-    from keras import ops
+    """`(heads, length, length)`: `T5Backbone`'s causal relative-bias table."""
+    from kzoo.models.t5 import causal_bias_table
 
-    positions = ops.zeros((1, length, 1), layer.compute_dtype)
-    table = layer(positions, positions)[0]
-    future = torch.ones((length, length), dtype=torch.bool, device=table.device).triu(1)
-    return table.masked_fill(future, torch.finfo(table.dtype).min).contiguous()
+    return causal_bias_table(layer, length)[0].contiguous()
 
 
 def _norm(spec, params, x):

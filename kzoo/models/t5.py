@@ -528,16 +528,9 @@ class T5Backbone(Backbone):
         layer = self.decoder_relative_attention_bias
         keys = cache[0] if isinstance(cache, (tuple, list)) else cache[:, 0]
         length = keys.shape[2]
-
-        def make():
-            positions = ops.zeros((1, length, 1), layer.compute_dtype)
-            table = layer(positions, positions)  # (1, heads, length, length)
-            future = torch.ones((length, length), dtype=torch.bool,
-                                device=table.device).triu(1)
-            return table.masked_fill(future, torch.finfo(table.dtype).min)
-
         table = fast_decode.memo(("t5_causal_bias", id(layer), length),
-                                 [fast_decode._value(layer.embeddings)], make)
+                                 [fast_decode._value(layer.embeddings)],
+                                 lambda: causal_bias_table(layer, length))
         if type(cache_index) is int:  # only the keys written so far (see `block_step`)
             return table[:, :, cache_index:cache_index + q_len, :cache_index + q_len]
         # (`index_select`, not `narrow`: a tensor start would be read on the host, a device
@@ -547,6 +540,18 @@ class T5Backbone(Backbone):
         return table.index_select(2, rows)
 
     # === Config ===
+
+
+def causal_bias_table(layer, length):
+    """torch: the decoder self-attention's relative position bias `(1, heads, length,
+    length)` of `layer` (a `RelativePositionBias`) with the keys after each query set to the
+    dtype's minimum (the causal mask folded in): what a decode loop's steps read rows of."""
+    import torch
+
+    positions = ops.zeros((1, length, 1), layer.compute_dtype)
+    table = layer(positions, positions)
+    future = torch.ones((length, length), dtype=torch.bool, device=table.device).triu(1)
+    return table.masked_fill(future, torch.finfo(table.dtype).min)
 
 
 # === Task model ===
