@@ -21,6 +21,13 @@ CONFIGS = {
     "post_ln_rms_gqa_untied": dict(norm="rmsnorm", num_kv_heads=1, tie_embeddings=False,
                                    activation="relu", use_bias=False),
     "gelu_silu_scale": dict(activation="gelu", attention_scale=0.3),
+    # Llama-style (`gpt_modern_mini`): rotary positions, SwiGLU, RMSNorm, grouped heads
+    "rotary_swiglu_gqa": dict(norm="rmsnorm", position="rotary", feedforward="gated",
+                              activation="silu", num_kv_heads=1, use_bias=False,
+                              tie_embeddings=False, rope_max_wavelength=500.0),
+    # the paper's pairing and linear position interpolation, set on the layers below
+    "rotary_interleaved_scaled_geglu": dict(position="rotary", feedforward="gated",
+                                            activation="gelu_tanh"),
 }
 
 
@@ -50,6 +57,10 @@ def test_compiled_step_logits_match_the_full_forward(monkeypatch, name):
     if name == "post_ln_rms_gqa_untied":  # (GPT is pre-LN: turn its blocks to post-LN)
         for block in lm.backbone.transformer_layers:
             block.norm_first = False
+    if name == "rotary_interleaved_scaled_geglu":
+        for block in lm.backbone.transformer_layers:
+            block.self_attention.rotary.interleaved = True
+            block.self_attention.rotary.scaling_factor = 2.5
     rows = [[5, 6, 7, 8], [9, 10]]
     inputs = {"token_ids": np.array([[5, 6, 7, 8], [0, 0, 9, 10]], "int32"),
               "padding_mask": np.array([[1, 1, 1, 1], [0, 0, 1, 1]], "int32"),
@@ -99,7 +110,8 @@ def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
 
 def test_models_it_cannot_express_decode_eagerly(monkeypatch):
     monkeypatch.setenv(compiled_decode.ENV, "1")
-    for extra in (dict(position="rotary"), dict(feedforward="gated", activation="silu")):
+    for extra in (dict(feedforward="moe", num_experts=2, top_k=1),
+                  dict(attention="sliding_window", attention_options={"window": 4})):
         lm = _lm(**extra)
         assert compiled_decode._plan(lm) is None
         out = lm.generate([[5, 6, 7]], max_new_tokens=4, stop_token_ids=None)
@@ -155,10 +167,13 @@ def _t5(**extra):
                                   intermediate_dim=24, key_value_dim=8, dropout=0.0, **extra))
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_t5_compiled_step_logits_match_the_full_forward(monkeypatch, tied):
+@pytest.mark.parametrize("extra", [dict(tie_embeddings=True),  # v1.0: tied head, ReLU
+                                   # v1.1: untied head, tanh-GELU gated feed-forward
+                                   dict(tie_embeddings=False, feedforward="gated-gelu")],
+                         ids=["v1_0", "v1_1"])
+def test_t5_compiled_step_logits_match_the_full_forward(monkeypatch, extra):
     monkeypatch.setenv(compiled_decode.ENV, "1")
-    lm = _t5(tie_embeddings=tied)
+    lm = _t5(**extra)
     encoder = np.array([[5, 6, 7, 8], [9, 10, 0, 0]], "int32")
     encoder_mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], "int32")
     start = np.zeros((2, 1), "int32")
@@ -197,4 +212,4 @@ def test_t5_generate_gives_the_eager_tokens(monkeypatch):
     assert lm.generate(prompts, max_new_tokens=8, stop_token_ids=None, strategy="beam",
                        num_beams=2) == beams
     assert (compiled_decode._t5_plan(lm) is not None) == TORCH
-    assert compiled_decode._t5_plan(_t5(feedforward="gated-gelu")) is None
+    assert compiled_decode._t5_plan(_t5(feedforward="gated-gelu")) is not None or not TORCH

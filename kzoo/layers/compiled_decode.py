@@ -10,14 +10,19 @@ step 4.6 ms, the same compiled 2.8 ms.
 
 `model_step(model, state, constants)` returns `step(last_tokens, index) -> float32 logits`
 (the interface of the loop's `model_step`) for a `GPTCausalLM` or `T5Seq2SeqLM` whose step
-it can express, or None. GPT: learned positions with `position_offset`, full softmax
-self-attention (grouped query heads too), LayerNorm or RMSNorm before or after each
-sub-layer, a plain (not gated) feed-forward with a plain activation, plain float32 `Dense`
-kernels, a tied or untied head without a soft cap. T5: the same blocks with cross-attention
-over the precomputed encoder keys and values, the decoder's relative position bias (one
-table per loop, the causal mask folded in), the tied head of v1.0 or an untied `lm_head`.
-Anything else (rotary positions, efficient attention, gated (T5 v1.1) or mixture-of-experts
-feed-forwards, LoRA or quantised kernels, half precision) decodes eagerly as before.
+it can express, or None. GPT: learned positions with `position_offset` or rotary positions
+(either pairing, with a scaling factor; rotated at the cache slot, as the eager loop does),
+full softmax self-attention (grouped query heads too), LayerNorm or RMSNorm before or after
+each sub-layer, a plain or gated (GLU: SwiGLU, GEGLU, ...) feed-forward with a plain
+activation, plain float32 `Dense` kernels, a tied or untied head without a soft cap: GPT-2
+and Llama-style models (`gpt_mini`, `gpt_modern_mini`). T5: the same blocks with
+cross-attention over the precomputed encoder keys and values, the decoder's relative position
+bias (one table per loop, the causal mask folded in), the tied head of v1.0 or the untied
+`lm_head` and gated-GELU feed-forward of v1.1. Anything else (efficient attention,
+mixture-of-experts feed-forwards, LoRA or quantised kernels, half precision) decodes eagerly
+as before. At `benchmarks/peers.py`'s decode shape (4 prompts of 32, 128 new tokens, width
+256, 4 layers), interleaved with the eager loop, same tokens: a Llama-style GPT (rotary,
+SwiGLU 704, RMSNorm, 2 key/value heads) 531 -> 2,147 new tokens/s, a T5 v1.1 768 -> 1,656.
 
 The compiled function reads the weights as arguments (made once per `generate` call, as the
 eager path's transposed copies are), so training between calls needs no recompilation; a new
@@ -31,6 +36,7 @@ decodes eagerly. `KZOO_COMPILED_DECODE=1` compiles from the first call, `0` neve
 
 import os
 import weakref
+from typing import NamedTuple, Optional
 
 import keras
 
@@ -109,22 +115,67 @@ def _norm_spec(layer):
     return None
 
 
+class _Block(NamedTuple):
+    """A block's static configuration (hashable: a key of the compiled steps)."""
+    norm_first: bool
+    norm1: tuple  # (kind, epsilon) of `_norm_spec`
+    norm2: tuple
+    activation: str
+    gated: bool  # `activation(x W_gate) * (x W_up)`, the gate and up products joined
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    q_units: int
+    kv_units: int
+    rotary: Optional[tuple] = None  # (max_wavelength, scaling_factor, interleaved)
+    cross_norm: Optional[tuple] = None  # T5's cross-attention sub-layer
+    cross_heads: int = 0
+    cross_head_dim: int = 0
+    cross_scale: float = 1.0
+
+
+def _rotary_spec(attention):
+    """(max_wavelength, scaling_factor, interleaved) of a self-attention's rotary positions,
+    None without them."""
+    rotary = attention.rotary
+    if rotary is None:
+        return None
+    return (float(rotary.max_wavelength), float(rotary.scaling_factor),
+            bool(rotary.interleaved))
+
+
+def _inverse_frequencies(spec, head_dim):
+    """RoPE's `max_wavelength ** (-2i / head_dim)`, as `RotaryEmbedding` computes them (in
+    float64, then float32)."""
+    import numpy as np
+    import torch
+
+    exponents = np.arange(0, head_dim, 2) / head_dim
+    return torch.from_numpy((spec[0] ** -exponents).astype("float32"))
+
+
 def _block_spec(block, cross=False):
-    """(static config, weights) of a `TransformerBlock` the step can run, else None; `cross`:
-    a decoder block with cross-attention (T5), whose keys and values come precomputed."""
+    """(static `_Block`, weights) of a `TransformerBlock` the step can run, else None;
+    `cross`: a decoder block with cross-attention (T5), whose keys and values come
+    precomputed."""
     import torch
 
     from kzoo.layers import fast_decode
 
     attention = block.self_attention
-    if (block.cross_attention != cross or not block.causal or block.feedforward != "plain"
+    if (block.cross_attention != cross or not block.causal
+            or block.feedforward not in ("plain", "gated")
             or block.attention != "full" or block.activation not in _ACTIVATIONS
-            or attention.rotary is not None or attention.attention != "full"):
+            or attention.attention != "full"):
         return None
     ff = block.feedforward_layer
+    gated = block.feedforward == "gated"
+    ins = [ff.gate_dense, ff.up_dense] if gated else [ff.intermediate_dense]
     denses = [attention.query_dense, attention.key_dense, attention.value_dense,
-              attention.output_dense, ff.intermediate_dense, ff.output_dense]
-    if not all(_plain(d) for d in denses) or len({d.bias is None for d in denses[:3]}) != 1:
+              attention.output_dense, ff.output_dense] + ins
+    if (not all(_plain(d) for d in denses) or len({d.bias is None for d in denses[:3]}) != 1
+            or len({d.bias is None for d in ins}) != 1):
         return None
     if getattr(ff, "_activation_fn", None) is None:
         return None
@@ -136,23 +187,32 @@ def _block_spec(block, cross=False):
     def t(dense):  # the kernel as a row-major (out, in) copy
         return value(dense.kernel).t().contiguous()
 
+    def joined(layers):  # the kernels of `layers` as one row-major product, and its bias
+        bias = (None if layers[0].bias is None
+                else torch.cat([value(d.bias) for d in layers]))
+        return torch.cat([t(d) for d in layers]), bias
+
     q, k, v = denses[:3]
-    qkv_bias = None if q.bias is None else torch.cat([value(d.bias) for d in (q, k, v)])
+    qkv, qkv_bias = joined([q, k, v])
+    up, up_bias = joined(ins)
+    rotary = _rotary_spec(attention)
     weights = {
-        "qkv": torch.cat([t(q), t(k), t(v)]), "qkv_bias": qkv_bias,
+        "qkv": qkv, "qkv_bias": qkv_bias,
         "out": t(attention.output_dense),
         "out_bias": None if attention.output_dense.bias is None else value(
             attention.output_dense.bias),
-        "up": t(ff.intermediate_dense),
-        "up_bias": None if ff.intermediate_dense.bias is None else value(
-            ff.intermediate_dense.bias),
+        "up": up, "up_bias": up_bias,
         "down": t(ff.output_dense),
         "down_bias": None if ff.output_dense.bias is None else value(ff.output_dense.bias),
         "norm1": norms[0][2:], "norm2": norms[1][2:],
+        "inverse_frequencies": None if rotary is None else _inverse_frequencies(
+            rotary, attention._head_dim),
     }
-    config = (block.norm_first, norms[0][:2], norms[1][:2], block.activation,
-              attention.num_heads, attention._kv_heads, attention._head_dim, _scale(attention),
-              q.kernel.shape[1], k.kernel.shape[1])
+    config = dict(norm_first=block.norm_first, norm1=norms[0][:2], norm2=norms[1][:2],
+                  activation=block.activation, gated=gated, heads=attention.num_heads,
+                  kv_heads=attention._kv_heads, head_dim=attention._head_dim,
+                  scale=_scale(attention), q_units=q.kernel.shape[1],
+                  kv_units=k.kernel.shape[1], rotary=rotary)
     if cross:
         layer = block.cross_attention_layer
         norm = _norm_spec(block.cross_attention_norm)
@@ -164,8 +224,9 @@ def _block_spec(block, cross=False):
                        else value(pair[0].bias), cross_out=t(pair[1]),
                        cross_out_bias=None if pair[1].bias is None else value(pair[1].bias),
                        norm_cross=norm[2:])
-        config += (norm[:2], layer.num_heads, layer._kv_heads, layer._head_dim, _scale(layer))
-    return config, weights
+        config.update(cross_norm=norm[:2], cross_heads=layer.num_heads,
+                      cross_head_dim=layer._head_dim, cross_scale=_scale(layer))
+    return _Block(**config), weights
 
 
 def _scale(attention):
@@ -182,7 +243,7 @@ def _plan(model):
         return None
     backbone = model.backbone
     embedding = backbone.token_embedding
-    if (backbone.attention != "full" or backbone.position != "learned"
+    if (backbone.attention != "full" or backbone.position not in ("learned", "rotary")
             or embedding.logit_soft_cap is not None or embedding.compute_dtype != "float32"):
         return None
     blocks = [_block_spec(block) for block in backbone.transformer_layers]
@@ -301,32 +362,58 @@ def _attend(q, keys, values, mask, scale, heads, out, out_bias):
     return _product(attended.reshape(q.shape[0], -1), out, out_bias)
 
 
+def _rotate(spec, inverse_frequencies, x, slot):
+    """`x (batch, heads, 1, head_dim)` rotated to position `slot`, as `RotaryEmbedding`
+    rotates it (float32 angles `slot / scaling_factor * theta_i`)."""
+    import torch
+
+    _, scaling, interleaved = spec
+    position = slot.to(torch.float32)
+    if scaling != 1.0:
+        position = position / scaling
+    angles = position * inverse_frequencies
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(x.shape)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def _self_attention(config, w, x, cache, slot, mask):
     """A block's self-attention sub-layer for one new token per row, its keys and values
     written into `cache` at `slot`; `mask`: boolean or additive, over the cache slots."""
-    norm_first, norm1, _, _, heads, kv_heads, head_dim, scale, q_units, kv_units = config[:10]
     batch, (keys, values) = x.shape[0], cache
+    heads, kv_heads, head_dim = config.heads, config.kv_heads, config.head_dim
+    q_units, kv_units = config.q_units, config.kv_units
 
     def attend(h):
         qkv = _product(h, w["qkv"], w["qkv_bias"])
         q = qkv[:, :q_units].reshape(batch, heads, 1, head_dim)
         k = qkv[:, q_units:q_units + kv_units].reshape(batch, kv_heads, 1, head_dim)
         v = qkv[:, q_units + kv_units:].reshape(batch, kv_heads, 1, head_dim)
+        if config.rotary is not None:
+            k = _rotate(config.rotary, w["inverse_frequencies"], k, slot)
+            q = _rotate(config.rotary, w["inverse_frequencies"], q, slot)
         keys.index_copy_(2, slot.reshape(1), k)
         values.index_copy_(2, slot.reshape(1), v)
-        return _attend(q, keys, values, mask, scale, heads, w["out"], w["out_bias"])
+        return _attend(q, keys, values, mask, config.scale, heads, w["out"], w["out_bias"])
 
-    return _sublayer(norm_first, norm1, w["norm1"], x, attend)
+    return _sublayer(config.norm_first, config.norm1, w["norm1"], x, attend)
 
 
 def _feedforward(config, w, x):
-    norm_first, _, norm2, activation = config[:4]
-
     def ff(h):
-        h = _activate(activation, _product(h, w["up"], w["up_bias"]))
+        h = _product(h, w["up"], w["up_bias"])
+        if config.gated:  # (the gate's units first: `_block_spec` joined them so)
+            gate, h = h.chunk(2, dim=-1)
+            h = _activate(config.activation, gate) * h
+        else:
+            h = _activate(config.activation, h)
         return _product(h, w["down"], w["down_bias"])
 
-    return _sublayer(norm_first, norm2, w["norm2"], x, ff)
+    return _sublayer(config.norm_first, config.norm2, w["norm2"], x, ff)
 
 
 def _t5_step(config, weights, tokens, slot, encoder_mask, bias, caches, cross_caches):
@@ -341,16 +428,14 @@ def _t5_step(config, weights, tokens, slot, encoder_mask, bias, caches, cross_ca
     for config, w, cache, (keys, values) in zip(block_configs, weights["blocks"], caches,
                                                 cross_caches):
         x = _self_attention(config, w, x, cache, slot, self_bias)
-        norm_first = config[0]
-        norm, heads, _, head_dim, scale = config[10:]
 
-        def cross(h):
+        def cross(h, config=config, w=w, keys=keys, values=values):
             q = _product(h, w["cross_query"], w["cross_query_bias"]).reshape(
-                h.shape[0], heads, 1, head_dim)
-            return _attend(q, keys, values, cross_mask, scale, heads, w["cross_out"],
-                           w["cross_out_bias"])
+                h.shape[0], config.cross_heads, 1, config.cross_head_dim)
+            return _attend(q, keys, values, cross_mask, config.cross_scale,
+                           config.cross_heads, w["cross_out"], w["cross_out_bias"])
 
-        x = _sublayer(norm_first, norm, w["norm_cross"], x, cross)
+        x = _sublayer(config.norm_first, config.cross_norm, w["norm_cross"], x, cross)
         x = _feedforward(config, w, x)
     x = _norm(final_spec, weights["final"], x)
     if head_scale != 1.0:
