@@ -28,6 +28,14 @@ CONFIGS = {
     # the paper's pairing and linear position interpolation, set on the layers below
     "rotary_interleaved_scaled_geglu": dict(position="rotary", feedforward="gated",
                                             activation="gelu_tanh"),
+    # Mixtral-style experts (`gpt_moe_mini`): 2 rows x top 2 of 4, every expert on each row
+    "moe_top2_rotary": dict(feedforward="moe", num_experts=4, top_k=2, position="rotary",
+                            norm="rmsnorm", num_kv_heads=1, activation="silu"),
+    # plain experts with biases, 2 rows x top 1 of 3: the chosen experts' kernels gathered
+    "moe_top1_plain": dict(feedforward="moe", num_experts=3, top_k=1, expert_type="plain",
+                           activation="gelu"),
+    # a rolling cache of 3 slots (`gpt_long_mini`): the prompts are longer than the window
+    "sliding_window": dict(attention="sliding_window", attention_options={"window": 3}),
 }
 
 
@@ -57,6 +65,10 @@ def test_compiled_step_logits_match_the_full_forward(monkeypatch, name):
     if name == "post_ln_rms_gqa_untied":  # (GPT is pre-LN: turn its blocks to post-LN)
         for block in lm.backbone.transformer_layers:
             block.norm_first = False
+    rng = np.random.default_rng(7)  # (biases and shifts start at zero: make them count)
+    for weight in lm.weights:
+        if weight.path.split("/")[-1] in ("bias", "beta") or weight.path.endswith("_bias"):
+            weight.assign(rng.normal(0.0, 0.1, weight.shape).astype("float32"))
     if name == "rotary_interleaved_scaled_geglu":
         for block in lm.backbone.transformer_layers:
             block.self_attention.rotary.interleaved = True
@@ -108,10 +120,41 @@ def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
     assert len(calls) == (9 if TORCH else 0)  # every step after the prefill's
 
 
+def test_moe_capacity_drops_what_the_eager_step_drops(monkeypatch):
+    """With a `capacity_factor` a decode step's rows compete for the experts (here 3 rows x
+    top 2 of 2 experts, capacity 1 each: most assignments dropped): the compiled step keeps
+    the ones the layer's own call keeps, so its logits are the eager step's."""
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    lm = _lm(feedforward="moe", num_experts=2, top_k=2, capacity_factor=0.25)
+    inputs = {"token_ids": np.array([[5, 6, 7], [8, 9, 10], [0, 11, 12]], "int32"),
+              "padding_mask": np.array([[1, 1, 1], [1, 1, 1], [0, 1, 1]], "int32"),
+              "position_offset": np.array([0, 0, 1], "int32")}
+    with _no_grad():
+        logits, state, constants = lm.generation_prefill(inputs, 3)
+        tokens = np.argmax(to_numpy(logits), axis=-1)[:, None].astype("int32")
+        copy = keras.tree.map_structure(lambda x: keras.ops.copy(x), state)
+        eager, _ = lm.generation_step(tokens, copy, constants, 0)
+        moe = lm.backbone.transformer_layers[0].feedforward_layer
+        moe.capacity_factor = None  # (nothing dropped: other logits)
+        undropped, _ = lm.generation_step(
+            tokens, keras.tree.map_structure(lambda x: keras.ops.copy(x), state), constants, 0)
+        moe.capacity_factor = 0.25
+        step = compiled_decode.model_step(lm, state, constants)
+        if not TORCH:
+            assert step is None
+            return
+        import torch
+
+        compiled = step(torch.as_tensor(tokens), 0)
+    eager, undropped = to_numpy(eager), to_numpy(undropped)
+    assert np.abs(eager - undropped).max() > 1e-3
+    np.testing.assert_allclose(to_numpy(compiled), eager, rtol=1e-5, atol=1e-5)
+
+
 def test_models_it_cannot_express_decode_eagerly(monkeypatch):
     monkeypatch.setenv(compiled_decode.ENV, "1")
-    for extra in (dict(feedforward="moe", num_experts=2, top_k=1),
-                  dict(attention="sliding_window", attention_options={"window": 4})):
+    for extra in (dict(attention="strided", attention_options={"stride": 2}),
+                  dict(attention="linear")):
         lm = _lm(**extra)
         assert compiled_decode._plan(lm) is None
         out = lm.generate([[5, 6, 7]], max_new_tokens=4, stop_token_ids=None)

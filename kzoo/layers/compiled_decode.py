@@ -12,17 +12,22 @@ step 4.6 ms, the same compiled 2.8 ms.
 (the interface of the loop's `model_step`) for a `GPTCausalLM` or `T5Seq2SeqLM` whose step
 it can express, or None. GPT: learned positions with `position_offset` or rotary positions
 (either pairing, with a scaling factor; rotated at the cache slot, as the eager loop does),
-full softmax self-attention (grouped query heads too), LayerNorm or RMSNorm before or after
-each sub-layer, a plain or gated (GLU: SwiGLU, GEGLU, ...) feed-forward with a plain
-activation, plain float32 `Dense` kernels, a tied or untied head without a soft cap: GPT-2
-and Llama-style models (`gpt_mini`, `gpt_modern_mini`). T5: the same blocks with
-cross-attention over the precomputed encoder keys and values, the decoder's relative position
-bias (one table per loop, the causal mask folded in), the tied head of v1.0 or the untied
-`lm_head` and gated-GELU feed-forward of v1.1. Anything else (efficient attention,
-mixture-of-experts feed-forwards, LoRA or quantised kernels, half precision) decodes eagerly
-as before. At `benchmarks/peers.py`'s decode shape (4 prompts of 32, 128 new tokens, width
-256, 4 layers), interleaved with the eager loop, same tokens: a Llama-style GPT (rotary,
-SwiGLU 704, RMSNorm, 2 key/value heads) 531 -> 2,147 new tokens/s, a T5 v1.1 768 -> 1,656.
+full softmax self-attention (grouped query heads too) or sliding-window attention on its
+rolling cache, LayerNorm or RMSNorm before or after each sub-layer, a plain or gated (GLU:
+SwiGLU, GEGLU, ...) feed-forward with a plain activation or a mixture of experts (top-k
+routing, with or without a capacity factor, as the layer's own call routes a step's rows),
+plain float32 `Dense` kernels, a tied or untied head without a soft cap: every GPT preset
+(`gpt_mini`, `gpt_modern_mini`, `gpt_long_mini`, `gpt_moe_mini`, GPT-2). T5: the same blocks
+with cross-attention over the precomputed encoder keys and values, the decoder's relative
+position bias (one table per loop, the causal mask folded in), the tied head of v1.0 or the
+untied `lm_head` and gated-GELU feed-forward of v1.1. Anything else (the other efficient
+attention types, LoRA or quantised kernels, half precision) decodes eagerly as before.
+
+At `benchmarks/peers.py`'s decode shape (4 prompts of 32, 128 new tokens, width 256, 4
+layers), interleaved with the eager loop in one process, same tokens (new tokens/s): a
+Llama-style GPT (rotary, SwiGLU 704, RMSNorm, 2 key/value heads) 531 -> 2,147; the same with
+a sliding window of 64, 244 -> 2,064; with 8 SwiGLU experts, top 2, 184 -> 611 (its step
+reads every expert's kernels: 4 rows x 2 choices); a T5 v1.1 768 -> 1,656.
 
 The compiled function reads the weights as arguments (made once per `generate` call, as the
 eager path's transposed copies are), so training between calls needs no recompilation; a new
@@ -129,6 +134,9 @@ class _Block(NamedTuple):
     q_units: int
     kv_units: int
     rotary: Optional[tuple] = None  # (max_wavelength, scaling_factor, interleaved)
+    window: Optional[int] = None  # sliding-window attention on a rolling cache
+    # a mixture of experts: (num_experts, top_k, normalize_top_k, capacity_factor)
+    moe: Optional[tuple] = None
     cross_norm: Optional[tuple] = None  # T5's cross-attention sub-layer
     cross_heads: int = 0
     cross_head_dim: int = 0
@@ -155,6 +163,41 @@ def _inverse_frequencies(spec, head_dim):
     return torch.from_numpy((spec[0] ** -exponents).astype("float32"))
 
 
+def _moe_spec(layer):
+    """((config, activation, gated), weights) of a `MixtureOfExperts` the step can run (plain
+    float32 router and expert kernels, no LoRA), else None. The expert kernels stay stacked,
+    `(experts, in, out)`; a gated expert's gate and up kernels are joined on their output
+    axis (the gate's units first)."""
+    import torch
+
+    from kzoo.layers import fast_decode
+    from kzoo.layers.moe import MixtureOfExperts
+
+    if not isinstance(layer, MixtureOfExperts) or not _plain(layer.router):
+        return None
+    value = fast_decode._value
+    gated = layer.expert_type == "gated"
+    if gated:
+        first = [layer.gate_kernel, layer.up_kernel]
+        first_bias = [layer.gate_bias, layer.up_bias]
+    else:
+        first, first_bias = [layer.intermediate_kernel], [layer.intermediate_bias]
+    kernels = first + [layer.output_kernel]
+    if any(v.dtype != "float32" for v in kernels) or layer.compute_dtype != "float32":
+        return None
+    weights = {
+        "router": value(layer.router.kernel).t().contiguous(),
+        "experts_in": torch.cat([value(v) for v in first], dim=2).contiguous(),
+        "experts_in_bias": None if first_bias[0] is None else torch.cat(
+            [value(v) for v in first_bias], dim=1),
+        "experts_out": value(layer.output_kernel).contiguous(),
+        "experts_out_bias": None if layer.output_bias is None else value(layer.output_bias),
+    }
+    config = (layer.num_experts, layer.top_k, bool(layer.normalize_top_k),
+              None if layer.capacity_factor is None else float(layer.capacity_factor))
+    return (config, layer._activation_name, gated), weights
+
+
 def _block_spec(block, cross=False):
     """(static `_Block`, weights) of a `TransformerBlock` the step can run, else None;
     `cross`: a decoder block with cross-attention (T5), whose keys and values come
@@ -165,19 +208,29 @@ def _block_spec(block, cross=False):
 
     attention = block.self_attention
     if (block.cross_attention != cross or not block.causal
-            or block.feedforward not in ("plain", "gated")
-            or block.attention != "full" or block.activation not in _ACTIVATIONS
-            or attention.attention != "full"):
+            or block.attention not in ("full", "sliding_window")
+            or attention.attention != block.attention):
         return None
     ff = block.feedforward_layer
-    gated = block.feedforward == "gated"
-    ins = [ff.gate_dense, ff.up_dense] if gated else [ff.intermediate_dense]
-    denses = [attention.query_dense, attention.key_dense, attention.value_dense,
-              attention.output_dense, ff.output_dense] + ins
-    if (not all(_plain(d) for d in denses) or len({d.bias is None for d in denses[:3]}) != 1
-            or len({d.bias is None for d in ins}) != 1):
+    if block.feedforward == "moe":
+        moe = _moe_spec(ff)
+        if moe is None:
+            return None
+        (moe_config, activation, gated), ff_weights = moe
+    elif block.feedforward in ("plain", "gated"):
+        moe_config, activation, gated = None, block.activation, block.feedforward == "gated"
+        ins = [ff.gate_dense, ff.up_dense] if gated else [ff.intermediate_dense]
+        if (not all(_plain(d) for d in ins + [ff.output_dense])
+                or len({d.bias is None for d in ins}) != 1
+                or getattr(ff, "_activation_fn", None) is None):
+            return None
+    else:
         return None
-    if getattr(ff, "_activation_fn", None) is None:
+    if activation not in _ACTIVATIONS:
+        return None
+    denses = [attention.query_dense, attention.key_dense, attention.value_dense,
+              attention.output_dense]
+    if not all(_plain(d) for d in denses) or len({d.bias is None for d in denses[:3]}) != 1:
         return None
     norms = [_norm_spec(block.self_attention_norm), _norm_spec(block.feedforward_norm)]
     if None in norms:
@@ -194,25 +247,30 @@ def _block_spec(block, cross=False):
 
     q, k, v = denses[:3]
     qkv, qkv_bias = joined([q, k, v])
-    up, up_bias = joined(ins)
     rotary = _rotary_spec(attention)
     weights = {
         "qkv": qkv, "qkv_bias": qkv_bias,
         "out": t(attention.output_dense),
         "out_bias": None if attention.output_dense.bias is None else value(
             attention.output_dense.bias),
-        "up": up, "up_bias": up_bias,
-        "down": t(ff.output_dense),
-        "down_bias": None if ff.output_dense.bias is None else value(ff.output_dense.bias),
         "norm1": norms[0][2:], "norm2": norms[1][2:],
         "inverse_frequencies": None if rotary is None else _inverse_frequencies(
             rotary, attention._head_dim),
     }
+    if moe_config is None:
+        up, up_bias = joined(ins)
+        weights.update(up=up, up_bias=up_bias, down=t(ff.output_dense),
+                       down_bias=None if ff.output_dense.bias is None else value(
+                           ff.output_dense.bias))
+    else:
+        weights.update(ff_weights)
+    window = (int(block.attention_options["window"]) if block.attention == "sliding_window"
+              else None)
     config = dict(norm_first=block.norm_first, norm1=norms[0][:2], norm2=norms[1][:2],
-                  activation=block.activation, gated=gated, heads=attention.num_heads,
+                  activation=activation, gated=gated, heads=attention.num_heads,
                   kv_heads=attention._kv_heads, head_dim=attention._head_dim,
                   scale=_scale(attention), q_units=q.kernel.shape[1],
-                  kv_units=k.kernel.shape[1], rotary=rotary)
+                  kv_units=k.kernel.shape[1], rotary=rotary, window=window, moe=moe_config)
     if cross:
         layer = block.cross_attention_layer
         norm = _norm_spec(block.cross_attention_norm)
@@ -243,7 +301,8 @@ def _plan(model):
         return None
     backbone = model.backbone
     embedding = backbone.token_embedding
-    if (backbone.attention != "full" or backbone.position not in ("learned", "rotary")
+    if (backbone.attention not in ("full", "sliding_window")
+            or backbone.position not in ("learned", "rotary")
             or embedding.logit_soft_cap is not None or embedding.compute_dtype != "float32"):
         return None
     blocks = [_block_spec(block) for block in backbone.transformer_layers]
@@ -338,13 +397,32 @@ def _step(config, weights, tokens, slot, offsets, padding_mask, caches):
         table = weights["positions"]
         position = torch.clamp(slot - offsets, 0, table.shape[0] - 1)
         x = x + table.index_select(0, position)
-    length = caches[0][0].shape[2]
-    visible = (torch.arange(length, device=x.device) <= slot)[None, :] & (padding_mask != 0)
+    visible = None
     for config, w, cache in zip(block_configs, weights["blocks"], caches):
-        x = _self_attention(config, w, x, cache, slot, visible[:, None, None, :])
+        if config.window is not None:
+            mask = _window_mask(config.window, cache[0].shape[2], slot, padding_mask)
+        else:
+            if visible is None:  # (a full cache: every slot written so far, less the padding)
+                length = cache[0].shape[2]
+                visible = ((torch.arange(length, device=x.device) <= slot)[None, :]
+                           & (padding_mask[:, :length] != 0))[:, None, None, :]
+            mask = visible
+        x = _self_attention(config, w, x, cache, slot, mask)
         x = _feedforward(config, w, x)
     x = _norm(final_spec, weights["final"], x)
     return _product(x, weights["head"], None).float()
+
+
+def _window_mask(window, slots, position, padding_mask):
+    """`(batch, 1, 1, slots)`: the slots of a rolling cache (`slots` of them, position `p` in
+    slot `p % slots`) that the token at `position` sees: the last `window` positions, none
+    before the first, none of the padding (as `MultiHeadAttention._rolling_decode`)."""
+    import torch
+
+    held = position - (position - torch.arange(slots, device=padding_mask.device)) % slots
+    valid = ((held >= 0) & (position - held < window))[None, :]
+    seen = padding_mask.index_select(1, held.clamp(min=0)) != 0
+    return (valid & seen)[:, None, None, :]
 
 
 def _sublayer(norm_first, norm, params, x, fn):
@@ -396,8 +474,9 @@ def _self_attention(config, w, x, cache, slot, mask):
         if config.rotary is not None:
             k = _rotate(config.rotary, w["inverse_frequencies"], k, slot)
             q = _rotate(config.rotary, w["inverse_frequencies"], q, slot)
-        keys.index_copy_(2, slot.reshape(1), k)
-        values.index_copy_(2, slot.reshape(1), v)
+        at = slot if config.window is None else slot % keys.shape[2]  # (a rolling cache)
+        keys.index_copy_(2, at.reshape(1), k)
+        values.index_copy_(2, at.reshape(1), v)
         return _attend(q, keys, values, mask, config.scale, heads, w["out"], w["out_bias"])
 
     return _sublayer(config.norm_first, config.norm1, w["norm1"], x, attend)
@@ -405,15 +484,67 @@ def _self_attention(config, w, x, cache, slot, mask):
 
 def _feedforward(config, w, x):
     def ff(h):
-        h = _product(h, w["up"], w["up_bias"])
-        if config.gated:  # (the gate's units first: `_block_spec` joined them so)
-            gate, h = h.chunk(2, dim=-1)
-            h = _activate(config.activation, gate) * h
-        else:
-            h = _activate(config.activation, h)
+        if config.moe is not None:
+            return _experts(config, w, h)
+        h = _gated_or_plain(config, _product(h, w["up"], w["up_bias"]))
         return _product(h, w["down"], w["down_bias"])
 
     return _sublayer(config.norm_first, config.norm2, w["norm2"], x, ff)
+
+
+def _experts(config, w, x):
+    """A mixture of experts on the rows `x (rows, dim)`, as `MixtureOfExperts`' inference call
+    routes them: float32 router, `top_k` experts a row (renormalised when asked), and with a
+    `capacity_factor` each expert keeps its first `capacity` assignments in choice-major,
+    then row, order (the others add nothing). Where the rows' assignments are fewer than the
+    experts, the chosen experts' kernels are gathered; else every expert runs on every row
+    (its kernels read once, as they would be) and the chosen outputs are picked."""
+    import math
+
+    import torch
+
+    experts, top_k, normalize, capacity_factor = config.moe
+    rows = x.shape[0]
+    probabilities = torch.softmax(_product(x, w["router"], None).float(), dim=-1)
+    top_p, top_index = torch.topk(probabilities, top_k, dim=-1)
+    if normalize:
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+    index, weight = top_index.t().reshape(-1), top_p.t().reshape(-1)  # choice-major
+    if capacity_factor is not None:
+        capacity = min(rows, max(1, math.ceil(capacity_factor * rows * top_k / experts)))
+        taken = torch.nn.functional.one_hot(index, experts).cumsum(0)
+        position = taken.gather(1, index[:, None])[:, 0] - 1
+        weight = torch.where(position < capacity, weight, torch.zeros_like(weight))
+    first, first_bias = w["experts_in"], w["experts_in_bias"]
+    second, second_bias = w["experts_out"], w["experts_out_bias"]
+    if rows * top_k < experts:  # each assignment with its expert's kernels
+        h = torch.bmm(x.repeat(top_k, 1)[:, None, :], first.index_select(0, index))[:, 0]
+        if first_bias is not None:
+            h = h + first_bias.index_select(0, index)
+        h = _gated_or_plain(config, h)
+        y = torch.bmm(h[:, None, :], second.index_select(0, index))[:, 0]
+        if second_bias is not None:
+            y = y + second_bias.index_select(0, index)
+    else:  # every expert on every row, then each assignment's row of its expert
+        h = torch.matmul(x[None], first)  # (experts, rows, units)
+        if first_bias is not None:
+            h = h + first_bias[:, None, :]
+        y = torch.bmm(_gated_or_plain(config, h), second)  # (experts, rows, dim)
+        if second_bias is not None:
+            y = y + second_bias[:, None, :]
+        y = y[index, torch.arange(rows, device=x.device).repeat(top_k)]
+    y = (y * weight[:, None].to(y.dtype)).reshape(top_k, rows, -1)
+    out = y[0]
+    for j in range(1, top_k):  # (the choices summed in order, as the layer sums them)
+        out = out + y[j]
+    return out
+
+
+def _gated_or_plain(config, h):
+    if config.gated:  # (each expert's gate units first: `_moe_spec` joined them so)
+        gate, h = h.chunk(2, dim=-1)
+        return _activate(config.activation, gate) * h
+    return _activate(config.activation, h)
 
 
 def _t5_step(config, weights, tokens, slot, encoder_mask, bias, caches, cross_caches):
@@ -469,11 +600,19 @@ def model_step(model, state, constants):
     if keras.backend.backend() != "torch":
         return None
     caches = state.get("cache") if isinstance(state, dict) else None
-    if not caches or not isinstance(caches, list) or not all(
-            isinstance(c, (tuple, list)) and len(c) == 2 and c[0].device.type == "cpu"
-            for c in caches):
+    if not caches or not isinstance(caches, list):
         return None
-    caches = [tuple(c) for c in caches]
+    pairs = []
+    for cache in caches:  # (keys, values), or `(batch, 2, kv_heads, slots, head_dim)`
+        if isinstance(cache, (tuple, list)) and len(cache) == 2:
+            pairs.append(tuple(cache))
+        elif isinstance(cache, torch.Tensor) and cache.dim() == 5 and cache.shape[1] == 2:
+            pairs.append((cache[:, 0], cache[:, 1]))  # (views: written in place)
+        else:
+            return None
+    if not all(c[0].device.type == "cpu" for c in pairs):
+        return None
+    caches = pairs
     if "cross_cache" in constants:  # T5
         plan = _t5_plan(model)
         cross = constants["cross_cache"]
