@@ -120,6 +120,22 @@ def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
     assert len(calls) == (9 if TORCH else 0)  # every step after the prefill's
 
 
+@pytest.mark.parametrize("name", ["sliding_window", "moe_top2_rotary"])
+def test_beam_search_on_rolling_caches_and_experts_gives_the_eager_tokens(monkeypatch, name):
+    lm = _lm(**CONFIGS[name])  # (a rolling cache is one tensor a layer: reordered in place)
+    prompts = [[5, 6, 7, 8, 9], [9, 10], [11, 12, 13]]
+    kwargs = dict(max_new_tokens=8, strategy="beam", num_beams=2, stop_token_ids=None)
+    monkeypatch.setenv(compiled_decode.ENV, "0")
+    eager = lm.generate(prompts, **kwargs)
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    calls = []
+    real = compiled_decode._compiled
+    monkeypatch.setattr(compiled_decode, "_compiled", lambda config, fn=None: (
+        lambda *a, run=real(config, fn): calls.append(1) or run(*a)))
+    assert lm.generate(prompts, **kwargs) == eager
+    assert len(calls) == (7 if TORCH else 0)  # every step after the prefill's
+
+
 def test_moe_capacity_drops_what_the_eager_step_drops(monkeypatch):
     """With a `capacity_factor` a decode step's rows compete for the experts (here 3 rows x
     top 2 of 2 experts, capacity 1 each: most assignments dropped): the compiled step keeps
