@@ -20,7 +20,7 @@ PYTEST_ARGS ?= -n $(PYTEST_WORKERS)
 TEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: demo test test-all test-browser test-jax test-torch test-tensorflow bench bench-attention install clean
+.PHONY: demo test test-all test-browser test-jax test-torch test-tensorflow bench bench-decode bench-attention install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ test-all: $(STAMP)
 # `make bench BENCH_ARGS="--quick"` or BENCH_ARGS="--only gpt --rounds 5".
 bench: $(STAMP)
 	$(PY) -m benchmarks.peers $(BENCH_ARGS)
+
+# Llama / Mistral / Mixtral / T5 v1.1 greedy decoding beside keras-hub and transformers.
+bench-decode: $(STAMP)
+	$(PY) -m benchmarks.decode_families $(BENCH_ARGS)
 
 bench-attention: $(STAMP)
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(PY) -m benchmarks.attention || exit $$?; done

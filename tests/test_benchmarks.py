@@ -278,3 +278,60 @@ def test_gpu_cli_rejects_unknown_systems(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--peak-tflops", "0"])
     assert "--peak-tflops must be > 0" in capsys.readouterr().err
+
+
+# === benchmarks/decode_families.py ===
+
+
+def test_decode_families_rows_and_table_by_hand():
+    from benchmarks import decode_families as fam
+
+    medians = {"kzoo/jax": {"llama": {"decode": 300.0}},
+               "keras-hub/jax": {"llama": {"decode": 100.0}},
+               "transformers/torch": {"llama": {"decode": 200.0}, "mixtral": {"decode": 50.0}},
+               "kzoo/torch": {"mixtral": {"decode": 125.0}}}
+    rows = fam.rows(medians, ["llama", "mixtral"], ["jax", "torch"])
+    assert rows == [("llama", "jax", 300.0, 100.0, 200.0, 1.5, 3.0),
+                    ("llama", "torch", None, None, 200.0, None, None),
+                    ("mixtral", "jax", None, None, 50.0, None, None),
+                    ("mixtral", "torch", 125.0, None, 50.0, 2.5, None)]
+    text = fam.table(rows).splitlines()
+    assert text[2] == "| llama | jax | 300 | 100 | 200 | 1.50x | 3.00x |"
+    assert text[5] == "| mixtral | torch | 125 | - | 50 | 2.50x | - |"
+
+
+def test_decode_families_cli_rejects_unknown_kinds_and_rounds():
+    from benchmarks import decode_families as fam
+
+    with pytest.raises(SystemExit, match="--only must be a comma-separated subset of llama"):
+        fam.main(["--only", "llama,gpt5"])
+    with pytest.raises(SystemExit, match="--rounds must be a positive integer; got --rounds=-1"):
+        fam.main(["--rounds", "-1", "--backends", "jax"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "mixtral", "t5_v1_1"])
+def test_decode_families_models_are_the_kinds_named(kind):
+    """The kzoo models the benchmark times are what its docstring says (the window shorter
+    than the positions decoded, the experts, untied heads), and decode every new token."""
+    from benchmarks import decode_families as fam
+
+    size = fam.SIZES["quick"]
+    model, prompts = fam.kzoo_model(kind, size)
+    backbone = model.backbone
+    if kind == "t5_v1_1":
+        block = backbone.decoder_layers[0]
+        assert block.feedforward == "gated" and model.lm_head is not None
+    else:
+        block = backbone.transformer_layers[0]
+        assert backbone.position == "rotary" and not backbone.token_embedding.tie_weights
+        assert block.self_attention._kv_heads == size["kv_heads"]
+        assert block.feedforward == {"llama": "gated", "mistral": "gated",
+                                     "mixtral": "moe"}[kind]
+        if kind == "mistral":
+            assert block.attention_options["window"] == size["window"] < (
+                size["prompt_len"] + size["new_tokens"])
+        if kind == "mixtral":
+            moe = block.feedforward_layer
+            assert (moe.num_experts, moe.top_k) == (size["experts"], size["top_k"])
+    out = model.generate(prompts, max_new_tokens=size["new_tokens"], stop_token_ids=None)
+    assert peers.count_new_tokens(out) == size["prompts"] * size["new_tokens"]
