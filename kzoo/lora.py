@@ -82,7 +82,7 @@ def target_layers(model):
                 claimed.add(id(dense))
     # Whatever Dense is left outside the blocks: heads, the pooler (not the MoE router).
     for layer in model._flatten_layers(include_self=False):
-        if (type(layer) is keras.layers.Dense and id(layer) not in claimed
+        if (isinstance(layer, keras.layers.Dense) and id(layer) not in claimed
                 and layer.name != "router"):
             found["head"].append(layer)
             claimed.add(id(layer))

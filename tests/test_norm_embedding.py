@@ -279,3 +279,55 @@ def test_token_embedding_reverse_logits_with_bias_value_and_gradients(tied):
     assert abs(value - float(((logits - bias) * w).sum())) < 1e-3
     assert_close(g_e, flat_w.T @ flat_h, atol=1e-5)
     assert_close(g_h, (flat_w @ table).reshape(h.shape), atol=1e-5)
+
+
+def test_token_embedding_untied_logits_gradients_over_3d_hidden():
+    """Untied head on `(batch, seq, dim)` hidden states (on JAX a product over the flattened
+    rows): logits h @ R, gradients of sum(logits * w) w.r.t. R and h are h^T w and w R^T,
+    against NumPy."""
+    layer = TokenEmbedding(11, 4, tie_weights=False,
+                           embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0))
+    layer.build()
+    r = rng(6)
+    h = r.normal(size=(2, 3, 4)).astype("float32")
+    w = r.normal(size=(2, 3, 11)).astype("float32")
+    reverse = to_numpy(layer.reverse_embeddings).astype(np.float64)
+    logits = h.astype(np.float64) @ reverse
+    out = layer(h, reverse=True)
+    assert tuple(out.shape) == (2, 3, 11)
+    assert_close(keras.ops.convert_to_numpy(out), logits, atol=1e-5)
+
+    def loss(kernel, x):
+        with keras.StatelessScope(state_mapping=[(layer.reverse_embeddings, kernel)]):
+            return keras.ops.sum(keras.ops.multiply(layer(x, reverse=True), w))
+
+    value, (g_r, g_h) = value_and_grads(loss, to_numpy(layer.reverse_embeddings), h)
+    assert abs(value - float((logits * w).sum())) < 1e-3
+    flat_w, flat_h = w.reshape(-1, 11).astype(np.float64), h.reshape(-1, 4).astype(np.float64)
+    assert_close(g_r, flat_h.T @ flat_w, atol=1e-5)
+    assert_close(g_h, (flat_w @ reverse.T).reshape(h.shape), atol=1e-5)
+
+
+def test_row_dense_is_a_dense_over_rows():
+    """`RowDense` (T5 v1.1's `lm_head`): the values and kernel gradient of a `Dense` with the
+    same weights on a 3-D input, against NumPy; its config round-trips as itself."""
+    from kzoo.layers.utils import RowDense
+
+    layer = RowDense(5, use_bias=True, bias_initializer="random_normal")
+    x = rng(9).normal(size=(2, 3, 4)).astype("float32")
+    out = layer(x)
+    kernel, bias = (to_numpy(v).astype(np.float64) for v in (layer.kernel, layer.bias))
+    assert tuple(out.shape) == (2, 3, 5)
+    assert_close(keras.ops.convert_to_numpy(out), x @ kernel + bias, atol=1e-5)
+    w = rng(10).normal(size=(2, 3, 5)).astype("float32")
+
+    def loss(k, inputs):
+        with keras.StatelessScope(state_mapping=[(layer.kernel, k)]):
+            return keras.ops.sum(keras.ops.multiply(layer(inputs), w))
+
+    _, (g_k, _) = value_and_grads(loss, to_numpy(layer.kernel), x)
+    assert_close(g_k, x.reshape(-1, 4).T.astype(np.float64) @ w.reshape(-1, 5), atol=1e-5)
+    restored = keras.layers.deserialize(keras.layers.serialize(layer))
+    assert type(restored) is RowDense and restored.units == 5
+    symbolic = layer(keras.Input((None, 4)))  # (symbolic sizes: Dense's own product)
+    assert tuple(symbolic.shape) == (None, None, 5)

@@ -48,6 +48,7 @@ from kzoo.layers.utils import (
     check_positive_float,
     check_positive_int,
     check_rate,
+    RowDense,
 )
 from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
 
@@ -619,7 +620,7 @@ class T5Seq2SeqLM(TaskModel):
         self.backbone = backbone
         self.lm_head = None
         if not backbone.tie_embeddings:
-            self.lm_head = keras.layers.Dense(
+            self.lm_head = RowDense(  # (a Dense; on JAX over flattened rows)
                 backbone.vocabulary_size,
                 use_bias=False,
                 kernel_initializer=_normal(1.0),
