@@ -964,3 +964,39 @@ def test_torch_drops_an_all_true_mask_and_keeps_a_real_one(monkeypatch):
     if backend() == "torch":
         assert calls[0] == (None, True)
         assert calls[1][0] is not None and calls[1][1] is False
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, 5, 5), (2, 5, 5), (3, 2, 5, 5)],
+                         ids=["shared_4d", "shared_3d", "per_row"])
+def test_bias_gradient_against_numpy(bias_shape):
+    """The gradient of an attention bias: for a bias shared by the batch's rows (T5's relative
+    bias; on JAX broadcast by `broadcast_leading`, its sum over the batch a product) the sum
+    of the rows' score gradients, for a per-row bias each row's own; NumPy's softmax backward
+    written out here. Causal, with a padding mask, so masked scores are in the sum too."""
+    from tests.helpers import value_and_grads
+
+    r = np.random.default_rng(11)
+    q, k, v = (r.normal(size=(3, 5, 2, 4)).astype("float32") for _ in range(3))
+    bias = r.normal(size=bias_shape).astype("float32")
+    w = r.normal(size=(3, 5, 2, 4)).astype("float32")
+    keep = np.ones((3, 5), bool)
+    keep[1, 3:] = False  # (right padding: every query keeps a key)
+    mask = keep[:, None, None, :]
+
+    def loss(b):
+        out = dot_product_attention(q, k, v, bias=b, mask=mask, is_causal=True, scale=0.5)
+        return ops.sum(ops.multiply(ops.cast(out, "float32"), ops.convert_to_tensor(w)))
+
+    value, (grad,) = value_and_grads(loss, bias)
+    qh, kh, vh, wh = (np.transpose(x, (0, 2, 1, 3)).astype(np.float64) for x in (q, k, v, w))
+    full_bias = np.broadcast_to(bias.astype(np.float64), (3, 2, 5, 5))
+    allowed = np.tril(np.ones((5, 5), bool))[None, None] & mask
+    scores = np.where(allowed, qh @ np.swapaxes(kh, -1, -2) * 0.5 + full_bias, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert abs(value - float(((p @ vh) * wh).sum())) < 1e-3
+    dp = wh @ np.swapaxes(vh, -1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    padded = (1,) * (4 - len(bias_shape)) + bias_shape  # (the axes the bias broadcast over)
+    expected = ds.sum(axis=tuple(i for i, n in enumerate(padded) if n == 1), keepdims=True)
+    assert_close(grad, expected.reshape(bias_shape), atol=1e-5)

@@ -488,6 +488,38 @@ _MASK_BIAS_STEPS = itertools.cycle(range(64))
 ADDITIVE_MASK = True
 
 
+def _bias_over(bias, scores):
+    """`bias` to add to `scores`: on JAX, a bias shared by the rows of the batch (T5's
+    relative position bias, `(1, heads, q, k)`) broadcast by `broadcast_leading`, so that its
+    gradient, the sum over the batch, is a product by a row of ones instead of XLA's slow CPU
+    reduce over the major axis. A T5 v1.0 training step (8 x 256 tokens, 4 + 4 layers, width
+    256, vocabulary 8192, 2-core CPU) spent ~90 ms of ~1.1 s in those sums (a step with the
+    bias table's gradient stopped: 1,860 -> 2,029 decoder tokens/s); with this, interleaved
+    in one process, 10 pairs: 1,833 -> 2,012 decoder tokens/s, median speed-up per pair
+    1.10x, the same losses; the forward pass unchanged (0.998x). Elsewhere, or when the bias
+    is not shared that way, `bias` itself (the add broadcasts it)."""
+    if not BIAS_OVER_ROWS or keras.backend.backend() != "jax":
+        return bias
+    from kzoo.layers.utils import _static, broadcast_leading
+
+    shape = tuple(bias.shape)
+    target = tuple(scores.shape)
+    if not (_static(shape) and _static(target)) or len(shape) > len(target):
+        return bias
+    lead = 0
+    while lead < len(shape) and shape[lead] == 1:
+        lead += 1
+    trailing = shape[lead:]
+    if not trailing or trailing != target[len(target) - len(trailing):] or (
+            trailing == target):
+        return bias
+    return broadcast_leading(ops.reshape(bias, trailing), target)
+
+
+# JAX: a batch-shared attention bias is broadcast by `broadcast_leading` (see `_bias_over`).
+BIAS_OVER_ROWS = True
+
+
 def _masked_scores(scores, mask, bias, is_causal, scale, q_len, k_len, additive=False):
     """(float32 scores scaled, biased and masked, the `(…, q, 1)` flags of rows with a
     visible key or None where every row has one).
@@ -503,7 +535,7 @@ def _masked_scores(scores, mask, bias, is_causal, scale, q_len, k_len, additive=
     if scale != 1.0:
         scores = scores * scale
     if bias is not None:
-        scores = scores + ops.cast(bias, "float32")
+        scores = scores + _bias_over(ops.cast(bias, "float32"), scores)
     # A causal mask alone (bottom-right aligned, q_len <= k_len) leaves every row a key.
     causal_only_full_rows = (
         isinstance(q_len, int) and isinstance(k_len, int) and q_len <= k_len
