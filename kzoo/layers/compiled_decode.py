@@ -541,7 +541,9 @@ def _experts(config, w, x):
 
 
 def _gated_or_plain(config, h):
-    if config.gated:  # (each expert's gate units first: `_moe_spec` joined them so)
+    """`activation(gate) * up` of joined units `[gate | up]` (as `_block_spec` and
+    `_moe_spec` join the kernels), or `activation(h)` for a plain feed-forward."""
+    if config.gated:
         gate, h = h.chunk(2, dim=-1)
         return _activate(config.activation, gate) * h
     return _activate(config.activation, h)
