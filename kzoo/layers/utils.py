@@ -231,10 +231,17 @@ def project(dense, x):
     Dense already multiplies 2-D matrices, or lost 9% flattened on TensorFlow) call
     `dense(x)` unchanged.
     """
+    return over_rows(dense, x)
+
+
+def over_rows(fn, x):
+    """`fn(x)` for a `fn` acting on the last axis; on JAX with static sizes, `fn` of the
+    flattened leading axes `(rows, features)`, reshaped back (see `project`). Elsewhere, or
+    with symbolic sizes (an ONNX export), `fn(x)` itself."""
     if keras.backend.backend() != "jax" or len(x.shape) <= 2 or not _static(x.shape):
-        return dense(x)  # (symbolic sizes, as in an ONNX export: Dense's own product)
+        return fn(x)
     lead = tuple(x.shape[:-1])
-    y = dense(ops.reshape(x, (-1, x.shape[-1])))
+    y = fn(ops.reshape(x, (-1, x.shape[-1])))
     return ops.reshape(y, lead + (y.shape[-1],))
 
 
@@ -249,12 +256,8 @@ class RowDense(keras.layers.Dense):
     1,566 -> 1,765 decoder tokens/s."""
 
     def call(self, inputs, training=None):
-        if keras.backend.backend() != "jax" or len(inputs.shape) <= 2 or not _static(
-                inputs.shape):
-            return super().call(inputs, training=training)
-        lead = tuple(inputs.shape[:-1])
-        y = super().call(ops.reshape(inputs, (-1, inputs.shape[-1])), training=training)
-        return ops.reshape(y, lead + (y.shape[-1],))
+        dense = super().call
+        return over_rows(lambda rows: dense(rows, training=training), inputs)
 
 
 _JAX_CPU_FUNCTIONS = {}
