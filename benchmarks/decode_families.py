@@ -36,6 +36,7 @@ from benchmarks.peers import (
     _median_time,
     count_new_tokens,
     median_results,
+    rotation,
     run_worker_process,
 )
 
@@ -286,8 +287,7 @@ def main(argv=None):
     per_round, failures = [], []
     for r in range(rounds):
         result = {}
-        shift = r % len(order)
-        for library, backend in order[shift:] + order[:shift]:
+        for library, backend in rotation(order, r):
             key = f"{library}/{backend}"
             print(f"round {r + 1}/{rounds}: {key} ...", file=sys.stderr, flush=True)
             got, error = run_worker_process(

@@ -114,6 +114,12 @@ def system_key(library, backend):
     return f"{library}/{backend}"
 
 
+def rotation(order, r):
+    """`order` rotated left by round `r`'s index: each round starts with another system."""
+    shift = r % len(order)
+    return order[shift:] + order[:shift]
+
+
 def systems(backends):
     """The (library, backend) pairs to run: kzoo and keras-hub per backend, transformers once."""
     pairs = [(lib, b) for b in backends for lib in ("kzoo", "keras-hub")]
@@ -987,8 +993,7 @@ def main(argv=None):
     per_round, notes = [], []
     for r in range(rounds):
         result = {}
-        shift = r % len(order)
-        for library, backend in order[shift:] + order[:shift]:
+        for library, backend in rotation(order, r):
             key = system_key(library, backend)
             start = time.perf_counter()
             values, error = run_system(library, backend, models, size_name, args.timeout,
