@@ -137,15 +137,32 @@ def test_call_with_cache_outside_the_loop_leaves_the_callers_cache_alone():
     assert np.abs(to_numpy(new)).sum() > 0
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+LLAMA_STYLE = dict(norm="rmsnorm", position="rotary", feedforward="gated", activation="silu",
+                   num_kv_heads=1, use_bias=False)
+GENERATE_STYLES = {
+    "gpt2": {},
+    "llama": LLAMA_STYLE,
+    # an untied head (its transposed kernel for a few rows), interleaved rotary pairs scaled
+    "llama_untied": dict(LLAMA_STYLE, tie_embeddings=False),  # (+ rotary set below)
+    # experts: every expert on the prompt's rows, the chosen ones gathered at a step's
+    # 2 rows x top 1 < 3 experts, and some assignments over capacity dropped
+    "moe": dict(feedforward="moe", num_experts=3, top_k=1, capacity_factor=1.0),
+    "moe_top2": dict(LLAMA_STYLE, feedforward="moe", num_experts=4, top_k=2),
+}
+
+
+@pytest.mark.parametrize("style", sorted(GENERATE_STYLES))
 def test_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch, style):
-    extra = {} if style == "gpt2" else dict(norm="rmsnorm", position="rotary",
-                                             feedforward="gated", activation="silu",
-                                             num_kv_heads=1, use_bias=False)
+    extra = GENERATE_STYLES[style]
     keras.utils.set_random_seed(5)
     lm = GPTCausalLM(GPTBackbone(vocabulary_size=97, num_layers=2, num_heads=2, hidden_dim=16,
                                  intermediate_dim=32, max_sequence_length=40, **extra))
+    if style == "llama_untied":  # interleaved rotary pairs, positions scaled
+        for block in lm.backbone.transformer_layers:
+            block.self_attention.rotary.interleaved = True
+            block.self_attention.rotary.scaling_factor = 2.5
     prompts = [[5, 6, 7, 8], [9, 10]]
+    ran = _count_torch_parts(monkeypatch)
     for strategy, kw in (("greedy", {}), ("beam", dict(num_beams=3))):
         fast = lm.generate(prompts, max_new_tokens=12, strategy=strategy, **kw)
         monkeypatch.setenv("KZOO_FAST_DECODE", "0")
@@ -153,6 +170,54 @@ def test_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch, styl
         monkeypatch.delenv("KZOO_FAST_DECODE")
         assert fast == slow
         assert all(len(row) == 12 for row in fast)
+    if TORCH:  # the torch versions ran, not the layers' calls
+        assert (ran["rotate"] > 0) == (extra.get("position") == "rotary"), ran
+        assert (ran["experts"] > 0) == (extra.get("feedforward") == "moe"), ran
+    else:
+        assert ran == {"rotate": 0, "experts": 0}
+
+
+def _count_torch_parts(monkeypatch):
+    """Counts of the fast path's torch rotations and experts (those that did not hand back
+    to the layer's own call)."""
+    ran = {"rotate": 0, "experts": 0}
+    rotate, experts = fast_decode._rotate, fast_decode._experts
+
+    def counted_rotate(rotary, x, start):
+        ran["rotate"] += 1
+        return rotate(rotary, x, start)
+
+    def counted_experts(layer, x):
+        out = experts(layer, x)
+        ran["experts"] += out is not None
+        return out
+
+    monkeypatch.setattr(fast_decode, "_rotate", counted_rotate)
+    monkeypatch.setattr(fast_decode, "_experts", counted_experts)
+    return ran
+
+
+def test_t5_v1_1_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch):
+    """T5 v1.1's untied `lm_head` through `fast_decode.dense` (a few rows by its transposed
+    kernel on torch) and its gated-GELU blocks: the tokens of the Keras path."""
+    import kzoo.presets
+
+    keras.utils.set_random_seed(6)
+    lm = kzoo.presets.load("t5_v1_1_small", dropout=0.0, num_layers=2, num_decoder_layers=2,
+                           num_heads=2, hidden_dim=16, key_value_dim=8, intermediate_dim=24,
+                           vocabulary_size=71)
+    taken = []
+    original = fast_decode._few_rows_product
+    monkeypatch.setattr(fast_decode, "_few_rows_product",
+                        lambda x, w, b=None: taken.append(tuple(w.shape)) or original(x, w, b))
+    prompts = np.array([[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]], "int32")
+    fast = lm.generate(prompts, max_new_tokens=10, strategy="greedy", stop_token_ids=None)
+    monkeypatch.setenv("KZOO_FAST_DECODE", "0")
+    slow = lm.generate(prompts, max_new_tokens=10, strategy="greedy", stop_token_ids=None)
+    assert [list(r) for r in fast] == [list(r) for r in slow]
+    assert all(len(r) == 10 for r in fast)
+    # the head's transposed kernel (vocabulary, width) multiplied a step's 2 rows
+    assert (taken.count((71, 16)) >= 9) is TORCH, taken
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
@@ -783,3 +848,169 @@ def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
         assert np.isfinite(got).all()
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got / scale, want / scale, **tol)
+
+
+def _np_rotary(x, positions, base, scaling, interleaved):
+    """RoPE in NumPy (float64): pairs (i, i + d/2) or (2i, 2i + 1) of `x (b, t, h, d)` turned
+    by `positions[t] / scaling * base ** (-2i / d)`."""
+    d = x.shape[-1]
+    theta = base ** (-np.arange(0, d, 2) / d)
+    angles = (np.asarray(positions, "float64") / scaling)[:, None] * theta  # (t, d/2)
+    cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]
+    x = x.astype("float64")
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape)
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
+def test_rotation_equals_numpy_and_the_layer(interleaved, scaling):
+    """The decode loop's rotation (`_rotate`: torch calls, a step's cosines and sines shared
+    by its layers) turns queries and keys as NumPy's RoPE does, at a Python int and at a
+    tensor start, and gives exactly the layer's numbers on torch; a per-row start takes the
+    layer's own call. Other backends: the layer's call."""
+    from kzoo.layers.position import RotaryEmbedding
+
+    rotary = RotaryEmbedding(max_wavelength=500.0, scaling_factor=scaling,
+                             interleaved=interleaved)
+    r = np.random.default_rng(13)
+    for start, seq in ((0, 5), (7, 1), (7, 1), (30, 3)):
+        for index in ("int", "tensor"):
+            x = r.normal(size=(2, seq, 3, 8)).astype("float32")
+            given = start if index == "int" else keras.ops.convert_to_tensor(start, "int32")
+            with _no_grad(), fast_decode.fast_steps():
+                if TORCH:
+                    got = fast_decode._rotate(rotary, keras.ops.convert_to_tensor(x), given)
+                else:
+                    got = rotary(x, start_index=given)
+            expected = _np_rotary(x, np.arange(start, start + seq), 500.0, scaling,
+                                  interleaved)
+            np.testing.assert_allclose(to_numpy(got), expected, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(to_numpy(got),
+                                          to_numpy(rotary(x, start_index=given)))
+    if TORCH:
+        import torch
+
+        x = torch.from_numpy(r.normal(size=(2, 1, 3, 8)).astype("float32"))
+        calls = []
+        original = rotary.call
+        rotary.call = lambda *a, **k: calls.append(1) or original(*a, **k)
+        per_row = torch.tensor([3, 9], dtype=torch.int32)
+        got = fast_decode._rotate(rotary, x, per_row)
+        assert calls, "a per-row start goes to the layer's call"
+        for row, start in enumerate((3, 9)):
+            np.testing.assert_allclose(
+                to_numpy(got)[row:row + 1],
+                _np_rotary(x.numpy()[row:row + 1], [start], 500.0, scaling, interleaved),
+                rtol=1e-5, atol=1e-5)
+
+
+def test_untied_logits_and_a_dense_head_of_a_few_rows_equal_numpy(monkeypatch):
+    """An untied head (`unembed` of a `TokenEmbedding` without tied weights) and a `Dense`
+    head (`fast_decode.dense`, T5 v1.1's `lm_head`) give `h @ W` of NumPy for 1 to 6 rows;
+    on torch 2 to 4 rows multiply the transposed kernel (`_few_rows_product`)."""
+    from kzoo.layers.embedding import TokenEmbedding
+    from kzoo.layers.utils import RowDense
+
+    r = np.random.default_rng(17)
+    taken = []
+    original = fast_decode._few_rows_product
+    monkeypatch.setattr(fast_decode, "_few_rows_product",
+                        lambda *a, **k: taken.append(tuple(a[1].shape)) or original(*a, **k))
+    embedding = TokenEmbedding(59, 16, tie_weights=False)
+    embedding(np.zeros((1, 1), "int32"))
+    reverse = r.normal(size=(16, 59)).astype("float32")
+    embedding.reverse_embeddings.assign(reverse)
+    head = RowDense(43, use_bias=False)
+    head.build((None, None, 16))
+    kernel = r.normal(size=(16, 43)).astype("float32")
+    head.kernel.assign(kernel)
+    for rows in range(1, 7):
+        h = r.normal(size=(rows, 16)).astype("float32")
+        taken.clear()
+        with _no_grad(), fast_decode.fast_steps():
+            logits = fast_decode.unembed(embedding, keras.ops.convert_to_tensor(h))
+            dense = fast_decode.dense(head, keras.ops.convert_to_tensor(h[:, None]))
+        np.testing.assert_allclose(to_numpy(logits), h @ reverse, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(to_numpy(dense)[:, 0], h @ kernel, rtol=1e-5, atol=1e-5)
+        expected = [(59, 16), (43, 16)] if TORCH and 2 <= rows <= 4 else []
+        assert taken == expected, (rows, taken)
+
+
+def _np_experts(x, router, w_in, w_out, b_in, b_out, top_k, capacity_factor, gated):
+    """A mixture of experts in NumPy: softmax router, top-k renormalised, capacity in
+    choice-major then row order (an expert keeps its first `capacity` assignments), SiLU
+    gated experts (gate units first) or GELU (erf) plain ones, choices summed."""
+    from math import ceil, erf
+
+    rows, experts = x.shape[0], router.shape[1]
+    logits = x @ router
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    order = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    weight = np.take_along_axis(p, order, -1)
+    weight /= weight.sum(-1, keepdims=True)
+    keep = np.ones_like(weight, bool)
+    if capacity_factor is not None:
+        capacity = min(rows, max(1, ceil(capacity_factor * rows * top_k / experts)))
+        used = np.zeros(experts, int)
+        for j in range(top_k):
+            for i in range(rows):
+                keep[i, j] = used[order[i, j]] < capacity
+                used[order[i, j]] += 1
+    out = np.zeros_like(x, dtype="float64")
+    for i in range(rows):
+        for j in range(top_k):
+            e = order[i, j]
+            h = x[i] @ w_in[e] + b_in[e]
+            if gated:
+                gate, up = np.split(h, 2)
+                h = gate / (1 + np.exp(-gate)) * up
+            else:
+                h = 0.5 * h * (1 + np.vectorize(erf)(h / np.sqrt(2)))
+            out[i] += keep[i, j] * weight[i, j] * (h @ w_out[e] + b_out[e])
+    return out
+
+
+@pytest.mark.parametrize("rows, experts, top_k, capacity_factor, gated", [
+    (3, 4, 1, None, True),    # 3 assignments < 4 experts: the chosen kernels gathered
+    (4, 4, 2, None, True),    # every expert on every row, the chosen outputs picked
+    (6, 3, 2, 0.5, False),    # plain experts with biases; over capacity: dropped
+])
+def test_experts_of_a_decode_step_equal_numpy(rows, experts, top_k, capacity_factor, gated,
+                                              monkeypatch):
+    """A mixture of experts inside the decode loop (torch: `fast_decode._experts`, the
+    compiled step's routing run eagerly; elsewhere the layer's call) equals NumPy's experts
+    for a step's rows, dropping what the capacity drops."""
+    from kzoo.layers.moe import MixtureOfExperts
+
+    r = np.random.default_rng(19)
+    layer = MixtureOfExperts(experts, 12, top_k=top_k, capacity_factor=capacity_factor,
+                             expert_type="gated" if gated else "plain",
+                             use_bias=not gated)
+    layer.build((None, None, 8))
+    for w in layer.weights:
+        w.assign(r.normal(size=tuple(w.shape)).astype("float32") * 0.5)
+    x = r.normal(size=(rows, 1, 8)).astype("float32")
+    value = {w.path.split("/")[-1]: to_numpy(w) for w in layer.weights}
+    if gated:
+        w_in = np.concatenate([value["gate_kernel"], value["up_kernel"]], -1)
+        b_in = np.zeros((experts, 24), "float32")
+        b_out = np.zeros((experts, 8), "float32")
+    else:
+        w_in, b_in, b_out = (value["intermediate_kernel"], value["intermediate_bias"],
+                             value["output_bias"])
+    expected = _np_experts(x[:, 0], value["kernel"], w_in, value["output_kernel"], b_in,
+                           b_out, top_k, capacity_factor, gated)
+    ran = _count_torch_parts(monkeypatch)
+    with _no_grad(), fast_decode.fast_steps():
+        got = fast_decode._feedforward(layer, keras.ops.convert_to_tensor(x))
+    np.testing.assert_allclose(to_numpy(got)[:, 0], expected, rtol=1e-4, atol=1e-5)
+    assert ran["experts"] == (1 if TORCH else 0)
+    if capacity_factor is not None:  # the capacity binds: without it the rows differ
+        free = _np_experts(x[:, 0], value["kernel"], w_in, value["output_kernel"], b_in,
+                           b_out, top_k, None, gated)
+        assert np.abs(free - expected).max() > 1e-3

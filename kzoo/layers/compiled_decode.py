@@ -163,6 +163,14 @@ def _inverse_frequencies(spec, head_dim):
     return torch.from_numpy((spec[0] ** -exponents).astype("float32"))
 
 
+class _Experts(NamedTuple):
+    """What `_experts` and `_gated_or_plain` read of a block's configuration (the eager decode
+    path, `fast_decode._experts`, runs them on a mixture of experts alone)."""
+    moe: tuple
+    activation: str
+    gated: bool
+
+
 def _moe_spec(layer):
     """((config, activation, gated), weights) of a `MixtureOfExperts` the step can run (plain
     float32 router and expert kernels, no LoRA), else None. The expert kernels stay stacked,

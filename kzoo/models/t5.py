@@ -680,7 +680,7 @@ class T5Seq2SeqLM(TaskModel):
         )
         hidden = hidden[:, -1:, :]
         if self.lm_head is not None:
-            logits = self.lm_head(hidden)
+            logits = fast_decode.dense(self.lm_head, hidden)
         else:
             logits = fast_decode.unembed(self.backbone.token_embedding,
                                          hidden * (self.backbone.hidden_dim ** -0.5))
