@@ -148,6 +148,10 @@ GENERATE_STYLES = {
     # 2 rows x top 1 < 3 experts, and some assignments over capacity dropped
     "moe": dict(feedforward="moe", num_experts=3, top_k=1, capacity_factor=1.0),
     "moe_top2": dict(LLAMA_STYLE, feedforward="moe", num_experts=4, top_k=2),
+    # rolling caches: 5 slots, rolled over by the 12 new tokens; 14 slots, which hold
+    # the left padding of the prompts (padded to 8) and slots not written yet at first
+    "window": dict(LLAMA_STYLE, attention="sliding_window", attention_options={"window": 5}),
+    "window_learned": dict(attention="sliding_window", attention_options={"window": 14}),
 }
 
 
@@ -173,15 +177,22 @@ def test_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch, styl
     if TORCH:  # the torch versions ran, not the layers' calls
         assert (ran["rotate"] > 0) == (extra.get("position") == "rotary"), ran
         assert (ran["experts"] > 0) == (extra.get("feedforward") == "moe"), ran
+        assert (ran["window"] > 0) == (extra.get("attention") == "sliding_window"), ran
     else:
-        assert ran == {"rotate": 0, "experts": 0}
+        assert ran == {"rotate": 0, "experts": 0, "window": 0}
 
 
 def _count_torch_parts(monkeypatch):
-    """Counts of the fast path's torch rotations and experts (those that did not hand back
-    to the layer's own call)."""
-    ran = {"rotate": 0, "experts": 0}
-    rotate, experts = fast_decode._rotate, fast_decode._experts
+    """Counts of the fast path's torch rotations, experts (those that did not hand back to
+    the layer's own call) and sliding-window steps."""
+    ran = {"rotate": 0, "experts": 0, "window": 0}
+    rotate, experts, window = fast_decode._rotate, fast_decode._experts, fast_decode._window_step
+
+    def counted_window(*args):
+        ran["window"] += 1
+        return window(*args)
+
+    monkeypatch.setattr(fast_decode, "_window_step", counted_window)
 
     def counted_rotate(rotary, x, start):
         ran["rotate"] += 1
@@ -1009,7 +1020,7 @@ def test_experts_of_a_decode_step_equal_numpy(rows, experts, top_k, capacity_fac
     with _no_grad(), fast_decode.fast_steps():
         got = fast_decode._feedforward(layer, keras.ops.convert_to_tensor(x))
     np.testing.assert_allclose(to_numpy(got)[:, 0], expected, rtol=1e-4, atol=1e-5)
-    assert ran["experts"] == (1 if TORCH else 0)
+    assert ran["experts"] == (1 if TORCH else 0) and ran["window"] == 0
     if capacity_factor is not None:  # the capacity binds: without it the rows differ
         free = _np_experts(x[:, 0], value["kernel"], w_in, value["output_kernel"], b_in,
                            b_out, top_k, None, gated)

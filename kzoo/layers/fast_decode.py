@@ -10,10 +10,19 @@ hooks break its graphs). The same step written in `torch` calls takes about 3 ms
 What it is: `block_step(block, x, ...)` computes exactly what `block(x, ..., cache=...,
 cache_index=...)` computes in inference (dropout off), reading the block's own variables
 (so training, LoRA-free weight updates and loading are seen at once) and using the same
-attention kernel as the Keras path on torch (`kernels_torch.fused`, i.e. SDPA). Sub-layers it
-has no torch version of (a mixture of experts, a LoRA or quantised `Dense`, a custom norm)
-are called as Keras layers, so every block configuration works and only the overhead of the
-rare parts remains.
+attention kernel as the Keras path on torch (`kernels_torch.fused`, i.e. SDPA). Rotary
+positions (`_rotate`), plain and gated feed-forwards and float32 mixtures of experts
+(`_experts`, the compiled step's routing run eagerly) have torch versions; sub-layers it has
+none of (a LoRA or quantised `Dense`, a custom norm, experts in another dtype) are called as
+Keras layers, so every block configuration works and only the overhead of the rare parts
+remains. Sliding-window blocks (a rolling cache) take the Keras call at every step
+(`decode_block`); the compiled step (`kzoo.layers.compiled_decode`) covers them.
+
+The first `generate` call of a shape on torch runs this eager loop (the compiled step comes
+from the second, `compiled_decode.policy`). At `benchmarks/decode_families.py`'s size (4
+prompts of 32, 128 new tokens, width 256, 4 layers, untied heads), eager, new tokens/s
+before -> after the torch rotations, the transposed untied head and the eager experts: see
+the README's decode section.
 
 When it runs: only inside `fast_steps()` (the torch decode loop of `kzoo.generation` enters
 it), on the torch backend, with autograd off (`torch.no_grad()`), and `training` false. There
@@ -186,8 +195,10 @@ def enabled(training=False):
 def decode_block(block, x, training=False, causal_bias=False, **kwargs):
     """`block(x, training=training, **kwargs)`, through `block_step` when `enabled()`.
     `causal_bias`: see `block_step` (the Keras call masks the same keys itself)."""
-    if (kwargs.get("cache") is not None and enabled(training)
-            and block.self_attention.attention == "full"):
+    attention = block.self_attention.attention
+    if kwargs.get("cache") is not None and enabled(training) and (
+            attention == "full" or (attention == "sliding_window" and x.shape[1] == 1
+                                    and not block.cross_attention)):
         return block_step(block, x, causal_bias=causal_bias, **kwargs)
     return block(x, training=training, **kwargs)
 
@@ -634,6 +645,8 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True, causal_
     if cache_index is None:  # cross-attention: precomputed keys and values
         q = _dense(layer.query_dense, x).view(batch, q_len, heads, head_dim)
         k, v = k_cache, v_cache
+    elif layer.attention == "sliding_window":  # one new token a row (see `decode_block`)
+        return _window_step(layer, x, mask, cache, k_cache, v_cache, cache_index, scale)
     elif type(cache_index) is int:
         # A host index: the new keys/values written with one copy each, and only the slots
         # written so far attended to (the others are masked out anyway).
@@ -687,6 +700,41 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True, causal_
         out = kernels_torch.fused(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                   mask, bias, False, scale)
     out = _dense(layer.output_dense, out.reshape(batch, q_len, heads * head_dim))
+    return out, cache
+
+
+def _window_step(layer, x, mask, cache, k_cache, v_cache, cache_index, scale):
+    """A sliding-window self-attention's decode step (one token a row) on its rolling cache
+    (`slots` slots, position `p` in slot `p % slots`), as `MultiHeadAttention._rolling_decode`
+    computes it: the new keys/values written in place at `cache_index % slots`, the query
+    attending to the slots that hold the last `window` positions (none before the first,
+    none of the padding: `mask`, the boolean key mask over positions, or None). The Keras
+    call, a copy of the cache included, was most of an eager Mistral-style step."""
+    import torch
+
+    batch = x.shape[0]
+    heads, kv_heads, head_dim = layer.num_heads, layer._kv_heads, layer._head_dim
+    q, k, v = _project_qkv(layer, x)
+    q = q.reshape(batch, 1, heads, head_dim)
+    k = k.reshape(batch, 1, kv_heads, head_dim)
+    v = v.reshape(batch, 1, kv_heads, head_dim)
+    if layer.rotary is not None:
+        k = _rotate(layer.rotary, k, cache_index)
+        q = _rotate(layer.rotary, q, cache_index)
+    slots = k_cache.shape[2]
+    position = (cache_index if type(cache_index) is int
+                else torch.as_tensor(cache_index, dtype=torch.long, device=x.device))
+    slot = (torch.as_tensor(position % slots, dtype=torch.long, device=x.device)).view(1)
+    k_cache.index_copy_(2, slot, k.transpose(1, 2).to(k_cache.dtype))
+    v_cache.index_copy_(2, slot, v.transpose(1, 2).to(v_cache.dtype))
+    held = position - (position - torch.arange(slots, device=x.device)) % slots
+    visible = ((held >= 0) & (position - held < layer.attention_options["window"]))
+    visible = visible[None, None, None, :]
+    if mask is not None:  # (the padding of the positions held)
+        visible = visible & mask.index_select(3, held.clamp(min=0))
+    out = _sdpa(q.transpose(1, 2), k_cache.to(q.dtype), v_cache.to(q.dtype), visible, None,
+                scale)
+    out = _dense(layer.output_dense, out.transpose(1, 2).reshape(batch, 1, heads * head_dim))
     return out, cache
 
 
