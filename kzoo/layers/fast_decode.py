@@ -15,14 +15,13 @@ positions (`_rotate`), plain and gated feed-forwards and float32 mixtures of exp
 (`_experts`, the compiled step's routing run eagerly) have torch versions; sub-layers it has
 none of (a LoRA or quantised `Dense`, a custom norm, experts in another dtype) are called as
 Keras layers, so every block configuration works and only the overhead of the rare parts
-remains. Sliding-window blocks (a rolling cache) take the Keras call at every step
-(`decode_block`); the compiled step (`kzoo.layers.compiled_decode`) covers them.
+remains. A sliding-window block's one-token steps run on its rolling cache in torch calls
+(`_window_step`); its prompt (several tokens at once) takes the Keras call (`decode_block`).
 
-The first `generate` call of a shape on torch runs this eager loop (the compiled step comes
-from the second, `compiled_decode.policy`). At `benchmarks/decode_families.py`'s size (4
-prompts of 32, 128 new tokens, width 256, 4 layers, untied heads), eager, new tokens/s
-before -> after the torch rotations, the transposed untied head and the eager experts: see
-the README's decode section.
+The first `generate` call of a shape on torch runs this eager loop (the compiled step,
+`kzoo.layers.compiled_decode`, comes from the second: `compiled_decode.policy`). The
+README's decode section has the eager loop's rates at `benchmarks/decode_families.py`'s size
+before and after the rotations, untied heads, experts and window steps in torch calls.
 
 When it runs: only inside `fast_steps()` (the torch decode loop of `kzoo.generation` enters
 it), on the torch backend, with autograd off (`torch.no_grad()`), and `training` false. There
