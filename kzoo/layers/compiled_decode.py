@@ -421,16 +421,20 @@ def _step(config, weights, tokens, slot, offsets, padding_mask, caches):
     return _product(x, weights["head"], None).float()
 
 
-def _window_mask(window, slots, position, padding_mask):
+def _window_mask(window, slots, position, padding_mask, device=None):
     """`(batch, 1, 1, slots)`: the slots of a rolling cache (`slots` of them, position `p` in
-    slot `p % slots`) that the token at `position` sees: the last `window` positions, none
-    before the first, none of the padding (as `MultiHeadAttention._rolling_decode`)."""
+    slot `p % slots`) that the token at `position` (an int or 0-d tensor) sees: the last
+    `window` positions, none before the first, none of the padding (as
+    `MultiHeadAttention._rolling_decode`). `padding_mask (batch, length)` over positions
+    (nonzero = a token), or None (no padding: `(1, 1, 1, slots)`, on `device`)."""
     import torch
 
-    held = position - (position - torch.arange(slots, device=padding_mask.device)) % slots
+    device = device if padding_mask is None else padding_mask.device
+    held = position - (position - torch.arange(slots, device=device)) % slots
     valid = ((held >= 0) & (position - held < window))[None, :]
-    seen = padding_mask.index_select(1, held.clamp(min=0)) != 0
-    return (valid & seen)[:, None, None, :]
+    if padding_mask is not None:
+        valid = valid & (padding_mask.index_select(1, held.clamp(min=0)) != 0)
+    return valid[:, None, None, :]
 
 
 def _sublayer(norm_first, norm, params, x, fn):

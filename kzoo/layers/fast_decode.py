@@ -711,6 +711,8 @@ def _window_step(layer, x, mask, cache, k_cache, v_cache, cache_index, scale):
     call, a copy of the cache included, was most of an eager Mistral-style step."""
     import torch
 
+    from kzoo.layers import compiled_decode
+
     batch = x.shape[0]
     heads, kv_heads, head_dim = layer.num_heads, layer._kv_heads, layer._head_dim
     q, k, v = _project_qkv(layer, x)
@@ -726,11 +728,9 @@ def _window_step(layer, x, mask, cache, k_cache, v_cache, cache_index, scale):
     slot = (torch.as_tensor(position % slots, dtype=torch.long, device=x.device)).view(1)
     k_cache.index_copy_(2, slot, k.transpose(1, 2).to(k_cache.dtype))
     v_cache.index_copy_(2, slot, v.transpose(1, 2).to(v_cache.dtype))
-    held = position - (position - torch.arange(slots, device=x.device)) % slots
-    visible = ((held >= 0) & (position - held < layer.attention_options["window"]))
-    visible = visible[None, None, None, :]
-    if mask is not None:  # (the padding of the positions held)
-        visible = visible & mask.index_select(3, held.clamp(min=0))
+    visible = compiled_decode._window_mask(  # (`mask`: the boolean `(batch, 1, 1, length)`)
+        layer.attention_options["window"], slots, position,
+        None if mask is None else mask[:, 0, 0, :], device=x.device)
     out = _sdpa(q.transpose(1, 2), k_cache.to(q.dtype), v_cache.to(q.dtype), visible, None,
                 scale)
     out = _dense(layer.output_dense, out.transpose(1, 2).reshape(batch, 1, heads * head_dim))
