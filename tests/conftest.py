@@ -1,6 +1,7 @@
 import glob
 import importlib.util
 import os
+import zlib
 
 # JAX tests compile hundreds of small XLA programs (eager ops, one a shape) and spend most of
 # their time compiling. XLA's CPU backend at optimisation level 1 instead of its default cut
@@ -86,7 +87,59 @@ HEAVY_FILES = ("test_crash_safety.py", "test_properties.py", "test_training.py",
                "test_multihost.py", "test_distribution_cli.py")
 
 
+# The backends in the order `spread` tests are dealt to them.
+SPREAD_BACKENDS = ("jax", "torch", "tensorflow")
+
+
+def _explicit_test_ids(config):
+    """Whether the command line names single tests (`path::test` or `path::test[param]`):
+    then what it names runs here, spread or not."""
+    return any("::" in str(arg) for arg in config.args)
+
+
+def spread_here(items, backend):
+    """The `spread` tests (items) that run on `backend` in the default suite, as a set of node
+    ids: a test function's items are dealt to the three backends in turn, in collection order,
+    the first to the backend picked by a checksum of the function's name (so the functions
+    with one item do not all land on the same backend). Cases marked `slow` themselves are
+    not dealt. Every other item runs on one backend by default and on all three with `-m ""`
+    (`make test-all`)."""
+    by_function = {}
+    for item in items:
+        if (item.get_closest_marker("spread") is not None
+                and item.get_closest_marker("slow") is None):  # a slow case stays slow
+            by_function.setdefault(item.nodeid.split("[")[0], []).append(item)
+    here = set()
+    position = SPREAD_BACKENDS.index(backend)
+    for function, function_items in by_function.items():
+        start = zlib.crc32(function.encode())
+        for index, item in enumerate(function_items):
+            if (start + index) % len(SPREAD_BACKENDS) == position:
+                here.add(item.nodeid)
+    return here
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """`spread` tests dealt to another backend get the `slow` mark (so `-m "not slow"`, the
+    default, leaves them out here), before pytest's own hook selects by mark. Then the order:
+    the heavy files"""
+    backend = keras.backend.backend()
+    if backend in SPREAD_BACKENDS and not _explicit_test_ids(config):
+        here = spread_here(items, backend)
+        for item in items:
+            if item.get_closest_marker("spread") is not None and item.nodeid not in here:
+                item.add_marker(pytest.mark.slow)
+    _order_heavy_first(items)
+
+
+def pytest_report_header(config):
+    return ("kzoo: tests marked `spread` run each of their cases on one backend by default "
+            "(jax, torch, tensorflow in turn); `make test-all` or `-m \"\"` runs them on all "
+            "three")
+
+
+def _order_heavy_first(items):
     """The heavy files above first, then the others by size, biggest first (a stable sort by
     file, so a file's tests stay together and in order): the longest work starts first.
     `make test` hands JAX's workers whole files in this order (tests/run_backends.py:
@@ -121,7 +174,7 @@ _CPU_LOG = os.environ.get("KZOO_TEST_CPU_LOG")
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With KZOO_TEST_CPU_LOG=path, append each test's CPU seconds (this process' threads, plus
-    the subprocesses it waited for) to that file: a profile of the suite's work that, unlike
+    the subprocesses it waited for), its id and the backend to that file: a profile of the suite's work that, unlike
     `--durations`, does not change with the machine's load."""
     if not _CPU_LOG:
         yield
@@ -133,4 +186,5 @@ def pytest_runtest_protocol(item, nextitem):
     children = ((after.children_user - before.children_user)
                 + (after.children_system - before.children_system))
     with open(_CPU_LOG, "a") as log:
-        log.write(f"{own + children:.3f}\t{own:.3f}\t{children:.3f}\t{item.nodeid}\n")
+        log.write(f"{own + children:.3f}\t{own:.3f}\t{children:.3f}\t{item.nodeid}"
+                  f"\t{keras.backend.backend()}\n")

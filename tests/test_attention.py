@@ -123,6 +123,7 @@ def test_chunked_small_blocks_match_numpy():
         assert_close(out, expected)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunked_small_blocks_gradients_match_reference(monkeypatch, causal):
     """Backward pass over many blocks, with key blocks that trailing padding hides in every
@@ -167,6 +168,7 @@ def _multi_block_cases():
 MULTI_BLOCK_CASES = _multi_block_cases()
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", sorted(MULTI_BLOCK_CASES))
 def test_chunked_multi_block_forward_and_gradients(monkeypatch, case):
     from kzoo.layers import kernels

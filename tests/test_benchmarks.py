@@ -309,6 +309,7 @@ def test_decode_families_cli_rejects_unknown_kinds_and_rounds():
         fam.main(["--rounds", "-1", "--backends", "jax"])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", ["llama", "mistral", "mixtral", "t5_v1_1"])
 def test_decode_families_models_are_the_kinds_named(kind):
     """The kzoo models the benchmark times are what its docstring says (the window shorter

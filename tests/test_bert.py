@@ -299,12 +299,14 @@ def test_preset_load_overrides_and_task_switch(tmp_path):
         kzoo.presets.load("bert_tiny_uncased", task="classifier", num_clases=3)
 
 
+@pytest.mark.spread
 def test_fit_masked_lm_lowers_loss():
     inputs = make_inputs(batch=8, lengths=(9, 8, 7, 6, 9, 5, 4, 9))
     labels = rng(8).integers(0, 61, size=(8, 9)).astype("int32")
     check_fit_lowers_loss(BertMaskedLM(tiny_backbone(dropout=0.0)), inputs, labels)
 
 
+@pytest.mark.spread
 def test_fit_classifier_lowers_loss():
     inputs = make_inputs(batch=8, lengths=(9, 8, 7, 6, 9, 5, 4, 9))
     labels = np.array([0, 1, 2, 0, 1, 2, 0, 1], "int32")
@@ -691,6 +693,7 @@ def test_mask_positions_match_transformers_logits_at_those_positions(tmp_path):
     assert model.predict({**inputs, "mask_positions": positions}, verbose=0).shape == got.shape
 
 
+@pytest.mark.spread
 def test_mask_positions_training_equals_weighted_every_position():
     """One SGD step with targets at `mask_positions` equals one with targets everywhere and
     the loss weighted to those positions (the same loss up to the normalisation, which the

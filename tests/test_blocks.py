@@ -153,6 +153,7 @@ def test_block_output_positions_match_numpy(kwargs, rows_only, wrapped, monkeypa
     assert rows[0] == (3 if rows_only else 6) and len(rows) == 1 + block.cross_attention
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kwargs", [dict(norm_first=False), dict(norm_first=True, causal=True),
                                     dict(norm_first=False, remat=True)])
 def test_block_output_positions_gradients_equal_the_whole_blocks(kwargs):
@@ -224,6 +225,7 @@ def test_block_cache_decoding_equals_full_pass():
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=3e-5)
 
 
+@pytest.mark.spread
 def test_block_with_moe_fits_and_serializes(tmp_path):
     block = TransformerBlock(num_heads=2, intermediate_dim=16, feedforward="moe",
                              num_experts=4, top_k=2, causal=True)

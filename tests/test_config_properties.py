@@ -461,6 +461,7 @@ def _check_names(error, field, source=None):
 FAMILY_FIELDS = [(family, field) for family in FAMILIES for field in sorted(KINDS[family])]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family, field", FAMILY_FIELDS,
                          ids=[f"{family}-{field}" for family, field in FAMILY_FIELDS])
 def test_one_invalid_field_is_named(family, field):
@@ -652,6 +653,7 @@ MODEL_SETTINGS = settings(max_examples=2 if keras.backend.backend() == "torch" e
                           suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", FAMILIES)
 def test_random_models_round_trip(family):
     @MODEL_SETTINGS

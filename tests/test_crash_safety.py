@@ -162,6 +162,7 @@ def _kill_and_resume_many_times(tmp_path, kills, seed):
     assert _check_checkpoints(ckpt_dir) == STEPS
 
 
+@pytest.mark.spread
 def test_killed_many_times_at_random_and_inside_writes_ends_like_an_uninterrupted_run(
         tmp_path):
     _kill_and_resume_many_times(tmp_path, kills=4, seed=0)

@@ -106,6 +106,7 @@ TINY = ["--override", "num_layers=1", "--override", "hidden_dim=16",
         "--batch-size", "4", "--bpe-vocab", "300"]
 
 
+@pytest.mark.spread
 def test_demo_prints_the_share_of_known_words_of_its_samples(tmp_path, capsys):
     out = str(tmp_path / "demo")
     assert main(["demo", "--steps", "2", "--out", out, "--verbose", "0"] + TINY) == 0

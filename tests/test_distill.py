@@ -228,6 +228,7 @@ def test_attention_gradient_reaches_the_student_and_matches_finite_differences(m
         assert np.abs(_grads(distiller, [t_query], x)[0]).max() == 0
 
 
+@pytest.mark.spread
 def test_fit_lowers_the_attention_term_and_leaves_the_teacher_alone(models):
     teacher, student, (x, y, w) = models
     weight = 3.0

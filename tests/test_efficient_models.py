@@ -115,6 +115,7 @@ SPARSE_CASES = [
 ]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind, options", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_sparse_layer_equals_full_attention_under_its_pattern(kind, options, causal):
@@ -144,6 +145,7 @@ def test_sparse_layer_equals_full_attention_under_its_pattern(kind, options, cau
     assert all(np.isfinite(to_numpy(w)).all() for w in layer.weights)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", ["linear", "performer"])
 def test_linear_layer_equals_numpy_and_decodes_with_a_constant_state(kind):
     x = np.random.default_rng(2).normal(size=(2, N, DIM)).astype("float32")
@@ -324,6 +326,7 @@ COVERING_CASES = [("bert", "sliding"), ("gpt", "sliding"), ("vit", "sliding"),
                   ("bert", "longformer"), ("vit", "longformer"), ("gpt", "block_sparse")]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family, case", COVERING_CASES,
                          ids=[f"{f}-{c}" for f, c in COVERING_CASES])
 def test_patterns_that_cover_every_key_equal_full_attention(family, case):
@@ -360,6 +363,7 @@ def test_patterns_that_cover_every_key_equal_full_attention(family, case):
     assert_close(b, a, atol=2e-5)
 
 
+@pytest.mark.spread
 def test_sliding_window_gpt_saves_taps_and_fits(tmp_path):
     lm = kzoo.presets.load("gpt_long_mini", num_layers=1, hidden_dim=16, num_heads=2,
                            num_kv_heads=1, intermediate_dim=32, window=3)

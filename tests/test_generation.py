@@ -397,6 +397,7 @@ def _exhaustive_best(table, first, length, stop, length_penalty):
     return best
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, -0.7, 2.0])
 def test_beam_search_with_every_prefix_is_exhaustive(length_penalty):
     """With more beams than prefixes and early_stopping="never" (the exact bound), beam
@@ -413,6 +414,7 @@ def test_beam_search_with_every_prefix_is_exhaustive(length_penalty):
                                     max_new_tokens=3, stop_token_ids=[3])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("early_stopping", [False, True, "never"])
 def test_beam_search_compiled_equals_eager(early_stopping):
     model = _markov(vocab=9, seed=3)
@@ -458,6 +460,7 @@ def _pick_stop(generate, free_rows, length):
     raise AssertionError(f"no token of {free_rows} ends a beam early")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", list(GPT2_BEAM_CASES))
 def test_gpt2_beam_search_matches_transformers(case, tmp_path):
     import torch
@@ -528,6 +531,7 @@ T5_BEAM_CASES = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", list(T5_BEAM_CASES))
 def test_t5_beam_search_matches_transformers(case, tmp_path):
     import torch

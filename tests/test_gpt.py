@@ -268,6 +268,7 @@ def _greedy_by_recompute(lm, prompt, steps, width=16):
     return seq[len(prompt):]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_generate_greedy_equals_recompute_and_batch_equals_alone(kind):
     lm = shared_lm(kind)
@@ -280,6 +281,7 @@ def test_generate_greedy_equals_recompute_and_batch_equals_alone(kind):
         assert lm.generate([prompt], max_new_tokens=6) == [out]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_generate_beam_batch_equals_alone(kind):
     """Beam search (token-for-token parity with transformers: tests/test_generation.py) on
@@ -324,6 +326,7 @@ def test_generate_stop_tokens():
     assert stopped[1] == other
 
 
+@pytest.mark.spread
 def test_generate_sampling():
     lm = shared_lm("modern")
     prompts = [[5, 6, 7], [9]]
@@ -383,6 +386,7 @@ def test_generate_errors():
 # === Saving ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", ["gpt2", "modern"])
 def test_keras_file_round_trip(kind, tmp_path):
     lm = shared_lm(kind)
@@ -405,6 +409,7 @@ def test_config_round_trip():
     assert again.backbone.get_config() == config
 
 
+@pytest.mark.spread
 def test_presets_directory_round_trip(tmp_path):
     lm = kzoo.presets.load("gpt_moe_mini", num_layers=1, max_sequence_length=32)
     x = _inputs(_ids(2, 6))
@@ -419,6 +424,7 @@ def test_presets_directory_round_trip(tmp_path):
 # === Training ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_fit_lowers_loss(kind):
     lm = tiny_lm(kind)
@@ -432,6 +438,7 @@ def test_fit_lowers_loss(kind):
                           jit_compile="auto")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("jit_compile", [False, "auto"])
 def test_chunked_kernel_trains_like_reference(monkeypatch, jit_compile):
     """A training step with every attention forced onto the chunked kernel (blocks of 3, so
@@ -842,6 +849,7 @@ def test_hf_llama_mixtral_parity_and_round_trip(model_type, overrides, tmp_path)
     assert_same_hf_tensors(src, out)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", ["modern", "moe"])
 def test_modern_kzoo_model_exports_to_transformers(kind, tmp_path):
     import transformers

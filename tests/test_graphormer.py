@@ -242,6 +242,7 @@ def test_initialisation(graphormer_init):
             np.testing.assert_array_equal(to_numpy(w), 0.0)
 
 
+@pytest.mark.spread
 def test_fit_lowers_loss():
     smiles, y = _freesolv(16)
     n_max = max(graphs.from_smiles(s)["num_nodes"] for s in smiles)

@@ -189,6 +189,7 @@ def test_out_of_range_id_is_refused_by_every_array_entry_point(family, key, kind
         calls["fit validation_data"]()
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_out_of_range_id_is_refused_in_datasets_and_generators(family):
     model, x, y, sizes = _family(family)
@@ -436,6 +437,7 @@ def test_check_inputs_reports_the_first_bad_id_and_respects_masks():
 # === Counts given as NumPy integers ===
 
 
+@pytest.mark.spread
 def test_generate_accepts_numpy_integer_counts():
     lm, x, _, _ = _family("gpt")
     prompts = [[3, 4, 5], [6]]

@@ -84,6 +84,7 @@ def test_t5_ids_give_encoder_decoder_and_cross_maps(tmp_path):
     assert stacks == {"encoder", "decoder", "cross"}
 
 
+@pytest.mark.spread
 def test_vit_image_gets_a_rollout_picture(tmp_path):
     model = kzoo.presets.load("vit_tiny_patch16_224", image_size=8, patch_size=2,
                               num_channels=1, num_layers=2, num_heads=2, hidden_dim=16,

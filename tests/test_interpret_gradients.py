@@ -250,6 +250,7 @@ def _graphormer_predictor():
     return model, x
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "bert", "vit", "t5", "graphormer"])
 def test_integrated_gradients_completeness(family, gpt):
     if family == "gpt":

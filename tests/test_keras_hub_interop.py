@@ -115,6 +115,7 @@ def _hub_preset(tmp_path, case, task=True, seed=0, hub_backbone=None, hub_task=N
 # === keras-hub -> kzoo ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_load_keras_hub_task_preset_matches_keras_hub(tmp_path, name):
     case = FAMILIES[name]

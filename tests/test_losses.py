@@ -180,6 +180,7 @@ def test_targets_with_a_trailing_axis_and_half_logits():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.spread
 def test_token_models_default_to_it_and_it_serialises(tmp_path):
     keras.utils.set_random_seed(0)
     lm = GPTCausalLM(GPTBackbone(vocabulary_size=31, num_layers=1, num_heads=2, hidden_dim=8,
@@ -432,6 +433,7 @@ def test_train_steps_with_the_kept_logits_buffer_equal_plain_ones(monkeypatch):
     assert not hasattr(ours.backbone.token_embedding, "_logits_buffer")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("metrics", [None, ["accuracy"]])
 def test_train_step_matches_keras_loss_with_and_without_metrics(metrics):
     """One SGD step of a GPT with its default loss (on torch: the logits released to the loss

@@ -158,6 +158,7 @@ def gradients(model, x, y, scale=1.0):
 # === Rematerialisation ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", FAMILIES)
 def test_remat_gives_the_same_gradients(family):
     """The gradients (dropout 0.1 everywhere) with remat == without, at 1e-5: the
@@ -327,6 +328,7 @@ def test_layerdrop_skips_whole_blocks_at_its_rate():
     assert abs(skipped - p * draws) <= 4 * np.sqrt(draws * p * (1 - p)), skipped
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("remat", [False, True])
 def test_layerdrop_trains_inside_compiled_fit(remat):
     """`fit` (compiled on every backend) with LayerDrop (and dropout) trains: finite loss,
@@ -431,6 +433,7 @@ def test_run_config_refuses_bad_accumulate_and_precision():
 # === Gradient accumulation ===
 
 
+@pytest.mark.spread
 def test_accumulation_equals_the_larger_batch():
     """`N` batches of `b` with `--accumulate N` (the CLI's AdamW, warmup schedule, clipping,
     weight decay) == one batch of `N * b` without, for two updates, at 1e-5."""
@@ -476,6 +479,7 @@ def _np_rms_norm(x, scale, epsilon):
     return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + epsilon) * scale
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_precision_on_every_family(family, policy):
@@ -528,6 +532,7 @@ FIT_FAMILIES = [family if family == "gpt" else pytest.param(family, marks=pytest
                 for family in FAMILIES]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("policy", ["bfloat16", "float16"])
 @pytest.mark.parametrize("family", FIT_FAMILIES)
 def test_mixed_precision_compiled_training_step(family, policy):

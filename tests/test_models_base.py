@@ -115,6 +115,7 @@ def _fresh(build, loss, weights, learning_rate):
     return model
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_step_uses_only_its_own_gradients(name):
     build, loss, data = CASES[name]
@@ -146,6 +147,7 @@ def test_each_step_uses_only_its_own_gradients(name):
         assert [v.path for v in model.variables if id(v.value) not in params] == []
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", ["bert_masked_lm", "t5_seq2seq_lm", "graphormer_predictor"])
 def test_one_adam_step_is_adam_of_the_summed_gradient(name):
     """Tables looked up with repeated ids (BERT's segment embedding, T5's relative bias,

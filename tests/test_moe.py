@@ -306,6 +306,7 @@ def _fit_data():
     return x, y
 
 
+@pytest.mark.spread
 def test_compiled_fit_lowers_the_loss_and_logs_router_metrics():
     # jit: jax.jit on JAX, XLA on TensorFlow; PyTorch runs Keras' default eager loop here
     # (torch.compile of a whole fit takes about a minute on CPU; see the slow test below).

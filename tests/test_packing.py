@@ -171,6 +171,7 @@ def _alone(model, tokens, extra=None):
     return to_numpy(forward(model, x))[0]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("style", sorted(GPT_STYLES))
 def test_gpt_packed_row_matches_documents_alone(style):
     packed, plain = _gpt_pair(style)
@@ -333,6 +334,7 @@ def _repetitive_documents(count, seed):
     return out
 
 
+@pytest.mark.spread
 def test_gpt_fit_on_packed_data_lowers_the_loss():
     model = GPTCausalLM(GPTBackbone(**{**GPT_SMALL, "num_layers": 1}, packed_inputs=True))
     x, y, w = kzoo.data.next_token_targets(kzoo.data.pack(_repetitive_documents(48, 6), 16))

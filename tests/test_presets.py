@@ -113,6 +113,7 @@ def test_presets_ship_inside_the_package():
     assert sorted(setup["packages"]) == sorted(on_disk + ["kzoo.preset_files"])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_save_directory_round_trip(name, tmp_path):
     model = kzoo.presets.load(name, **SMALL[name])
@@ -138,6 +139,7 @@ for model_dir, inputs, out in zip(*[iter(sys.argv[1:])] * 3):
 """
 
 
+@pytest.mark.spread
 def test_saved_on_this_backend_loads_on_the_others(tmp_path):
     """GPT and BERT presets saved here give the same outputs loaded on the other two backends
     (one process a backend loads both: a process' start, importing its framework, is most of

@@ -130,6 +130,7 @@ def _check(kernel, case):
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_matches_numpy_formula(kernel):
     @SETTINGS

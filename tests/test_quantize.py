@@ -139,6 +139,7 @@ def _dense_layers(model):
 # === Bad arguments ===
 
 
+@pytest.mark.spread
 def test_bad_modes_and_calls_are_refused():
     model = build_model("vit")
     for mode in ("int3", None, "gptq"):
@@ -200,6 +201,7 @@ def test_int8_dense_matches_the_abs_max_formula(int8_models):
 # === Save / load ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_int8_keras_file_and_preset_round_trip(int8_models, family, tmp_path):
     _, model, x = int8_models[family]
@@ -218,6 +220,7 @@ def test_int8_keras_file_and_preset_round_trip(int8_models, family, tmp_path):
         np.testing.assert_array_equal(run(again, x), ours)
 
 
+@pytest.mark.spread
 def test_config_round_trip_keeps_the_quantized_policies(int8_models):
     _, model, x = int8_models["t5"]
     config = model.get_config()
@@ -228,6 +231,7 @@ def test_config_round_trip_keeps_the_quantized_policies(int8_models):
     np.testing.assert_array_equal(run(clone, x), run(model, x))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("mode,bound", [
     ("int4", 0.5), pytest.param("float8", 0.3, marks=pytest.mark.slow)])
 def test_int4_and_float8_close_to_float_and_round_trip(mode, bound, tmp_path):

@@ -200,6 +200,7 @@ def data():
     return q, k, v, pad, cot
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name, causal", CASES)
 def test_equals_dense_formula_forward_and_gradients(data, name, causal):
     q, k, v, pad, cot = data

@@ -218,6 +218,7 @@ def test_cached_decoding_equals_full_recompute(version):
     np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_decode_loop_steps_equal_full_recompute(version, monkeypatch):
     """The steps as the decode loop runs them (on torch: `fast_decode`'s path, with the
@@ -259,6 +260,7 @@ def test_decode_loop_steps_equal_full_recompute(version, monkeypatch):
     assert len(calls) == (14 if torch else 0)  # the fast path runs on torch only
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_generate_greedy_equals_recompute(version):
     lm = shared_lm(version)
@@ -309,6 +311,7 @@ def test_generate_stop_tokens():
     # (test_loop_ends_when_every_row_has_ended), where the steps can be counted.
 
 
+@pytest.mark.spread
 def test_generate_sampling():
     lm = shared_lm("v1_0")
     enc = _batch()["encoder_token_ids"]
@@ -374,6 +377,7 @@ def test_config_round_trip():
     assert len(clone.decoder_layers) == 2
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_presets_directory_round_trip(version, tmp_path):
     lm = shared_lm(version)
@@ -390,6 +394,7 @@ def test_presets_directory_round_trip(version, tmp_path):
 # === Training ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_fit_lowers_loss(version):
     lm = tiny_lm(version, dropout=0.1, num_layers=1, num_decoder_layers=1)
@@ -468,6 +473,7 @@ def test_preset_json_files():
         assert "1910.10683" in spec["paper"] and spec["hf_reference"]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", ["t5_small", "t5_v1_1_small"])
 def test_small_preset_param_counts(name):
     model = kzoo.presets.load(name)

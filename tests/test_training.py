@@ -212,6 +212,7 @@ SLOW_RECIPES = ("demo",)
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_RECIPES else name
     for name in sorted(RECIPE_ARGS)
 ])
+@pytest.mark.spread
 def test_recipe_writes_its_outputs(recipe, tmp_path):
     if not _family_available(recipe):
         pytest.fail(f"the default preset of {recipe} is not registered in kzoo.presets")

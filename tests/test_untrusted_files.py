@@ -325,6 +325,7 @@ def _is_constant(node, value):
     return isinstance(node, ast.Constant) and node.value is value
 
 
+@pytest.mark.spread
 def test_no_loader_unpickles_or_runs_unsafe_code():
     rules = [("load", ("np", "numpy"), "allow_pickle", False),
              ("load", ("torch",), "weights_only", True),

@@ -243,6 +243,7 @@ def test_loading_into_another_image_size_resamples_the_table(tmp_path):
     np.testing.assert_allclose(to_numpy(big(x)), to_numpy(model(x)), atol=1e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("pooling", ["token", "mean"])
 def test_fit_lowers_loss(pooling):
     model = ViTClassifier(ViTBackbone(**{**TINY, "num_layers": 1}), num_classes=3,

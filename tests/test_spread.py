@@ -1,0 +1,51 @@
+"""The `spread` mark (tests/conftest.py): each case of a spread test runs on exactly one
+backend in the default suite, and all of them on every backend with `-m ""`."""
+
+import collections
+
+import pytest
+
+from tests.conftest import SPREAD_BACKENDS, spread_here
+
+
+class _Item:
+    def __init__(self, nodeid, marks=("spread",)):
+        self.nodeid = nodeid
+        self._marks = set(marks)
+
+    def get_closest_marker(self, name):
+        return object() if name in self._marks else None
+
+
+def _items():
+    items = [_Item(f"tests/test_a.py::test_many[{i}]") for i in range(7)]
+    items += [_Item(f"tests/test_b.py::test_one_{i}") for i in range(30)]
+    items += [_Item("tests/test_a.py::test_many_slow[0]", ("spread", "slow")),
+              _Item("tests/test_a.py::test_plain[0]", ())]
+    return items
+
+
+def test_each_spread_case_runs_on_exactly_one_backend():
+    items = _items()
+    runs = collections.Counter()
+    for backend in SPREAD_BACKENDS:
+        runs.update(spread_here(items, backend))
+    spread = {item.nodeid for item in items if item.get_closest_marker("spread")
+              and not item.get_closest_marker("slow")}
+    assert set(runs) == spread and set(runs.values()) == {1}
+
+
+def test_cases_of_a_function_are_dealt_in_turn_and_single_tests_spread_out():
+    items = _items()
+    per_backend = {b: spread_here(items, b) for b in SPREAD_BACKENDS}
+    many = [{n for n in here if "test_many[" in n} for here in per_backend.values()]
+    assert sorted(len(m) for m in many) == [2, 2, 3]
+    # Thirty one-case functions: the checksum puts some on every backend.
+    ones = [sum("test_one_" in n for n in here) for here in per_backend.values()]
+    assert sum(ones) == 30 and min(ones) >= 4
+
+
+@pytest.mark.parametrize("backend", SPREAD_BACKENDS)
+def test_slow_and_unmarked_cases_are_not_dealt(backend):
+    here = spread_here(_items(), backend)
+    assert not {"tests/test_a.py::test_many_slow[0]", "tests/test_a.py::test_plain[0]"} & here
