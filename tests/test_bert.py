@@ -99,6 +99,7 @@ def real(mask):
 # --- Models -----------------------------------------------------------------------------
 
 
+@pytest.mark.spread
 def test_forward_shapes_and_dtypes():
     inputs = make_inputs()
     backbone = tiny_backbone()
@@ -243,6 +244,7 @@ def test_initialisation_is_bert_normal():
     np.testing.assert_array_equal(to_numpy(backbone.embeddings_layer_norm.gamma), 1.0)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("task", ["backbone", "masked_lm", "classifier"])
 def test_keras_file_round_trip(task, tmp_path):
     backbone = tiny_backbone(attention_dropout=0.05, activation="gelu_new",

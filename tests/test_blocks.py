@@ -351,6 +351,7 @@ def test_unseeded_initializers_draw_every_kernel_afresh():
             assert not np.allclose(square[i], square[j])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("feedforward", ["plain", "gated", "moe"])
 def test_dropout_placement(feedforward):
     moe = dict(num_experts=2) if feedforward == "moe" else {}

@@ -202,6 +202,7 @@ def _term_function(distiller, variable, x):
     return term
 
 
+@pytest.mark.spread
 def test_attention_gradient_reaches_the_student_and_matches_finite_differences(models):
     teacher, student, (x, _, _) = models
     distiller = AttentionDistiller(student, teacher, attention_weight=1.0)

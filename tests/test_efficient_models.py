@@ -244,6 +244,7 @@ def test_mistral_greedy_generation_on_the_rolling_cache(tmp_path):
     assert all(tuple(c.shape) == (3, 2, 2, 4, 8) for c in caches)
 
 
+@pytest.mark.spread
 def test_linear_gpt_generation_equals_the_forward_pass():
     backbone = GPTBackbone(vocabulary_size=50, num_layers=2, num_heads=4, hidden_dim=16,
                            intermediate_dim=32, max_sequence_length=64, dropout=0.0,

@@ -153,6 +153,7 @@ def test_mixed_precision_dtypes():
     assert lm.backbone.token_embedding.embeddings.dtype == "float32"
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_padding_invariance_and_causality(kind):
     lm = shared_lm(kind)
@@ -314,6 +315,7 @@ def test_generate_array_prompts_with_padding_mask():
     assert lm.generate(left, padding_mask=left > 0, max_new_tokens=4) == expected
 
 
+@pytest.mark.spread
 def test_generate_stop_tokens():
     lm = shared_lm("gpt2")
     prompts = [[5, 6, 7], [9, 2]]
@@ -351,6 +353,7 @@ def test_generate_sampling():
     assert firsts <= nucleus
 
 
+@pytest.mark.spread
 def test_generate_with_tokenizer():
     tokenizers = pytest.importorskip("tokenizers")
     words = [f"w{i}" for i in range(VOCAB)]

@@ -74,6 +74,7 @@ def _randomize(model, seed=1):
 # === Forward ===
 
 
+@pytest.mark.spread
 def test_forward_shapes_and_dtypes():
     model = _predictor(num_classes=3)
     x = _inputs(SMILES)
@@ -152,6 +153,7 @@ def test_attention_bias_matches_numpy(edge_type, cut):
 # === Invariances ===
 
 
+@pytest.mark.spread
 def test_padding_invariance():
     """A molecule's prediction does not change when larger molecules join the batch or the
     batch is padded to a fixed size; its node outputs do not change either."""
@@ -287,6 +289,7 @@ def test_keras_file_roundtrip(tmp_path):
     assert restored.backbone.get_config() == model.backbone.get_config()
 
 
+@pytest.mark.spread
 def test_preset_directory_roundtrip(tmp_path):
     model = kzoo.presets.load("graphormer_slim", num_layers=2, hidden_dim=16,
                               intermediate_dim=24, num_heads=4, num_classes=3)

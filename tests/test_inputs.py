@@ -226,6 +226,7 @@ def test_out_of_range_id_is_refused_in_datasets_and_generators(family):
     np.testing.assert_array_equal(_outputs(model, x), before)
 
 
+@pytest.mark.spread
 def test_a_bad_batch_after_good_ones_is_caught_when_it_is_produced():
     model, x, y, sizes = _family("gpt")
     bad, index = _bad(x, "token_ids", -7, row=3)
@@ -270,6 +271,7 @@ def test_a_bad_batch_after_good_ones_is_caught_when_it_is_produced():
 # === Non-integer ids ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bool"])
 def test_non_integer_ids_are_refused_not_truncated(dtype):
     model, x, y, _ = _family("bert")
@@ -293,6 +295,7 @@ def _outputs(model, x):
     return keras.ops.convert_to_numpy(model(x))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_valid_ids_of_any_integer_type_give_the_same_outputs(family):
     model, x, y, sizes = _family(family)

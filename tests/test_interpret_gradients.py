@@ -159,6 +159,7 @@ def test_attention_gradient_matches_finite_differences(gpt):
 
 
 
+@pytest.mark.spread
 def test_t5_attention_gradient_logit_lens_and_head_importance():
     """T5: A * |dL/dA| of the encoder, decoder and cross attention against central
     differences (L: the predicted token at the last decoder position), the lens' last layer

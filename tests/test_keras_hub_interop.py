@@ -148,6 +148,7 @@ def test_load_keras_hub_backbone_preset(tmp_path, monkeypatch):
     _check(classifier.backbone, hub_backbone, inputs)
 
 
+@pytest.mark.spread
 def test_vit_without_biases_or_class_token(tmp_path):
     """keras-hub's bias switches load as zero kzoo biases; 'gap' pooling without a class token
     is kzoo's 'mean'; the model is written back while those biases are zero, not after."""
@@ -220,6 +221,7 @@ def _kzoo_model(case, seed=5):
     return _randomise(model, seed)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_save_keras_hub_preset_loads_in_keras_hub(tmp_path, name):
     case = FAMILIES[name]

@@ -213,6 +213,7 @@ def test_export_reads_back_in_transformers(checkpoints, tmp_path):
                                         mask=inputs["padding_mask"], label="export")
 
 
+@pytest.mark.spread
 def test_kzoo_save_load_and_fit(checkpoints, tmp_path):
     """A longformer BERT saves and loads (kzoo format) with the same outputs, and trains
     with or without the global mask in the input dict."""

@@ -91,6 +91,7 @@ def test_adapted_dense_matches_the_formula(adapted):
     np.testing.assert_allclose(to_numpy(layer(x)), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_save_load_and_merge(adapted, family, tmp_path):
     _, model, x, after = adapted[family]
@@ -155,6 +156,7 @@ def test_generate_with_adapters_equals_merged(adapted):
                                   with_adapters)
 
 
+@pytest.mark.spread
 def test_lora_on_an_int8_model_and_merge():
     model = build_model("gpt")
     x = model_inputs("gpt")

@@ -62,6 +62,7 @@ def test_card_in_every_saved_directory(format, tmp_path):  # noqa: A002
         assert meta["metrics"] == {"val_loss": 2.5, "accuracy": 0.75}
 
 
+@pytest.mark.spread
 def test_card_without_metrics_and_quantized(tmp_path):
     model = build_model("gpt")
     model.quantize("int8")

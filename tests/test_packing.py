@@ -310,6 +310,7 @@ def test_packed_config_rules():
                                       "segment_ids", "token_ids"]
 
 
+@pytest.mark.spread
 def test_packed_models_round_trip_keras_files(tmp_path):
     packed, _ = _gpt_pair("llama")
     ids, doc_ids = _packed_row(_documents(5))
@@ -342,6 +343,7 @@ def test_gpt_fit_on_packed_data_lowers_the_loss():
                           sample_weight=w, epochs=5, batch_size=8, min_drop=0.5)
 
 
+@pytest.mark.spread
 def test_bert_fit_on_packed_data_lowers_the_loss():
     model = BertMaskedLM(BertBackbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2,
                                       hidden_dim=16, intermediate_dim=32,

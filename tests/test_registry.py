@@ -94,6 +94,7 @@ def test_a_family_entry_must_agree_with_its_classes():
         registry.Family("gpt", gpt.GPTBackbone, tasks={}, default_task="mlm")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_build_describe_and_for_model_round_trip(name):
     fam = registry.family(name)

@@ -89,6 +89,7 @@ def _pad_more(inputs, extra_enc, extra_dec, seed=1):
 # === Forward ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_forward_shapes_and_dtypes(version):
     lm = shared_lm(version)
@@ -117,6 +118,7 @@ def test_mixed_precision_dtypes():
     assert np.all(np.isfinite(logits))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_padding_invariance(version):
     lm = shared_lm(version)
@@ -293,6 +295,7 @@ def test_generate_greedy_equals_recompute(version):
     assert ragged == out
 
 
+@pytest.mark.spread
 def test_generate_stop_tokens():
     lm = shared_lm("v1_1")
     enc = _batch()["encoder_token_ids"]
@@ -337,6 +340,7 @@ def test_generate_sampling():
         lm.generate(enc, max_new_tokens=0)
 
 
+@pytest.mark.spread
 def test_generate_with_tokenizer():
     tokenizers = pytest.importorskip("tokenizers")
     words = ["<pad>", "</s>"] + [f"w{i}" for i in range(VOCAB - 2)]
@@ -616,6 +620,7 @@ def test_hf_greedy_generation_matches_transformers(version, tmp_path):
     assert ours == [_cut_at_stop(row, stop) for row in ref]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_hf_export_loads_in_transformers(version, tmp_path):
     transformers = pytest.importorskip("transformers")

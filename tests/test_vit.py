@@ -116,6 +116,7 @@ def test_qkv_bias_false_drops_only_qkv_biases():
 # === Backbone and classifier ===
 
 
+@pytest.mark.spread
 def test_forward_shapes_and_dtypes():
     backbone = ViTBackbone(**TINY)
     out = backbone(images())
@@ -256,6 +257,7 @@ def test_fit_lowers_loss(pooling):
                           evaluate=True, min_drop=0.05, jit_compile="auto")
 
 
+@pytest.mark.spread
 def test_backbone_fit_lowers_loss():
     backbone = ViTBackbone(**{**TINY, "num_layers": 1})
     x = images(4)
@@ -329,6 +331,7 @@ def _check_preset_params(name):
     assert model.count_params() == spec["params"]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_small_patch16_224"])
 def test_small_preset_params(name):
     _check_preset_params(name)
