@@ -142,6 +142,7 @@ def test_forward_matches_numpy_reference(kind):
     assert err_h < 1e-4 and err_l < 1e-4
 
 
+@pytest.mark.spread
 def test_mixed_precision_dtypes():
     lm = tiny_lm("modern", dtype="mixed_bfloat16")
     for layer in lm.backbone._flatten_layers(include_self=False, recursive=True):
@@ -224,6 +225,7 @@ def test_call_with_cache_equals_full_recompute():
     np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_generation_prefill_and_steps_equal_full_recompute(kind):
     """The prefill + one-token steps that the decode loop runs (the model's decoding

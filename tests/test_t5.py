@@ -109,6 +109,7 @@ def test_forward_shapes_and_dtypes(version):
     assert any("lm_head" in p for p in paths) == (version == "v1_1")
 
 
+@pytest.mark.spread
 def test_mixed_precision_dtypes():
     lm = tiny_lm("v1_1", dtype="mixed_bfloat16")
     out = lm.backbone(_batch())
