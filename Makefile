@@ -52,14 +52,17 @@ test: $(STAMP)
 test-browser: $(STAMP)
 	KERAS_BACKEND=$(DEMO_BACKEND) $(PY) -m pytest -q -m browser tests/test_interpret_views.py
 
-# One backend. Explicit targets: make applies no pattern rule to a .PHONY target, so a
-# `test-%` rule made `make test-torch` say "Nothing to be done".
+# One backend (its share of the `spread` tests' cases). Explicit targets: make applies no
+# pattern rule to a .PHONY target, so a `test-%` rule made `make test-torch` say "Nothing to
+# be done".
 test-jax test-torch test-tensorflow: $(STAMP)
 	KERAS_BACKEND=$(@:test-%=%) $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Everything on each backend: the slow tests, and every case of the `spread` tests (which
+# `make test` and `make test-<backend>` run on one backend each, tests/conftest.py).
 test-all: $(STAMP)
 	@set -e; for b in $(BACKENDS); do \
-	  echo "=== KERAS_BACKEND=$$b (all, slow included)"; \
+	  echo "=== KERAS_BACKEND=$$b (all: slow and every spread case included)"; \
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "" $(PYTEST_ARGS) || exit $$?; \
 	done
 
