@@ -130,7 +130,8 @@ def pytest_collection_modifyitems(config, items):
     default, leaves them out here), before pytest's own hook selects by mark. Then the order:
     the heavy files"""
     backend = keras.backend.backend()
-    if backend in SPREAD_BACKENDS and not _explicit_test_ids(config):
+    deal = os.environ.get("KZOO_SPREAD", "1") != "0"  # KZOO_SPREAD=0: every case here
+    if deal and backend in SPREAD_BACKENDS and not _explicit_test_ids(config):
         here = spread_here(items, backend)
         for item in items:
             if item.get_closest_marker("spread") is not None and item.nodeid not in here:
