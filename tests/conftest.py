@@ -127,8 +127,8 @@ def spread_here(items, backend):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`spread` tests dealt to another backend get the `slow` mark (so `-m "not slow"`, the
-    default, leaves them out here), before pytest's own hook selects by mark. Then the order:
-    the heavy files"""
+    default, leaves them out here), before pytest's own hook selects by mark; then the items
+    are put in `_order_heavy_first`'s order."""
     backend = keras.backend.backend()
     deal = os.environ.get("KZOO_SPREAD", "1") != "0"  # KZOO_SPREAD=0: every case here
     if deal and backend in SPREAD_BACKENDS and not _explicit_test_ids(config):
@@ -180,8 +180,8 @@ _CPU_LOG = os.environ.get("KZOO_TEST_CPU_LOG")
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With KZOO_TEST_CPU_LOG=path, append each test's CPU seconds (this process' threads, plus
-    the subprocesses it waited for), its id and the backend to that file: a profile of the suite's work that, unlike
-    `--durations`, does not change with the machine's load."""
+    the subprocesses it waited for), its id and the backend to that file: a profile of the
+    suite's work that, unlike `--durations`, does not change with the machine's load."""
     if not _CPU_LOG:
         yield
         return
