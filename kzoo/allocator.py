@@ -22,7 +22,7 @@ the GPU runtimes do. `fit`, `evaluate` and `predict` of a kzoo model give the fr
 (`release_memory`) when their loop ends; between `train_on_batch` / `predict_on_batch` calls
 it stays. Measured in fresh processes (`benchmarks/peers.py`' kzoo worker, 2 rounds, this
 module on / off): GPT training on JAX +33%, TensorFlow +9%; forward passes +10% on torch,
-+5-30% on TensorFlow and JAX (README, "Speed beside the peers").
++5-30% on TensorFlow and JAX (docs/PERFORMANCE.md).
 
 On the JAX backend kzoo also runs XLA's CPU programs on the calling thread
 (`jax_cpu_enable_async_dispatch=False`, set before JAX's CPU client exists). Dispatched

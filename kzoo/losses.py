@@ -362,7 +362,7 @@ def _tf_cross_entropy():
     logits for the backward pass where the kernel kept its gradient (the same size); a step
     after the first adds no more memory than before (17 vs 34 MiB above the resident set),
     but the first XLA compilation in a process raises its resident set (~50 MiB for XLA's
-    compiler; see the README).
+    compiler; see docs/PERFORMANCE.md).
 
     A target outside `[0, vocab)` stops the step with an `InvalidArgumentError` naming it (a
     graph assertion; the kernel raised too, on CPU); a step compiled whole with XLA

@@ -5,7 +5,7 @@ The torch decode loop (`kzoo.generation`) runs each step in eager torch calls
 the rest of the step is some hundred small kernels, each launched from Python. Compiled by
 Inductor, the element-wise work of a block (norms, bias, GELU, residuals, the cache writes,
 the mask) becomes a few fused C++ loops and the step one call. Measured on the 2-core CPU at
-`benchmarks/peers.py`'s size (GPT, 4 prompts, 128 new tokens; see the README): a lean eager
+`benchmarks/peers.py`'s size (GPT, 4 prompts, 128 new tokens; see docs/PERFORMANCE.md): a lean eager
 step 4.6 ms, the same compiled 2.8 ms.
 
 `model_step(model, state, constants)` returns `step(last_tokens, index) -> float32 logits`

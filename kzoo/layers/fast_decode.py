@@ -19,9 +19,10 @@ remains. A sliding-window block's one-token steps run on its rolling cache in to
 (`_window_step`); its prompt (several tokens at once) takes the Keras call (`decode_block`).
 
 The first `generate` call of a shape on torch runs this eager loop (the compiled step,
-`kzoo.layers.compiled_decode`, comes from the second: `compiled_decode.policy`). The
-README's decode section has the eager loop's rates at `benchmarks/decode_families.py`'s size
-before and after the rotations, untied heads, experts and window steps in torch calls.
+`kzoo.layers.compiled_decode`, comes from the second: `compiled_decode.policy`).
+docs/PERFORMANCE.md ("torch: the eager decode loop") has the eager loop's rates at
+`benchmarks/decode_families.py`'s size before and after the rotations, untied heads,
+experts and window steps in torch calls.
 
 When it runs: only inside `fast_steps()` (the torch decode loop of `kzoo.generation` enters
 it), on the torch backend, with autograd off (`torch.no_grad()`), and `training` false. There
