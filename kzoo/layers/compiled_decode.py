@@ -154,13 +154,40 @@ def _rotary_spec(attention):
 
 
 def _inverse_frequencies(spec, head_dim):
-    """RoPE's `max_wavelength ** (-2i / head_dim)`, as `RotaryEmbedding` computes them (in
-    float64, then float32)."""
-    import numpy as np
+    """RoPE's inverse frequencies of a rotary `spec` (see `_rotary_spec`), a float32 torch
+    tensor (`kzoo.layers.position.rope_inverse_frequencies`)."""
     import torch
 
-    exponents = np.arange(0, head_dim, 2) / head_dim
-    return torch.from_numpy((spec[0] ** -exponents).astype("float32"))
+    from kzoo.layers.position import rope_inverse_frequencies
+
+    return torch.from_numpy(rope_inverse_frequencies(spec[0], head_dim))
+
+
+def rope_tables(angles, interleaved):
+    """torch: the `(cos, sin)` that `rope_apply` multiplies by, from float32 `angles (...,
+    head_dim / 2)`: for the "rotate half" pairing (`interleaved=False`) `[cos, cos]` and
+    `[-sin, sin]` over the whole head, as `RotaryEmbedding.call` makes them; for
+    interleaved pairs the half-width `cos` and `sin`. Shared by the compiled step and the
+    eager loop (`fast_decode._rotate`, which keeps a step's tables for all its layers)."""
+    import torch
+
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if interleaved:
+        return cos, sin
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rope_apply(y, cos, sin, interleaved):
+    """torch: float32 `y (..., head_dim)` rotated by `rope_tables`' `(cos, sin)`, in
+    `RotaryEmbedding.call`'s operations and order: `y * [cos, cos] + [y2, y1] * [-sin, sin]`
+    for the "rotate half" pairing, `(y1 cos - y2 sin, y2 cos + y1 sin)` interleaved."""
+    import torch
+
+    if not interleaved:
+        half = y.shape[-1] // 2
+        return y * cos + torch.cat([y[..., half:], y[..., :half]], dim=-1) * sin
+    y1, y2 = y[..., 0::2], y[..., 1::2]
+    return torch.stack([y1 * cos - y2 * sin, y2 * cos + y1 * sin], dim=-1).reshape(y.shape)
 
 
 class _Experts(NamedTuple):
@@ -453,22 +480,16 @@ def _attend(q, keys, values, mask, scale, heads, out, out_bias):
 
 
 def _rotate(spec, inverse_frequencies, x, slot):
-    """`x (batch, heads, 1, head_dim)` rotated to position `slot`, as `RotaryEmbedding`
-    rotates it (float32 angles `slot / scaling_factor * theta_i`)."""
+    """`x (batch, heads, 1, head_dim)` (float32) rotated to position `slot`, as
+    `RotaryEmbedding` rotates it (float32 angles `slot / scaling_factor * theta_i`)."""
     import torch
 
     _, scaling, interleaved = spec
     position = slot.to(torch.float32)
     if scaling != 1.0:
         position = position / scaling
-    angles = position * inverse_frequencies
-    cos, sin = torch.cos(angles), torch.sin(angles)
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(x.shape)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    cos, sin = rope_tables(position * inverse_frequencies, interleaved)
+    return rope_apply(x, cos, sin, interleaved)
 
 
 def _self_attention(config, w, x, cache, slot, mask):

@@ -83,7 +83,6 @@ import os
 import threading
 
 import keras
-import numpy as np
 
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import torch_linear, torch_linear_uses_onednn
@@ -749,6 +748,9 @@ def _rotate(rotary, x, start):
     or per-token `start`, another rank): the layer's own call."""
     import torch
 
+    from kzoo.layers.compiled_decode import rope_apply, rope_tables
+    from kzoo.layers.position import rope_inverse_frequencies
+
     head_dim = x.shape[-1]
     start_is_int = type(start) is int
     if x.dim() != 4 or head_dim % 2 or not (
@@ -761,8 +763,8 @@ def _rotate(rotary, x, start):
     if start_is_int and cached is not None and cached[0] == key:
         cos, sin = cached[1]
     else:
-        inv_freq = torch.as_tensor((float(rotary.max_wavelength) ** (
-            -np.arange(0, head_dim, 2) / head_dim)).astype("float32"), device=x.device)
+        inv_freq = torch.as_tensor(rope_inverse_frequencies(rotary.max_wavelength, head_dim),
+                                   device=x.device)
         positions = torch.arange(seq, dtype=torch.int32, device=x.device)
         if not start_is_int:
             positions = positions + start.to(torch.int32)
@@ -772,18 +774,10 @@ def _rotate(rotary, x, start):
         if float(rotary.scaling_factor) != 1.0:
             positions = positions / float(rotary.scaling_factor)
         angles = (positions[..., None] * inv_freq).reshape(1, seq, 1, half)
-        cos, sin = torch.cos(angles), torch.sin(angles)
-        if not rotary.interleaved:
-            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        cos, sin = rope_tables(angles, rotary.interleaved)
         if start_is_int:
             _STATE.rotary = (key, (cos, sin))
-    y = x.to(torch.float32)
-    if not rotary.interleaved:  # `x * [cos, cos] + [x2, x1] * [-sin, sin]`, as the layer
-        swapped = torch.cat([y[..., half:], y[..., :half]], dim=-1)
-        return (y * cos + swapped * sin).to(x.dtype)
-    x1, x2 = y[..., 0::2], y[..., 1::2]
-    out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.reshape(x.shape).to(x.dtype)
+    return rope_apply(x.to(torch.float32), cos, sin, rotary.interleaved).to(x.dtype)
 
 
 def block_step(block, x, padding_mask=None, attention_mask=None, attention_bias=None,

@@ -299,6 +299,13 @@ class PositionEmbedding(keras.layers.Layer):
 # === Rotary ===
 
 
+def rope_inverse_frequencies(max_wavelength, head_dim):
+    """RoPE's `theta_i = max_wavelength ** (-2i / head_dim)`, `i < head_dim / 2`: float64,
+    then float32 (NumPy), as `RotaryEmbedding` and the torch decode paths
+    (`kzoo.layers.fast_decode`, `kzoo.layers.compiled_decode`) all compute them."""
+    return (float(max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)).astype("float32")
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
 class RotaryEmbedding(keras.layers.Layer):
     """Rotary position embedding, RoPE (Su et al., 2021, "RoFormer").
@@ -383,8 +390,7 @@ class RotaryEmbedding(keras.layers.Layer):
         if not per_row and per_token is None:
             start_index = _check_start_index(start_index)
 
-        inv_freq = float(self.max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)
-        inv_freq = ops.convert_to_tensor(inv_freq.astype("float32"))
+        inv_freq = ops.convert_to_tensor(rope_inverse_frequencies(self.max_wavelength, head_dim))
         if per_token is not None:  # (batch, seq)
             positions = ops.cast(per_token, "float32")
         elif per_row:  # (batch, seq)
