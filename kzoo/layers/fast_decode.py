@@ -298,8 +298,8 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
         k = k.reshape(batch, length, layer._kv_heads, layer._head_dim)
         v = v.reshape(batch, length, layer._kv_heads, layer._head_dim)
         if layer.rotary is not None:
-            k = layer.rotary(k, start_index=0)
-            q = layer.rotary(q, start_index=0)
+            k = _rotate(layer.rotary, k, 0)
+            q = _rotate(layer.rotary, q, 0)
         out = dot_product_attention(
             q, k, v, mask=mask, bias=attention_bias,
             is_causal=causal, scale=layer.scale, kernel=layer.kernel,
