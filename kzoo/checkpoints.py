@@ -24,6 +24,7 @@ import os
 import numpy as np
 
 HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
@@ -147,6 +148,35 @@ def read_hf_config(path):
             f"model_type={config.get('model_type')!r}."
         )
     return config
+
+
+# `generation_config.json` fields that set a generative task model's `generate` defaults
+# (transformers reads them there before config.json).
+HF_GENERATION_FIELDS = ("eos_token_id", "decoder_start_token_id", "pad_token_id")
+
+
+def read_hf_generation_config(path):
+    """The fields of `HF_GENERATION_FIELDS` that a checkpoint directory's
+    `generation_config.json` sets, as a dict ({} without the file)."""
+    file = file_in(path, HF_GENERATION_CONFIG, "generation config")
+    if not os.path.isfile(file):
+        return {}
+    config = read_json(file, "Hugging Face generation config")
+    return {key: config[key] for key in HF_GENERATION_FIELDS if key in config}
+
+
+def hf_token_ids(value, vocabulary_size, field="eos_token_id"):
+    """A Hugging Face `eos_token_id` (None, an int or a list of ints) as a list of the ids
+    that a model of `vocabulary_size` can produce (an id outside it could never end a row),
+    or None when there is none."""
+    values = [] if value is None else [value] if not isinstance(value, (list, tuple)) else value
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(
+            f"Hugging Face config field `{field}` must be null, an int or a list of ints; "
+            f"got {field}={value!r}."
+        )
+    ids = [v for v in values if 0 <= v < vocabulary_size]
+    return ids or None
 
 
 def read_hf_state(path):

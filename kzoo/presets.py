@@ -518,7 +518,9 @@ def _load_keras_hub(path, task=None, dtype=None, overrides=None):
 
 def _load_hf(path, task=None, dtype=None, overrides=None):
     """The kzoo model of a Hugging Face checkpoint directory, with its weights (and tokenizer)."""
-    hf_config = checkpoints.read_hf_config(path)
+    # `generate`'s defaults come from generation_config.json first, as in transformers
+    hf_config = {**checkpoints.read_hf_config(path),
+                 **checkpoints.read_hf_generation_config(path)}
     family = registry.for_model_type(hf_config["model_type"])
     _, config, hf_task, task_config = family.config_from_hf(
         hf_config, source=os.path.join(path, "config.json")

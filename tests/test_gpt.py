@@ -688,6 +688,71 @@ def test_hf_gpt2_greedy_generation(tmp_path):
         assert new[: len(expected)] == expected
 
 
+def test_hf_gpt2_generate_stops_where_transformers_does_by_default(tmp_path):
+    """Without `stop_token_ids`, `generate` stops at the checkpoint's `eos_token_id` as
+    transformers' `generate` does (generation_config.json before config.json), keeps it
+    through kzoo's save and the Hugging Face export, and `stop_token_ids=None` turns it
+    off."""
+    import json
+
+    import torch
+    import transformers
+
+    src = os.path.join(tmp_path, "src")
+    hf = _hf_gpt2(src, initializer_range=0.3)  # config.json: eos_token_id 96
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
+
+    def hf_generate(model):
+        rows = []
+        for prompt in prompts:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                    1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=20,
+                    pad_token_id=0)
+            rows.append(out[0, len(prompt):].tolist())
+        return rows
+
+    # A stop the model emits early in one row (not at all in another, ideally).
+    free = kzoo.presets.load(src).generate(prompts, max_new_tokens=20, stop_token_ids=None)
+    stop = free[0][3]
+    hf.generation_config.eos_token_id = stop  # generation_config.json only
+    tuned = os.path.join(tmp_path, "tuned")
+    hf.save_pretrained(tuned)
+    with open(os.path.join(tuned, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] == 96
+    expected = hf_generate(hf)
+    assert len(expected[0]) == 4 and expected[0][-1] == stop
+
+    model = kzoo.presets.load(tuned)
+    assert model.stop_token_ids == (stop,)
+    assert model.generate(prompts, max_new_tokens=20) == expected
+    assert model.generate(prompts, max_new_tokens=20, stop_token_ids="auto") == expected
+    assert model.generate(prompts, max_new_tokens=20, stop_token_ids=None) == free
+    # kzoo's own save, the .keras file and the Hugging Face export keep it
+    kept = os.path.join(tmp_path, "kept")
+    kzoo.presets.save(model, kept)
+    assert kzoo.presets.load(kept).generate(prompts, max_new_tokens=20) == expected
+    keras_file = os.path.join(tmp_path, "lm.keras")
+    model.save(keras_file)
+    assert keras.saving.load_model(keras_file).stop_token_ids == (stop,)
+    out = os.path.join(tmp_path, "out")
+    kzoo.presets.save(model, out, format="hf")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] == stop
+    again = transformers.GPT2LMHeadModel.from_pretrained(out, attn_implementation="eager")
+    assert hf_generate(again.eval()) == expected
+
+
+def test_causal_lm_stop_token_ids_errors():
+    backbone = GPTBackbone(vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
+                           intermediate_dim=16, max_sequence_length=16)
+    for bad in ([50], [-1], "eos", [1.5], True):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            GPTCausalLM(backbone, stop_token_ids=bad)
+    assert GPTCausalLM(backbone, stop_token_ids=7).stop_token_ids == (7,)
+    assert GPTCausalLM(backbone).get_config()["stop_token_ids"] is None
+
+
 def test_hf_gpt2_export_round_trip(tmp_path):
     import transformers
 

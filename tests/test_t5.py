@@ -589,6 +589,60 @@ def _cut_at_stop(row, stop, pad_id=0):
     return row[:end]
 
 
+def test_hf_generate_defaults_come_from_the_checkpoint(tmp_path):
+    """A checkpoint whose decoder starts from 3, stops at 5 and pads with 2: `generate`
+    with no arguments gives transformers' `generate` with none (the start, stop and pad ids
+    of its generation_config.json), kzoo's save and the export keep them, and explicit
+    arguments still win."""
+    import json
+
+    import torch
+    import transformers
+
+    src = os.path.join(tmp_path, "src")
+    hf = _hf_model(src, "v1_0", seed=2, decoder_start_token_id=3, eos_token_id=5,
+                   pad_token_id=2)
+    inputs = _batch(enc_len=15, enc_real=(15, 8), pad_id=2)
+    enc, mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
+    enc[(enc == 2) & (mask == 1)] = 4  # (real tokens other than the pad id)
+
+    def hf_generate(model, **kwargs):
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor(enc, dtype=torch.long),
+                                 attention_mask=torch.tensor(mask), do_sample=False,
+                                 max_new_tokens=20, **kwargs).numpy()
+        assert np.all(out[:, 0] == kwargs.get("decoder_start_token_id", 3))
+        return [_cut_at_stop(row, kwargs.get("eos_token_id", 5), pad_id=2)
+                for row in out[:, 1:]]
+
+    model = kzoo.presets.load(src)
+    assert (model.stop_token_ids, model.decoder_start_token_id, model.pad_token_id) == (
+        (5,), 3, 2)
+    expected = hf_generate(hf)
+    assert model.generate(enc, max_new_tokens=20) == expected  # mask: ids != pad 2
+    assert model.generate({"encoder_token_ids": enc, "encoder_padding_mask": mask},
+                          max_new_tokens=20) == expected
+    # T5's usual ids given explicitly: transformers with the same arguments
+    usual = dict(decoder_start_token_id=0, eos_token_id=1, pad_token_id=2)
+    assert model.generate(enc, max_new_tokens=20, decoder_start_token_id=0,
+                          stop_token_ids=[1]) == hf_generate(hf, **usual)
+    kept = os.path.join(tmp_path, "kept")
+    kzoo.presets.save(model, kept)
+    assert kzoo.presets.load(kept).generate(enc, max_new_tokens=20) == expected
+    out = os.path.join(tmp_path, "out")
+    kzoo.presets.save(model, out, format="hf")
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert (written["decoder_start_token_id"], written["eos_token_id"],
+            written["pad_token_id"]) == (3, 5, 2)
+    again = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
+    assert hf_generate(again) == expected
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        model.generate(enc, decoder_start_token_id=VOCAB)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        T5Seq2SeqLM(model.backbone, pad_token_id=-1)
+
+
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_hf_greedy_generation_matches_transformers(version, tmp_path):
     import torch

@@ -21,9 +21,11 @@ Example:
 from kzoo.checkpoints import (  # noqa: F401 - the toolkit every converter module uses
     WeightReader,
     assign,
+    hf_token_ids,
     load_tokenizer,
     read_hf_config,
     read_hf_state,
 )
 
-__all__ = ["WeightReader", "assign", "load_tokenizer", "read_hf_config", "read_hf_state"]
+__all__ = ["WeightReader", "assign", "hf_token_ids", "load_tokenizer", "read_hf_config",
+           "read_hf_state"]

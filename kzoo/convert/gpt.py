@@ -39,7 +39,7 @@ import keras
 import numpy as np
 
 from kzoo import registry
-from kzoo.convert import assign
+from kzoo.convert import assign, hf_token_ids
 from kzoo.models.gpt import GPTConfig
 
 FAMILY = "gpt"
@@ -200,7 +200,8 @@ def config_from_hf(hf_config, source="config.json"):
         initializer_range=cfg["initializer_range"],
     )
     names = _HF_NAMES if cfg["n_inner"] else {**_HF_NAMES, "intermediate_dim": "n_embd"}
-    return FAMILY, _validated(config, source, names), ARCHITECTURES[arch], {}
+    config = _validated(config, source, names)
+    return FAMILY, config, ARCHITECTURES[arch], _task_config(ARCHITECTURES[arch], cfg, config)
 
 
 # LlamaConfig / MixtralConfig defaults.
@@ -321,7 +322,16 @@ def _modern_config_from_hf(hf_config, source):
             f"{model_type} config field `head_dim`={cfg['head_dim']} is not supported: kzoo "
             f"needs head_dim = hidden_size / num_attention_heads = {head_dim}."
         )
-    return FAMILY, config, archs[arch], {}
+    return FAMILY, config, archs[arch], _task_config(archs[arch], cfg, config)
+
+
+def _task_config(task, hf_config, config):
+    """The causal LM's `stop_token_ids` (`generate`'s default): the checkpoint's
+    `eos_token_id`; the backbone has no task config."""
+    if task != "causal_lm":
+        return {}
+    return {"stop_token_ids": hf_token_ids(hf_config.get("eos_token_id"),
+                                           config["vocabulary_size"])}
 
 
 def _parts(model):
@@ -475,7 +485,17 @@ def to_hf(model):
     """
     backbone, task = _parts(model)
     if backbone.position == "rotary":
-        return _modern_to_hf(backbone, task)
+        hf_config, state = _modern_to_hf(backbone, task)
+    else:
+        hf_config, state = _gpt2_to_hf(backbone, task)
+    stops = getattr(model, "stop_token_ids", None) if task is not None else None
+    if stops:  # `generate`'s default stop, as transformers' `eos_token_id`
+        hf_config["eos_token_id"] = stops[0] if len(stops) == 1 else list(stops)
+    return hf_config, state
+
+
+def _gpt2_to_hf(backbone, task):
+    """A learned-position GPT configuration as a GPT-2 checkpoint."""
     problems = []
     if backbone.position != "learned":
         problems.append(f"position={backbone.position!r} (GPT-2: 'learned')")

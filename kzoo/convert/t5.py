@@ -27,7 +27,7 @@ import keras
 import numpy as np
 
 from kzoo import registry
-from kzoo.convert import assign
+from kzoo.convert import assign, hf_token_ids
 from kzoo.models.t5 import T5Config
 
 FAMILY = "t5"
@@ -158,7 +158,19 @@ def config_from_hf(hf, source="config.json"):
         **_HF_NAMES, "num_decoder_layers": "num_layers"}
     checked = T5Config.from_dict(config, source=source, names=names)
     config = {key: getattr(checked, key) for key in config}
-    return FAMILY, config, ARCHITECTURES[architecture], {}
+    task = ARCHITECTURES[architecture]
+    task_config = {}
+    if task == "seq2seq_lm":  # `generate`'s defaults (transformers': these fields)
+        pad = hf.get("pad_token_id")
+        pad = 0 if pad is None else pad
+        start = hf.get("decoder_start_token_id")
+        task_config = {
+            "stop_token_ids": hf_token_ids(hf.get("eos_token_id", 1),
+                                           config["vocabulary_size"]),
+            "decoder_start_token_id": pad if start is None else start,
+            "pad_token_id": pad,
+        }
+    return FAMILY, config, task, task_config
 
 
 # === Name mapping ===
@@ -260,6 +272,12 @@ def to_hf(model):
         "eos_token_id": 1,
         "decoder_start_token_id": 0,
     }
+    if task == "seq2seq_lm":  # `generate`'s defaults, as transformers reads them
+        stops = model.stop_token_ids
+        hf_config.update(
+            pad_token_id=model.pad_token_id,
+            decoder_start_token_id=model.decoder_start_token_id,
+            eos_token_id=None if not stops else stops[0] if len(stops) == 1 else list(stops))
     state = {}
     for name, variable, transpose in _pairs(model):
         value = np.asarray(keras.ops.convert_to_numpy(variable), dtype=np.float32)

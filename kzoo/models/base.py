@@ -26,6 +26,7 @@ import inspect
 from collections.abc import Mapping
 
 import keras
+import numpy as np
 
 from kzoo import allocator
 from kzoo import inputs as input_checks
@@ -156,6 +157,44 @@ class FamilyConfig:
         >>> backbone = GPTConfig(num_layers=2).build(dtype="mixed_bfloat16")
         """
         return type(self).backbone_class(**self.to_dict(), **kwargs)
+
+
+# === Generation defaults of the generative task models (GPTCausalLM, T5Seq2SeqLM) ===
+
+# `generate(stop_token_ids="auto", ...)`: the model's own default (a constructor argument,
+# saved with the model; a Hugging Face checkpoint's `eos_token_id` when it came from one).
+AUTO = "auto"
+
+
+def is_auto(value):
+    return isinstance(value, str) and value == AUTO
+
+
+def check_stop_token_ids(stop_token_ids, vocabulary_size):
+    """A generative task model's `stop_token_ids` (its `generate` default): None or a tuple
+    of token ids in `[0, vocabulary_size)` (a tuple: Keras would track a list attribute)."""
+    from kzoo.generation import stop_ids  # (generation sits above the families)
+
+    if stop_token_ids is None:
+        return None
+    ids = stop_ids(stop_token_ids)
+    if any(i >= vocabulary_size for i in ids):
+        raise ValueError(
+            f"`stop_token_ids` must be None or token ids in [0, vocabulary_size="
+            f"{vocabulary_size}); got stop_token_ids={stop_token_ids!r}."
+        )
+    return ids
+
+
+def check_token_id(name, value, vocabulary_size):
+    """An int token id in `[0, vocabulary_size)` (`decoder_start_token_id`, ...)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+            or not 0 <= int(value) < vocabulary_size):
+        raise ValueError(
+            f"`{name}` must be a token id, an int in [0, vocabulary_size={vocabulary_size}); "
+            f"got {name}={value!r}."
+        )
+    return int(value)
 
 
 def _deserialize_dtype(config):

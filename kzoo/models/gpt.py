@@ -53,7 +53,15 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
+from kzoo.models.base import (
+    AUTO,
+    Backbone,
+    FamilyConfig,
+    IdInput,
+    TaskModel,
+    check_stop_token_ids,
+    is_auto,
+)
 
 FAMILY = "gpt"
 
@@ -565,6 +573,11 @@ class GPTCausalLM(TaskModel):
 
     Args:
         backbone: a `GPTBackbone`.
+        stop_token_ids: None, or the token ids (an int or a list) that end a row in
+            `generate` when it is given `stop_token_ids="auto"` (its default). Saved with
+            the model; `kzoo.presets.load` of a Hugging Face checkpoint sets the
+            checkpoint's `eos_token_id` (`generation_config.json` first, as transformers
+            does), and exporting writes it back.
         dtype: dtype policy (defaults to the backbone's).
 
     Inputs: `{"token_ids", "padding_mask"}` `(batch, seq)`, and `"document_ids"` when the
@@ -594,8 +607,9 @@ class GPTCausalLM(TaskModel):
 
         return TokenCrossentropy()
 
-    def __init__(self, backbone, dtype=None, **kwargs):
+    def __init__(self, backbone, stop_token_ids=None, dtype=None, **kwargs):
         check_instance("backbone", backbone, GPTBackbone)
+        stop_token_ids = check_stop_token_ids(stop_token_ids, backbone.vocabulary_size)
         policy = _dtype_policy(dtype) or backbone.dtype_policy
         # === Functional Model ===
         inputs = backbone.input
@@ -603,6 +617,11 @@ class GPTCausalLM(TaskModel):
         logits = backbone.token_embedding(hidden, reverse=True)
         super().__init__(inputs=inputs, outputs=logits, dtype=policy, **kwargs)
         self.backbone = backbone
+        self.stop_token_ids = stop_token_ids
+
+    def _task_config(self):
+        stops = self.stop_token_ids
+        return {"stop_token_ids": None if stops is None else list(stops)}
 
     # === Training helpers ===
 
@@ -744,7 +763,7 @@ class GPTCausalLM(TaskModel):
         num_beams=None,
         length_penalty=1.0,
         early_stopping=False,
-        stop_token_ids=None,
+        stop_token_ids=AUTO,
         seed=None,
         padding_mask=None,
         compile=True,
@@ -773,7 +792,9 @@ class GPTCausalLM(TaskModel):
             length_penalty: beam search score = sum of log-probabilities / length **
                 length_penalty.
             early_stopping: beam search end rule: False, True or "never" (as transformers).
-            stop_token_ids: None, an int or a list of ints ending a row.
+            stop_token_ids: None, an int or a list of ints ending a row; "auto" (the
+                default): the model's `stop_token_ids` (None unless it was given one, or
+                loaded from a checkpoint with an `eos_token_id`).
             seed: int, `keras.random.SeedGenerator` or None (sampling only).
             padding_mask: with an array of prompts, which entries are real tokens.
             compile: compile the whole loop (True) or run it eagerly, step by step (False).
@@ -795,7 +816,8 @@ class GPTCausalLM(TaskModel):
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping)
-        stops = generation.stop_ids(stop_token_ids)
+        stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids)
+                                    else stop_token_ids)
         rows, strings, single = self._prepare_prompts(prompts, padding_mask)
         lengths = np.array([len(r) for r in rows])
         prompt_len = int(lengths.max())

@@ -50,7 +50,16 @@ from kzoo.layers.utils import (
     check_rate,
     RowDense,
 )
-from kzoo.models.base import Backbone, FamilyConfig, IdInput, TaskModel
+from kzoo.models.base import (
+    AUTO,
+    Backbone,
+    FamilyConfig,
+    IdInput,
+    TaskModel,
+    check_stop_token_ids,
+    check_token_id,
+    is_auto,
+)
 
 FAMILY = "t5"
 
@@ -586,7 +595,19 @@ class T5Seq2SeqLM(TaskModel):
 
     Args:
         backbone: a `T5Backbone`.
+        stop_token_ids: None, or the token ids (an int or a list) that end a row in
+            `generate` when it is given `stop_token_ids="auto"` (its default); T5's `</s>`
+            is 1.
+        decoder_start_token_id: the first decoder input of `generate` (T5: 0, the pad
+            token) when it is given "auto" (its default).
+        pad_token_id: the padding id of `generate`'s raw token-id inputs when it is given
+            "auto" (its default).
         dtype: dtype policy of the head (defaults to the backbone's).
+
+    The three generation defaults are saved with the model; `kzoo.presets.load` of a
+    Hugging Face checkpoint sets them from its `eos_token_id`, `decoder_start_token_id` and
+    `pad_token_id` (`generation_config.json` first, as transformers does), and exporting
+    writes them back.
 
     Inputs: the backbone's dict. Output: logits `(batch, dec_len, vocabulary_size)`.
 
@@ -613,8 +634,14 @@ class T5Seq2SeqLM(TaskModel):
 
         return TokenCrossentropy()
 
-    def __init__(self, backbone, dtype=None, **kwargs):
+    def __init__(self, backbone, stop_token_ids=(1,), decoder_start_token_id=0, pad_token_id=0,
+                 dtype=None, **kwargs):
         check_instance("backbone", backbone, T5Backbone)
+        vocabulary_size = backbone.vocabulary_size
+        self.stop_token_ids = check_stop_token_ids(stop_token_ids, vocabulary_size)
+        self.decoder_start_token_id = check_token_id(
+            "decoder_start_token_id", decoder_start_token_id, vocabulary_size)
+        self.pad_token_id = check_token_id("pad_token_id", pad_token_id, vocabulary_size)
         policy = _dtype_policy(dtype) or backbone.dtype_policy
         # === Layers ===
         self.backbone = backbone
@@ -632,6 +659,12 @@ class T5Seq2SeqLM(TaskModel):
         hidden = backbone(inputs)["decoder_sequence_output"]
         logits = self._logits(hidden)
         super().__init__(inputs=inputs, outputs=logits, dtype=policy, **kwargs)
+
+    def _task_config(self):
+        stops = self.stop_token_ids
+        return {"stop_token_ids": None if stops is None else list(stops),
+                "decoder_start_token_id": self.decoder_start_token_id,
+                "pad_token_id": self.pad_token_id}
 
     def _logits(self, hidden):
         if self.lm_head is not None:
@@ -771,12 +804,12 @@ class T5Seq2SeqLM(TaskModel):
         num_beams=None,
         length_penalty=1.0,
         early_stopping=False,
-        stop_token_ids=(1,),
+        stop_token_ids=AUTO,
         seed=None,
         padding_mask=None,
         compile=True,
-        decoder_start_token_id=0,
-        pad_token_id=0,
+        decoder_start_token_id=AUTO,
+        pad_token_id=AUTO,
     ):
         """Generate decoder tokens for each input sequence.
 
@@ -785,8 +818,10 @@ class T5Seq2SeqLM(TaskModel):
         self-attention key/value cache of `max_new_tokens` positions, starting from
         `decoder_start_token_id`, in the one loop of `kzoo.generation` (compiled whole on JAX
         and TensorFlow). A row ends at its first stop token; decoding stops when every row
-        has ended. The arguments shared with `GPTCausalLM.generate` are the same (T5 stops at
-        `</s>` = 1 by default) and so is the return type.
+        has ended. The arguments shared with `GPTCausalLM.generate` are the same and so is the
+        return type; "auto" (the default of `stop_token_ids`, `decoder_start_token_id` and
+        `pad_token_id`) takes the model's own value (T5's: stop at `</s>` = 1, start from
+        0, pad 0; a Hugging Face checkpoint's when loaded from one).
 
         Args:
             prompts: encoder token ids `(batch, enc_len)` (the padding mask is `padding_mask`,
@@ -802,13 +837,14 @@ class T5Seq2SeqLM(TaskModel):
             length_penalty: beam search score = sum of log-probabilities / length **
                 length_penalty.
             early_stopping: beam search end rule: False, True or "never" (as transformers).
-            stop_token_ids: ids ending a row (T5's `</s>` is 1); None or () for none.
+            stop_token_ids: ids ending a row; None or () for none; "auto": the model's
+                `stop_token_ids` (T5's `</s>`, 1, unless set otherwise).
             seed: int, `keras.random.SeedGenerator` or None, for sampling.
             padding_mask: with an array of encoder ids, which entries are real tokens.
             compile: compile the whole loop (True) or run it eagerly, step by step (False).
-            decoder_start_token_id: the first decoder input (T5: 0, the pad token).
+            decoder_start_token_id: the first decoder input ("auto": the model's, T5's 0).
             pad_token_id: the padding id of raw token-id inputs (and what ended rows emit
-                inside the loop; never part of a result).
+                inside the loop; never part of a result; "auto": the model's, T5's 0).
 
         Returns:
             A list (one per input) of the generated token ids (without the start token),
@@ -827,7 +863,15 @@ class T5Seq2SeqLM(TaskModel):
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping)
-        stops = generation.stop_ids(stop_token_ids)
+        stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids)
+                                    else stop_token_ids)
+        vocabulary_size = self.backbone.vocabulary_size
+        if is_auto(decoder_start_token_id):
+            decoder_start_token_id = self.decoder_start_token_id
+        decoder_start_token_id = check_token_id("decoder_start_token_id",
+                                                decoder_start_token_id, vocabulary_size)
+        pad_token_id = (self.pad_token_id if is_auto(pad_token_id)
+                        else check_token_id("pad_token_id", pad_token_id, vocabulary_size))
         ids, mask, strings = self._prepare_inputs(prompts, padding_mask, pad_token_id)
         start = np.full((ids.shape[0], 1), decoder_start_token_id, "int32")
         outputs = generation.decode(
