@@ -280,10 +280,12 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     (`config.json` + `model.safetensors`) that transformers loads, in shards
     `model-00001-of-0000N.safetensors` with `model.safetensors.index.json` when the weights
     are larger than `max_shard_size` (bytes or a string such as "200MB", "5GB"; default
-    "5GB", as transformers). Both write `README.md`, a model card (see `model_card`), with
-    `metrics` (name -> number, e.g. `{"val_accuracy": 0.91}`) when given. Files are written
-    to a temporary name first and renamed, so an interrupted save never leaves a
-    half-written checkpoint.
+    "5GB", as transformers); `format="keras_hub"` a keras-hub preset. With
+    `overwrite=False` a directory that already holds a checkpoint of that format is
+    refused before anything is written. Each writes `README.md`, a model card (see
+    `model_card`), with `metrics` (name -> number, e.g. `{"val_accuracy": 0.91}`) when
+    given. Files are written to a temporary name first and renamed, so an interrupted save
+    never leaves a half-written checkpoint.
 
     Example:
     >>> kzoo.presets.save(model, "runs/my_gpt", metrics={"val_loss": 2.31})
@@ -301,6 +303,19 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     metrics = _check_metrics(metrics)
     if max_shard_size is not None:
         checkpoints.parse_size(max_shard_size)  # checked before anything is written
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"`overwrite` must be True or False; got overwrite={overwrite!r}.")
+    directory = os.fspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(
+            f"`directory` must be a directory to write the checkpoint in (made if missing); "
+            f"{directory!r} is a file."
+        )
+    # The file that says a checkpoint of this format is there (keras-hub's and transformers'
+    # alike: config.json).
+    marker = os.path.join(directory, CONFIG_FILE if format == "kzoo" else checkpoints.HF_CONFIG)
+    if os.path.exists(marker) and not overwrite:
+        raise ValueError(f"{marker!r} exists and overwrite=False.")
     if format == "keras_hub":
         registry.keras_hub_converter().save(model, directory)
         write_model_card(model, directory, format=format, metrics=metrics)
@@ -315,9 +330,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         write_model_card(model, directory, format=format, metrics=metrics)
         return directory
     task, config, task_config = family.describe(model)
-    config_path = os.path.join(directory, CONFIG_FILE)
-    if os.path.exists(config_path) and not overwrite:
-        raise ValueError(f"{config_path!r} exists and overwrite=False.")
+    config_path = marker
     meta = {
         "family": family.name,
         "task": task,

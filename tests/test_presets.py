@@ -355,3 +355,37 @@ def test_hf_checkpoint_weights_problems_name_the_file(tmp_path):
     write_index({})
     with pytest.raises(ValueError, match="no `weight_map`"):
         kzoo.presets.load(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("format", ["kzoo", "hf", "keras_hub"])
+def test_save_with_overwrite_false_refuses_an_existing_checkpoint(format, tmp_path):
+    """`overwrite=False` refuses a directory that holds a checkpoint of the format (before
+    anything is written: the first model's files stay), `overwrite=True` replaces it, and
+    a path that is a file or a non-bool `overwrite` are refused by name."""
+    if format == "keras_hub":
+        pytest.importorskip("keras_hub")
+    def classifier():  # (a task that all three formats write)
+        return kzoo.presets.load("bert_tiny_uncased", task="classifier", num_classes=3,
+                                 num_layers=1, vocabulary_size=100, activation="gelu_tanh")
+
+    first, second = classifier(), classifier()
+    directory = str(tmp_path / "model")
+    kzoo.presets.save(first, directory, format=format)
+    files = {name: (tmp_path / "model" / name).read_bytes()
+             for name in os.listdir(directory)}
+    with pytest.raises(ValueError, match="exists and overwrite=False"):
+        kzoo.presets.save(second, directory, format=format, overwrite=False)
+    assert {name: (tmp_path / "model" / name).read_bytes()
+            for name in os.listdir(directory)} == files
+    x = _inputs("bert", first)
+    kept = kzoo.presets.load(directory)
+    np.testing.assert_array_equal(to_numpy(kept(x)), to_numpy(first(x)))
+    kzoo.presets.save(second, directory, format=format, overwrite=True)
+    np.testing.assert_array_equal(to_numpy(kzoo.presets.load(directory)(x)),
+                                  to_numpy(second(x)))
+    with pytest.raises(ValueError, match="`overwrite` must be True or False"):
+        kzoo.presets.save(second, str(tmp_path / "other"), format=format, overwrite="no")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    with pytest.raises(ValueError, match="is a file"):
+        kzoo.presets.save(second, str(a_file), format=format)
