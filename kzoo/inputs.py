@@ -29,7 +29,8 @@ The rules (`check_inputs`):
   `packed_inputs=True`): integer, the shape of the token ids, >= 0, and >= 1 where the
   padding mask marks a real token;
 - padding: where an input has a padding mask (GPT's and BERT's `padding_mask`, T5's
-  `encoder_padding_mask` / `decoder_padding_mask`), the positions the mask marks as padding
+  `encoder_padding_mask` / `decoder_padding_mask`), the mask must have the input's shape
+  (a mask of another batch would broadcast silently), and the positions it marks as padding
   (0 / False) are not checked and may hold anything, e.g. the -1 fillers some pipelines use:
   the model never attends to them and their ids are clipped by the embedding. Every
   position the mask marks as a real token must hold a valid id. Graphormer has no mask
@@ -349,6 +350,13 @@ def check_inputs(inputs, specs, source="model input"):
         mask = values.get(spec.mask) if spec.mask else None
         if mask is not None and is_symbolic(mask):
             mask = None
+        if mask is not None:
+            mask = to_host(mask)
+            if mask.shape != array.shape:  # (it would broadcast, or fail deep inside)
+                raise ValueError(
+                    f"`{spec.mask}` ({source}) has shape {tuple(mask.shape)}; it must have "
+                    f"the shape of `{spec.key}`, {tuple(array.shape)} (one entry a token)."
+                )
         check_id_range(array, spec, mask, source)
 
 

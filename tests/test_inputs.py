@@ -437,6 +437,27 @@ def test_check_inputs_reports_the_first_bad_id_and_respects_masks():
         check_inputs({"ids": np.array([[[0, 200]]], "uint8")}, spec)
 
 
+@pytest.mark.parametrize("family", ["gpt", "bert", "t5"])
+def test_a_padding_mask_of_another_shape_is_refused(family):
+    """A mask with another batch (it would broadcast silently: the model answered for
+    every row) or another length (it failed deep inside the attention) is refused by name
+    at `model(x)` and `predict`; BERT's `segment_ids` of batch 1 too."""
+    model, x, _, _ = _family(family)
+    masks = [key for key in x if key.endswith("padding_mask")]
+    for key in masks:
+        for shape in [(1, SEQ), (BATCH, SEQ - 1)]:
+            bad = {**x, key: np.ones(shape, "int32")}
+            with pytest.raises(ValueError, match=rf"`{key}` \(.*\) has shape "
+                                                 + re.escape(str(shape))):
+                model(bad)
+            with pytest.raises(ValueError, match=rf"`{key}` .*must have the shape of"):
+                model.predict(bad, verbose=0)
+    if family == "bert":
+        with pytest.raises(ValueError, match=r"`padding_mask` .*shape of `segment_ids`"):
+            model({**x, "segment_ids": x["segment_ids"][:1]})
+    model(x)  # the right shapes still run
+
+
 # === Counts given as NumPy integers ===
 
 
