@@ -106,6 +106,17 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
     >>> model = kzoo.presets.load("vit_tiny_patch16_224", num_classes=10, image_size=32)
     >>> long = kzoo.presets.load("gpt_mini", attention="sliding_window", window=64)
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(
+            "`name_or_path` must be a preset name (see `kzoo.presets.list()`), a directory or "
+            f"a .keras file; got name_or_path={name_or_path!r}."
+        )
+    if weights is not None and weights is not False and not isinstance(
+            weights, (str, os.PathLike)):
+        raise ValueError(
+            "`weights` must be None, False (a saved directory without its weights) or the "
+            f"path of a weights file or checkpoint directory; got weights={weights!r}."
+        )
     path = os.fspath(name_or_path)
     if path.endswith(KERAS_SUFFIX) and os.path.isfile(path):
         given = {"task": task, "weights": weights, "dtype": dtype, **overrides}
@@ -135,7 +146,7 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
     model = _build(family, spec["config"], spec.get("task", family.default_task),
                    spec.get("task_config", {}), task=task, dtype=dtype, overrides=overrides)
     if weights:
-        _load_weights_into(model, weights)
+        _load_weights_into(model, weights, overrides)
     return model
 
 
@@ -180,18 +191,26 @@ def _fold_attention_options(family, config, overrides):
     return rest
 
 
-def _load_weights_into(model, weights):
+def _load_weights_into(model, weights, overrides=None):
     weights = os.fspath(weights)
+    saved = os.path.isdir(weights) and os.path.isfile(
+        checkpoints.file_in(weights, CONFIG_FILE, "saved kzoo config"))
     if os.path.isdir(weights) and checkpoints.is_hf_dir(weights):
         model_type = checkpoints.read_hf_config(weights)["model_type"]
         registry.for_model_type(model_type).load_hf_weights(
             model, checkpoints.read_hf_state(weights))
+    elif saved:  # a directory written by `save`: its weights file
+        weights_path = _read_saved_config(weights)[4]
+        checkpoints.require_file(weights_path, f"weights file named in {CONFIG_FILE}")
+        _read_keras_weights(model, weights_path, overrides)
     elif os.path.isfile(weights):
-        _read_keras_weights(model, weights)
+        _read_keras_weights(model, weights, overrides)
     else:
+        what = "a directory of neither kind" if os.path.isdir(weights) else "not found"
         raise ValueError(
-            f"`weights` must be a .weights.h5 file or a Hugging Face checkpoint directory; "
-            f"got weights={weights!r} (not found)."
+            f"`weights` must be a .weights.h5 file, a directory written by "
+            f"`kzoo.presets.save` or a Hugging Face checkpoint directory; got "
+            f"weights={weights!r} ({what})."
         )
 
 
@@ -264,11 +283,21 @@ def _check_keras_config(node, path, where="config"):
         _check_keras_config(value, path, f"{where}.{key}")
 
 
-def _read_keras_weights(model, path):
+def _read_keras_weights(model, path, overrides=None):
     try:
         model.load_weights(path)
     except OSError as e:  # h5py: truncated or not an HDF5 file
         raise ValueError(f"The weights file {path!r} cannot be read: {e}") from e
+    except ValueError as e:  # Keras: the file's variables do not fit the model's
+        shaping = sorted(overrides or {})
+        hint = (f" The model was built with the overrides {shaping}: an override that changes "
+                "the number or shapes of the weights (layers, widths, vocabulary, positions) "
+                "cannot take weights saved without it; load without it, or pass "
+                "weights=False for a fresh model of the new shape." if shaping else "")
+        raise ValueError(
+            f"The weights file {path!r} does not fit the model {model.name!r}.{hint} "
+            f"Keras said: {e}"
+        ) from e
 
 
 def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
@@ -501,7 +530,7 @@ def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
     task = family.task_of(model)
     if task == saved_task:
         kzoo.quantize.apply_quantization(model, quantized, source)
-        _read_keras_weights(model, weights_path)
+        _read_keras_weights(model, weights_path, overrides)
     else:
         # Another head on the saved backbone: load the saved model, copy its backbone.
         saved = family.build(config, task=saved_task, task_config=saved_task_config,

@@ -389,3 +389,27 @@ def test_save_with_overwrite_false_refuses_an_existing_checkpoint(format, tmp_pa
     a_file.write_text("not a directory")
     with pytest.raises(ValueError, match="is a file"):
         kzoo.presets.save(second, str(a_file), format=format)
+
+
+def test_overrides_that_reshape_the_weights_of_a_saved_directory_are_explained(tmp_path):
+    """Loading a saved directory with an override that changes the weights (more layers)
+    names the override and the way out, instead of Keras' count of unloaded objects; with
+    `weights=False` the new shape builds. A saved directory is also a `weights` source for
+    a preset of its shape, and bad `name_or_path` / `weights` values are named."""
+    directory = str(tmp_path / "gpt")
+    model = _saved_gpt(directory)
+    deeper = SMALL["gpt_mini"]["num_layers"] + 1
+    with pytest.raises(ValueError, match=r"overrides \['num_layers'\].*weights=False"):
+        kzoo.presets.load(directory, num_layers=deeper)
+    fresh = kzoo.presets.load(directory, num_layers=deeper, weights=False)
+    assert len(fresh.backbone.transformer_layers) == deeper
+    x = _inputs("gpt", model)
+    again = kzoo.presets.load("gpt_mini", weights=directory, **SMALL["gpt_mini"])
+    np.testing.assert_array_equal(to_numpy(again(x)), to_numpy(model(x)))
+    for bad in (None, 3):
+        with pytest.raises(ValueError, match="`name_or_path` must be"):
+            kzoo.presets.load(bad)
+    with pytest.raises(ValueError, match="`weights` must be None, False"):
+        kzoo.presets.load("gpt_mini", weights=True, **SMALL["gpt_mini"])
+    with pytest.raises(ValueError, match="a directory of neither kind"):
+        kzoo.presets.load("gpt_mini", weights=str(tmp_path), **SMALL["gpt_mini"])
