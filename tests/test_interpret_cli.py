@@ -114,5 +114,10 @@ def test_errors_name_the_option(tmp_path):
         main([source, "--image", "x.png", "--out", out])
     with pytest.raises(ValueError, match="comma-separated integers"):
         main([source, "--ids", "1,two", "--out", out])
+    with pytest.raises(ValueError, match=r"holds id 40 at batch row 0, token 1; .*\[0, 40\)"):
+        main([source, "--ids", "1,40", "--out", out])  # the model's id check, every backend
+    with pytest.raises(ValueError, match=r"holds id -2 at batch row 0, token 0"):
+        main([source, "--ids=-2,1", "--out", out])
+    assert not os.path.exists(out)  # nothing written for refused ids
     with pytest.raises(SystemExit):  # argparse: --out is required
         main([source, "--ids", "1,2"])

@@ -13,6 +13,7 @@ import pytest
 
 from kzoo.interpret import (
     attention_gradient,
+    attention_maps,
     head_importance,
     integrated_gradients,
     logit_lens,
@@ -374,3 +375,45 @@ def test_errors_name_the_argument(gpt):
         head_importance(lm, [])
     with pytest.raises(ValueError, match=r"batch 0 is a tuple of length 4"):
         head_importance(lm, [(x, 1, 2, 3)])
+
+
+# Every public function of kzoo.interpret that runs a model, called the way a user would.
+_ENTRY_POINTS = {
+    "attention_maps": lambda model, x: attention_maps(model, x),
+    "attention_maps(backbone)": lambda model, x: attention_maps(model.backbone, x),
+    "logit_lens": lambda model, x: logit_lens(model, x),
+    "attention_gradient": lambda model, x: attention_gradient(model, x),
+    "integrated_gradients": lambda model, x: integrated_gradients(model, x, steps=2),
+    "head_importance": lambda model, x: head_importance(model, [x]),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRY_POINTS))
+def test_token_ids_are_checked_as_the_model_checks_them(entry, gpt):
+    """Out-of-range, negative and float ids raise the model's own ValueError on every
+    backend (on JAX the model runs on traced values inside one jit, where its `__call__`
+    cannot check them, so an embedding silently clipped 999 to VOCAB - 1), and valid ids,
+    padding included, still run."""
+    lm, x = gpt
+    function = _ENTRY_POINTS[entry]
+    for bad, message in [(VOCAB, rf"holds id {VOCAB} at batch row 0, token 2; ids must lie "
+                                 rf"in \[0, {VOCAB}\)"),
+                         (-2, rf"holds id -2 at batch row 0, token 2; ids must lie in "
+                              rf"\[0, {VOCAB}\)")]:
+        ids = x["token_ids"].copy()
+        ids[0, 2] = bad
+        with pytest.raises(ValueError, match=r"`token_ids` \(input of .*\) " + message):
+            function(lm, {**x, "token_ids": ids})
+    with pytest.raises(ValueError, match=r"`token_ids` \(input of .*\) must hold integer ids"):
+        function(lm, {**x, "token_ids": x["token_ids"].astype("float32")})
+    # An id under padding is not looked at (as by the model; head_importance's next-token
+    # labels give it weight 0 and label 0); valid ids run and give finite numbers.
+    ids = x["token_ids"].copy()
+    ids[1, 5] = VOCAB + 7
+    padded = [{**x, "token_ids": ids}]
+    for valid in [x] + padded:
+        result = function(lm, valid)
+        if isinstance(result, dict):
+            result = result["self"]
+        values = [result.raw] if hasattr(result, "raw") else result
+        assert all(np.isfinite(np.asarray(v)).all() for v in values)

@@ -29,6 +29,8 @@ import weakref
 import keras
 import numpy as np
 
+from kzoo import inputs as input_checks
+
 _JAX_CACHE = {}  # (id(model), body, static, grad) -> (weakref to model, jitted function)
 
 
@@ -102,7 +104,17 @@ def run(model, body, inputs, arrays=(), static=None, grad=False):
     Returns:
         `(grads, aux)`: a list of float32 NumPy gradients shaped like `arrays` (zeros where
         the scalar does not depend on one; None without `grad`) and the NumPy aux values.
+
+    The model's id checks (`kzoo.inputs`) are suspended while `body` runs: check `inputs`
+    first (`kzoo.interpret.maps._check_inputs` does), as the JAX path cannot.
     """
+    # The callers check the model's id inputs once, at their entry (`maps._check_inputs`):
+    # on JAX the model only ever sees traced values here, which it cannot check itself.
+    with input_checks.suspend_checks():
+        return _run(model, body, inputs, arrays, static, grad)
+
+
+def _run(model, body, inputs, arrays, static, grad):
     arrays = [np.asarray(a, dtype="float32") for a in arrays]
     backend = keras.backend.backend()
     grads = None

@@ -599,8 +599,10 @@ def head_importance(model, data, loss=None):
         else:
             batch_loss, mode = loss, "labels"
         if mode == "next_token":
-            labels = np.asarray(x["token_ids"])[:, 1:]
             sample_weight = (np.asarray(x["padding_mask"])[:, 1:] > 0).astype("float32")
+            # (padding may hold any id, e.g. -1: its weight is 0, and a label 0 keeps the
+            # loss' lookup in range on every backend)
+            labels = np.where(sample_weight > 0, np.asarray(x["token_ids"])[:, 1:], 0)
         else:
             labels = None if labels is None else np.asarray(
                 keras.ops.convert_to_numpy(labels))

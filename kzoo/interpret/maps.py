@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
+from kzoo import inputs as input_checks
 from kzoo.inputs import is_optional_input
 from kzoo.layers.taps import Tap, active_tap
 
@@ -242,9 +243,27 @@ def _check_array(name, value, spec, model):
     return value
 
 
+def _check_ids(model, inputs):
+    """`inputs` after the model's own id checks (integer dtype, ids in range), the ones
+    `model(inputs)` runs (`kzoo.inputs.check_inputs` on `model.id_inputs()`), with the same
+    messages. Run here, once at the entry of every `kzoo.interpret` function, because the
+    JAX path (`_backend.run`) calls the model on traced values, which the model's own check
+    cannot read; `_backend.run` suspends the model's re-check on the other backends."""
+    if not input_checks.checks_suspended():
+        input_checks.check_inputs(inputs, model.id_inputs(), f"input of {model.name}")
+    return inputs
+
+
 def _check_inputs(model, inputs):
     """`inputs` checked against the model's inputs (keys, ranks, fixed sizes, one batch
-    size); lists become arrays. Raises ValueError naming `inputs`."""
+    size, and the model's id checks: integer ids in range); lists become arrays. Raises
+    ValueError naming `inputs`."""
+    return _check_ids(model, _check_structure(model, inputs))
+
+
+def _check_structure(model, inputs):
+    """`inputs` checked against the keys, ranks, fixed sizes and batch size of the model's
+    inputs; lists become arrays."""
     expected = model.input
     if isinstance(expected, Mapping):
         if not isinstance(inputs, Mapping):
