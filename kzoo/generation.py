@@ -984,6 +984,15 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
     """
     check_positive_int("max_new_tokens", max_new_tokens)
     stops = stop_ids(stop_token_ids)
+    if not isinstance(compile, bool):
+        raise ValueError(f"`compile` must be True or False; got compile={compile!r}.")
+    if seed is not None and not isinstance(seed, keras.random.SeedGenerator) and (
+            isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+            or not 0 <= seed < 2 ** 32):
+        raise ValueError(
+            "`seed` must be None, an int in [0, 2**32) or a `keras.random.SeedGenerator`; "
+            f"got seed={seed!r}."
+        )
     backend = keras.backend.backend()
     inputs = {name: ops.convert_to_tensor(value) for name, value in inputs.items()}
     batch = int(next(iter(inputs.values())).shape[0])

@@ -386,6 +386,12 @@ def test_generate_errors():
         lm.generate("hello", max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
         lm.generate([[1]], strategy="sample", top_p=2.0)
+    # a seed JAX could not take (OverflowError there, accepted elsewhere), a non-bool compile
+    for seed in (-5, 2 ** 40, 1.5, "0"):
+        with pytest.raises(ValueError, match=r"`seed` must be None, an int in \[0, 2\*\*32\)"):
+            lm.generate([[1]], max_new_tokens=2, strategy="sample", seed=seed)
+    with pytest.raises(ValueError, match="`compile` must be True or False"):
+        lm.generate([[1]], max_new_tokens=2, compile="no")
 
 
 # === Saving ===

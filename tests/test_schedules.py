@@ -202,3 +202,17 @@ def test_plot_schedule_writes_png(tmp_path):
     assert plot_schedule(schedule, 300, str(path)) == str(path)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.parametrize("schedule", [
+    WarmupInverseSqrt(peak_learning_rate=1e-3, warmup_steps=10),
+    WarmupLinearDecay(peak_learning_rate=1e-3, warmup_steps=10, decay_steps=100),
+    WarmupCosineDecay(peak_learning_rate=1e-3, warmup_steps=10, decay_steps=100),
+])
+def test_a_step_before_the_first_counts_as_the_first(schedule):
+    """A negative step (no optimizer gives one) is step 0: finite and positive, not the
+    NaN of `sqrt` of a negative index (WarmupInverseSqrt gave NaN at step -2)."""
+    first = float(to_numpy(schedule(0)))
+    assert first == pytest.approx(1e-3 / 10)
+    for step in (-1, -2, -1000):
+        assert float(to_numpy(schedule(step))) == first

@@ -296,6 +296,20 @@ def test_generate_greedy_equals_recompute(version):
     assert ragged == out
 
 
+def test_generate_refuses_an_empty_input_as_gpt_does():
+    """An encoder input without a real token (an empty list, or a row all padding) is
+    refused by name, as GPT refuses an empty prompt (it was answered from nothing)."""
+    lm = shared_lm("v1_0")
+    with pytest.raises(ValueError, match="Input 1 is empty"):
+        lm.generate([[5, 6], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="Input 0 is empty"):
+        lm.generate(np.array([[0, 0, 0], [5, 6, 7]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="Input 0 is empty"):
+        lm.generate({"encoder_token_ids": np.array([[5, 6]]),
+                     "encoder_padding_mask": np.array([[0, 0]])}, max_new_tokens=2)
+    assert len(lm.generate([[5, 6], [7]], max_new_tokens=2)) == 2
+
+
 @pytest.mark.spread
 def test_generate_stop_tokens():
     lm = shared_lm("v1_1")

@@ -582,6 +582,17 @@ def _right_pad(rows, pad_token_id):
     return ids, mask
 
 
+def _check_no_empty_row(mask):
+    """`generate`'s encoder inputs: every row needs a real token (as GPT's prompts do; an
+    encoder row of padding only would be answered from nothing)."""
+    empty = np.flatnonzero(~np.asarray(mask).astype(bool).any(axis=1))
+    if empty.size:
+        raise ValueError(
+            f"Input {int(empty[0])} is empty (no real token under its padding mask): every "
+            "encoder input needs at least one token (e.g. `</s>`)."
+        )
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
 class T5Seq2SeqLM(TaskModel):
     """T5 with its language-model head: vocabulary logits at every decoder position.
@@ -770,6 +781,7 @@ class T5Seq2SeqLM(TaskModel):
             )
             generation.check_token_ids(rows, vocabulary_size)
             ids, mask = _right_pad(rows, pad_token_id)
+            _check_no_empty_row(mask)
             return ids, mask, strings
         else:
             ids = generation.integer_array(prompts, "prompts")
@@ -791,6 +803,7 @@ class T5Seq2SeqLM(TaskModel):
                     f"{mask.shape}."
                 )
         generation.check_token_ids(ids, vocabulary_size, mask.astype(bool))
+        _check_no_empty_row(mask)
         return ids.astype("int32"), mask, strings
 
     def generate(
