@@ -601,6 +601,24 @@ def test_bad_inputs_raise_value_error():
         dot_product_attention(q, k[..., :4], v)
     with pytest.raises(ValueError, match="return_weights"):
         dot_product_attention(q, k, v, kernel="fused", return_weights=True)
+    # Arguments some kernels took in silence and others failed on deep inside (an audit)
+    for kernel in ("reference", "fused", "chunked"):
+        with pytest.raises(ValueError, match="`value` must have the head_dim of `key`"):
+            dot_product_attention(q, k, np.concatenate([v, v], -1), kernel=kernel)
+        with pytest.raises(ValueError, match="`is_causal` must be True or False"):
+            dot_product_attention(q, k, v, is_causal="no", kernel=kernel)
+        for rate in (1.5, -0.5, 1.0):
+            with pytest.raises(ValueError, match=r"`dropout_rate` must be a number in \[0, 1\)"):
+                dot_product_attention(q, k, v, dropout_rate=rate, kernel=kernel)
+        for scale in (float("nan"), float("inf"), "0.5", True):
+            with pytest.raises(ValueError, match="`scale` must be a finite number or None"):
+                dot_product_attention(q, k, v, scale=scale, kernel=kernel)
+        with pytest.raises(ValueError, match="`key` has no positions"):
+            dot_product_attention(q, k[:, :0], v[:, :0], kernel=kernel)
+    # a NumPy scale is a number like any other
+    np.testing.assert_allclose(
+        to_numpy(dot_product_attention(q, k, v, scale=np.float32(0.5))),
+        to_numpy(dot_product_attention(q, k, v, scale=0.5)), rtol=0, atol=0)
 
 
 # === Masks ===

@@ -35,6 +35,7 @@ import math
 import os
 
 import keras
+import numpy as np
 from keras import ops
 
 from kzoo.layers.masks import causal_mask
@@ -284,8 +285,22 @@ def _check_inputs(query, key, value, mask, bias, scale):
         raise ValueError(
             f"`query` and `key` must have the same batch size; got {b} and {kb}."
         )
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise ValueError(f"`scale` must be a Python number or None; got scale={scale!r}.")
+    vdim = value.shape[-1]
+    if vdim is not None and kdim is not None and vdim != kdim:
+        raise ValueError(
+            f"`value` must have the head_dim of `key` (every kernel's layout); got key "
+            f"{tuple(key.shape)} and value {tuple(value.shape)}."
+        )
+    for name, t in (("query", query), ("key", key)):
+        if t.shape[1] == 0:
+            raise ValueError(
+                f"`{name}` has no positions (shape {tuple(t.shape)}); attention needs at "
+                "least one query and one key.")
+    if scale is not None and (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float, np.integer, np.floating))
+            or not math.isfinite(scale)):
+        raise ValueError(f"`scale` must be a finite number or None; got scale={scale!r}.")
     target = (b, heads, q_len, k_len)
     if mask is not None:
         mask = ops.convert_to_tensor(mask)
@@ -345,9 +360,15 @@ def dot_product_attention(
     """
     _check_kernel_name(kernel)
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise ValueError(f"`is_causal` must be True or False; got is_causal={is_causal!r}.")
+    if isinstance(dropout_rate, bool) or not isinstance(
+            dropout_rate, (int, float, np.integer, np.floating)) or not 0 <= dropout_rate < 1:
+        raise ValueError(
+            f"`dropout_rate` must be a number in [0, 1); got dropout_rate={dropout_rate!r}.")
     mask, bias = _check_inputs(query, key, value, mask, bias, scale)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+    is_causal, dropout_rate = bool(is_causal), float(dropout_rate)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     dropout_active = bool(training) and dropout_rate > 0
     chosen = attention_kernel(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal,
