@@ -107,6 +107,21 @@ def test_bad_arguments_are_named(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["gpt_text", "--preset", "bert_tiny_uncased"], "is a bert model; the recipe 'gpt_text'"),
+    (["gpt_text", "--override", "num_layers=abc"], "`num_layers` must be a positive integer"),
+    (["gpt_text", "--override", "foo=1"], "Unknown override foo=1"),
+    (["vit_digits", "--override", "num_heads=5"], "`num_heads` must divide"),
+])
+def test_bad_presets_and_overrides_are_named_before_any_work(argv, needle, tmp_path, capsys):
+    """A preset of another family, an unknown override or a bad value: exit 2 with one line
+    naming it, before data, tokenizer or model are made (nothing written)."""
+    out = str(tmp_path / "run")
+    assert main(argv + ["--out", out]) == 2
+    assert needle in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
 # === Building blocks ===
 
 

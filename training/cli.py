@@ -281,6 +281,37 @@ def config_from_args(args):
     )
 
 
+def check_model_arguments(module, cfg):
+    """`--preset` and `--override` checked before any work (data, tokenizer, compiling):
+    a preset of another family than the recipe trains, an override name the family does
+    not have, or a bad value (`num_layers=abc`) raise `ValueError` naming it. A path given
+    as `--preset` (a saved directory) is checked when the recipe loads it."""
+    import kzoo.presets
+    from kzoo import registry
+
+    if cfg.preset not in kzoo.presets.list():
+        if os.path.sep in cfg.preset or os.path.exists(cfg.preset):
+            return
+        kzoo.presets.info(cfg.preset)  # an unknown name: the error lists the known ones
+    spec = kzoo.presets.info(cfg.preset)
+    family = registry.family(spec["family"])
+    trains = kzoo.presets.info(module.DEFAULTS["preset"])["family"]
+    if family.name != trains:
+        same = [name for name in kzoo.presets.list()
+                if kzoo.presets.info(name)["family"] == trains]
+        raise ValueError(
+            f"--preset {cfg.preset} is a {family.name} model; the recipe {cfg.recipe!r} trains "
+            f"{trains} models: {same}."
+        )
+    task = spec.get("task", family.default_task)
+    config_over, _ = family.split_overrides(task, cfg.overrides)  # unknown names
+    if family.config_class is not None:
+        try:
+            family.config_class(**{**spec["config"], **config_over})
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"--override: {error}") from None
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -291,6 +322,11 @@ def main(argv=None):
     module = recipe_module(args.recipe)
     try:
         cfg = config_from_args(args)
+        check_model_arguments(module, cfg)
+    except ValueError as error:  # a usage error: no traceback, nothing written
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    try:
         cfg.plan = plan_from_args(args, cfg)
         module.train(cfg)
     except TrainingDiverged as error:
