@@ -608,6 +608,8 @@ HF_VARIANTS = {
     "gelu_untied_unscaled": dict(activation_function="gelu", n_inner=48,
                                  scale_attn_weights=False, tie_word_embeddings=False),
     "relu_eps": dict(activation_function="relu", layer_norm_epsilon=1e-3, n_head=2),
+    # (BERT's and ViT's converters took it; GPT-2's too now)
+    "gelu_python": dict(activation_function="gelu_python"),
 }
 
 

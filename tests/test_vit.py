@@ -386,10 +386,11 @@ def assert_vit_matches(label, model, hf, x, interpolate=False):
         {},  # layer_norm_eps=1e-12, the transformers default
         {"layer_norm_eps": 1e-3, "num_labels": 7},
         {"qkv_bias": False, "hidden_act": "gelu_new"},
+        {"hidden_act": "gelu_fast"},  # (BERT's and GPT-2's converters took it; ViT's too)
         {"num_channels": 1},
         {"num_channels": 5, "image_size": [32, 24]},
     ],
-    ids=["default", "eps1e-3", "no_qkv_bias", "1ch", "5ch_rect"],
+    ids=["default", "eps1e-3", "no_qkv_bias", "gelu_fast", "1ch", "5ch_rect"],
 )
 def test_hf_classifier_parity(tmp_path, overrides):
     hf = hf_vit(tmp_path, **overrides)
@@ -472,7 +473,7 @@ def test_hf_errors(tmp_path):
     hf_vit(tmp_path / "ok")
     config = json.load(open(tmp_path / "ok" / "config.json"))
     with pytest.raises(ValueError, match="hidden_act"):
-        conv.config_from_hf({**config, "hidden_act": "gelu_fast"})
+        conv.config_from_hf({**config, "hidden_act": "gelu_fastest"})
     with pytest.raises(ValueError, match="architectures"):
         conv.config_from_hf({**config, "architectures": ["ViTForMaskedImageModeling"]})
     with pytest.raises(ValueError, match="pruned_heads"):

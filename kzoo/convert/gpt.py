@@ -62,6 +62,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
     "gelu": "gelu",
+    "gelu_python": "gelu",
     "relu": "relu",
     "silu": "silu",
     "swish": "silu",
