@@ -96,7 +96,9 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
         weights: for a preset name, an optional weights file (`.weights.h5`) or Hugging Face
             checkpoint directory to load into the model; `False` skips the weights of a saved
             directory.
-        dtype: dtype policy name (e.g. "float32", "bfloat16", "mixed_bfloat16").
+        dtype: dtype policy name (e.g. "float32", "bfloat16", "mixed_bfloat16"); a
+            directory written by `save` loads with the policy it was saved with unless
+            one is given here.
         **overrides: backbone configuration fields or task arguments (e.g. `num_classes`),
             validated against the family's constructor. The attention type of BERT, GPT and
             ViT is one of them, with its options by name: `attention="sliding_window",
@@ -506,20 +508,29 @@ def _json_default(obj):
 
 def _read_saved_config(path):
     """The checked contents of a saved directory's `kzoo_config.json`:
-    (family, task, config, task config, weights path)."""
+    (family, task, config, task config, weights path, quantization map, dtype policy name
+    or None)."""
     config_path = checkpoints.file_in(path, CONFIG_FILE, "saved kzoo config")
     meta = {"task": registry.BACKBONE_TASK, "task_config": {},
             **checkpoints.read_json(config_path, "saved kzoo config")}
     family = registry.check_spec(meta, repr(config_path))
     # Directories saved before the "weights" entry existed hold model.weights.h5.
     weights = checkpoints.file_in(path, meta.get("weights", WEIGHTS_FILE), "weights file")
+    dtype = meta.get("dtype")
+    if dtype is not None:
+        try:
+            registry.check_model_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"{config_path!r}: {e}") from None
     return (family, meta["task"], meta["config"], meta["task_config"], weights,
-            meta.get("quantization") or {})
+            meta.get("quantization") or {}, dtype)
 
 
 def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
-    family, saved_task, config, saved_task_config, weights_path, quantized = \
+    family, saved_task, config, saved_task_config, weights_path, quantized, saved_dtype = \
         _read_saved_config(path)
+    if dtype is None:  # the policy it was saved with (`dtype=` picks another)
+        dtype = saved_dtype
     if weights is not False:
         checkpoints.require_file(weights_path, f"weights file named in {CONFIG_FILE}")
     source = os.path.join(path, CONFIG_FILE)

@@ -43,7 +43,33 @@ def _unknown(kind, value, known, label="Known"):
     return ValueError(f"Unknown {kind}={value!r}.{hint} {label}: {sorted(known)}.")
 
 
+
+def check_model_dtype(dtype):
+    """A model's `dtype`: a Keras dtype policy (or its name) computing in floating point,
+    e.g. "float32", "bfloat16", "mixed_bfloat16"; anything else raises `ValueError` naming
+    `dtype` (Keras' own errors for "float8" or "int32" come from deep inside the layers)."""
+    import keras
+
+    try:
+        policy = keras.dtype_policies.get(dtype)
+    except (ValueError, TypeError):
+        policy = None
+    compute = getattr(policy, "compute_dtype", None)
+    variable = getattr(policy, "variable_dtype", None)
+    if compute not in _FLOAT_DTYPES or variable not in _FLOAT_DTYPES:
+        raise ValueError(
+            "`dtype` must be a floating-point dtype policy: one of "
+            f"{sorted(_FLOAT_DTYPES)}, 'mixed_float16', 'mixed_bfloat16' or a "
+            f"`keras.DTypePolicy`; got dtype={dtype!r}."
+        )
+    return dtype
+
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # one record a family: identity is equality
+
 class Family:
     """One model family.
 
@@ -156,7 +182,7 @@ class Family:
                 f"Unknown {self.name} config field(s) {unknown}{where}. Allowed: "
                 f"{sorted(self.config_fields)}."
             )
-        dtype_kwargs = {} if dtype is None else {"dtype": dtype}
+        dtype_kwargs = {} if dtype is None else {"dtype": check_model_dtype(dtype)}
         backbone = self.backbone(**config, **dtype_kwargs)
         if task == BACKBONE_TASK:
             return backbone

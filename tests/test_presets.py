@@ -413,3 +413,26 @@ def test_overrides_that_reshape_the_weights_of_a_saved_directory_are_explained(t
         kzoo.presets.load("gpt_mini", weights=True, **SMALL["gpt_mini"])
     with pytest.raises(ValueError, match="a directory of neither kind"):
         kzoo.presets.load("gpt_mini", weights=str(tmp_path), **SMALL["gpt_mini"])
+
+
+@pytest.mark.parametrize("dtype", ["mixed_bfloat16", "bfloat16"])
+def test_a_saved_directory_loads_with_the_dtype_it_was_saved_with(dtype, tmp_path):
+    """A task model built with a dtype policy reports it (Keras' functional constructor
+    dropped it: the model said float32), a saved directory and a .keras file load with it,
+    the outputs are the same, and `dtype=` still picks another; bad dtypes are named."""
+    model = kzoo.presets.load("gpt_mini", dtype=dtype, **SMALL["gpt_mini"])
+    assert model.dtype_policy.name == model.backbone.dtype_policy.name == dtype
+    directory = str(tmp_path / "saved")
+    kzoo.presets.save(model, directory)
+    again = kzoo.presets.load(directory)
+    assert again.dtype_policy.name == again.backbone.dtype_policy.name == dtype
+    x = _inputs("gpt", model)
+    np.testing.assert_array_equal(to_numpy(again(x)).astype("float32"),
+                                  to_numpy(model(x)).astype("float32"))
+    keras_file = str(tmp_path / "lm.keras")
+    model.save(keras_file)
+    assert kzoo.presets.load(keras_file).dtype_policy.name == dtype
+    assert kzoo.presets.load(directory, dtype="float32").backbone.dtype_policy.name == "float32"
+    for bad in ("int32", "float8", "fp32"):
+        with pytest.raises(ValueError, match=r"`dtype` must be a floating-point"):
+            kzoo.presets.load("gpt_mini", dtype=bad, **SMALL["gpt_mini"])

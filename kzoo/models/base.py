@@ -365,7 +365,14 @@ class FunctionalModel(keras.Model):
     """
 
     def __init__(self, *args, **kwargs):
+        dtype = kwargs.get("dtype")
         super().__init__(*args, **kwargs)
+        # Keras' functional constructor drops `dtype` (3.15): a task model built with
+        # dtype="mixed_bfloat16" reported float32, and was saved and reloaded as float32.
+        policy = keras.dtype_policies.get(dtype) if dtype is not None else None
+        if (type(policy) in (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
+                and policy.name != self.dtype_policy.name):
+            self.dtype_policy = policy
         # Keras wraps `quantize` per instance (checking the mode its own way); kzoo's
         # `quantize` checks it and quantizes the sub-layers through their own wrappers.
         self.__dict__.pop("quantize", None)
