@@ -662,19 +662,28 @@ def test_hf_gpt2_sgd_step_matches_transformers(tmp_path):
     _assert_gpt_matches(lm, hf, ids, np.ones_like(ids), "GPT-2 after one SGD step")
 
 
+def _hf_generate_alone(hf, prompts, max_new_tokens=20):
+    """transformers' greedy `generate` of each prompt alone (its own defaults otherwise):
+    the new token ids of each."""
+    import torch
+
+    rows = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=0)
+        rows.append(out[0, len(prompt):].tolist())
+    return rows
+
+
 def test_hf_gpt2_greedy_generation(tmp_path):
     import torch
 
     hf = _hf_gpt2(tmp_path, initializer_range=0.3)
     model = kzoo.presets.load(tmp_path)
     prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
-    alone = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                              dtype=torch.long), do_sample=False, max_new_tokens=20,
-                              pad_token_id=0)
-        alone.append(out[0, len(prompt):].tolist())
+    alone = _hf_generate_alone(hf, prompts)
     # one prompt at a time, then all three in one left-padded batch (eos 96 ends a row)
     for prompt, expected in zip(prompts, alone):
         assert model.generate([prompt], max_new_tokens=20, stop_token_ids=[96]) == [expected]
@@ -703,22 +712,11 @@ def test_hf_gpt2_generate_stops_where_transformers_does_by_default(tmp_path):
     off."""
     import json
 
-    import torch
     import transformers
 
     src = os.path.join(tmp_path, "src")
     hf = _hf_gpt2(src, initializer_range=0.3)  # config.json: eos_token_id 96
     prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
-
-    def hf_generate(model):
-        rows = []
-        for prompt in prompts:
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-                    1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=20,
-                    pad_token_id=0)
-            rows.append(out[0, len(prompt):].tolist())
-        return rows
 
     # A stop the model emits early in one row (not at all in another, ideally).
     free = kzoo.presets.load(src).generate(prompts, max_new_tokens=20, stop_token_ids=None)
@@ -728,7 +726,7 @@ def test_hf_gpt2_generate_stops_where_transformers_does_by_default(tmp_path):
     hf.save_pretrained(tuned)
     with open(os.path.join(tuned, "config.json")) as f:
         assert json.load(f)["eos_token_id"] == 96
-    expected = hf_generate(hf)
+    expected = _hf_generate_alone(hf, prompts)
     assert len(expected[0]) == 4 and expected[0][-1] == stop
 
     model = kzoo.presets.load(tuned)
@@ -748,7 +746,7 @@ def test_hf_gpt2_generate_stops_where_transformers_does_by_default(tmp_path):
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["eos_token_id"] == stop
     again = transformers.GPT2LMHeadModel.from_pretrained(out, attn_implementation="eager")
-    assert hf_generate(again.eval()) == expected
+    assert _hf_generate_alone(again.eval(), prompts) == expected
 
 
 def test_causal_lm_stop_token_ids_errors():
@@ -941,18 +939,10 @@ def test_modern_kzoo_model_exports_to_transformers(kind, tmp_path):
 
 
 def test_hf_llama_greedy_generation_left_padding(tmp_path):
-    import torch
-
     hf = _hf_modern(tmp_path, initializer_range=0.3)
     model = _load_modern(tmp_path)
     prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3], [29, 8, 50, 90, 12]]
-    alone = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-                1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=20,
-                pad_token_id=0)
-        alone.append(out[0, len(prompt):].tolist())
+    alone = _hf_generate_alone(hf, prompts)
     ours = model.generate(prompts, max_new_tokens=20, stop_token_ids=[96])
     assert ours == alone
     assert len({tuple(o) for o in ours}) == 3
