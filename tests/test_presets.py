@@ -357,6 +357,7 @@ def test_hf_checkpoint_weights_problems_name_the_file(tmp_path):
         kzoo.presets.load(tmp_path / "hf")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("format", ["kzoo", "hf", "keras_hub"])
 def test_save_with_overwrite_false_refuses_an_existing_checkpoint(format, tmp_path):
     """`overwrite=False` refuses a directory that holds a checkpoint of the format (before
@@ -391,6 +392,7 @@ def test_save_with_overwrite_false_refuses_an_existing_checkpoint(format, tmp_pa
         kzoo.presets.save(second, str(a_file), format=format)
 
 
+@pytest.mark.spread
 def test_overrides_that_reshape_the_weights_of_a_saved_directory_are_explained(tmp_path):
     """Loading a saved directory with an override that changes the weights (more layers)
     names the override and the way out, instead of Keras' count of unloaded objects; with
@@ -415,6 +417,7 @@ def test_overrides_that_reshape_the_weights_of_a_saved_directory_are_explained(t
         kzoo.presets.load("gpt_mini", weights=str(tmp_path), **SMALL["gpt_mini"])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("dtype", ["mixed_bfloat16", "bfloat16"])
 def test_a_saved_directory_loads_with_the_dtype_it_was_saved_with(dtype, tmp_path):
     """A task model built with a dtype policy reports it (Keras' functional constructor
