@@ -43,7 +43,6 @@ def _unknown(kind, value, known, label="Known"):
     return ValueError(f"Unknown {kind}={value!r}.{hint} {label}: {sorted(known)}.")
 
 
-
 def check_model_dtype(dtype):
     """A model's `dtype`: a Keras dtype policy (or its name) computing in floating point,
     e.g. "float32", "bfloat16", "mixed_bfloat16"; anything else raises `ValueError` naming
@@ -69,7 +68,6 @@ _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one record a family: identity is equality
-
 class Family:
     """One model family.
 
