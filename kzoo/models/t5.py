@@ -879,12 +879,11 @@ class T5Seq2SeqLM(TaskModel):
         stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids)
                                     else stop_token_ids)
         vocabulary_size = self.backbone.vocabulary_size
-        if is_auto(decoder_start_token_id):
-            decoder_start_token_id = self.decoder_start_token_id
-        decoder_start_token_id = check_token_id("decoder_start_token_id",
-                                                decoder_start_token_id, vocabulary_size)
-        pad_token_id = (self.pad_token_id if is_auto(pad_token_id)
-                        else check_token_id("pad_token_id", pad_token_id, vocabulary_size))
+        decoder_start_token_id, pad_token_id = (
+            check_token_id(name, getattr(self, name) if is_auto(value) else value,
+                           vocabulary_size)
+            for name, value in (("decoder_start_token_id", decoder_start_token_id),
+                                ("pad_token_id", pad_token_id)))
         ids, mask, strings = self._prepare_inputs(prompts, padding_mask, pad_token_id)
         start = np.full((ids.shape[0], 1), decoder_start_token_id, "int32")
         outputs = generation.decode(
