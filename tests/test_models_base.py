@@ -351,3 +351,19 @@ def test_train_on_batch_builds_once_on_torch(monkeypatch):
         assert set(mine) == set(want)
         for key in mine:
             np.testing.assert_allclose(mine[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_an_empty_batch_predicts_empty_outputs(name):
+    """A batch of no rows gives outputs of no rows (Keras' `predict` loop failed with an
+    UnboundLocalError; torch's fast block path and TensorFlow's patch embedding could not
+    reshape an empty batch)."""
+    build, _, data = CASES[name]
+    x, _ = data(np.random.default_rng(0))
+    empty = keras.tree.map_structure(lambda a: a[:0], x)
+    keras.utils.set_random_seed(0)
+    model = build()
+    full = model.predict(x, verbose=0)
+    for out in (model.predict(empty, verbose=0), model.predict_on_batch(empty),
+                to_numpy(model(empty))):
+        assert out.shape == (0,) + full.shape[1:]

@@ -446,8 +446,11 @@ class PatchEmbedding(keras.layers.Layer):
     def call(self, inputs):
         self._check_shape(tuple(inputs.shape))
         x = self.projection(inputs)
-        shape = ops.shape(x)
-        return ops.reshape(x, (shape[0], shape[1] * shape[2], self.hidden_dim))
+        # The grid from the images, not from the convolution's output: TensorFlow's
+        # convolution of an empty batch returns the input's height and width unstrided.
+        shape = ops.shape(inputs)
+        grid = (shape[1] // self._patch[0]) * (shape[2] // self._patch[1])
+        return ops.reshape(x, (ops.shape(x)[0], grid, self.hidden_dim))
 
     def compute_output_shape(self, input_shape):
         h, w = input_shape[1], input_shape[2]

@@ -304,7 +304,7 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
             q, k, v, mask=mask, bias=attention_bias,
             is_causal=causal, scale=layer.scale, kernel=layer.kernel,
             dropout_rate=layer.dropout, training=training, seed_generator=layer.seed_generator)
-        out = _dense(layer.output_dense, out.reshape(batch, q.shape[1], -1))
+        out = _dense(layer.output_dense, out.reshape(batch, q.shape[1], layer.num_heads * layer._head_dim))
         return _dropout(block.self_attention_dropout, out, training)
 
     def feedforward(h):

@@ -515,6 +515,9 @@ class FunctionalModel(keras.Model):
 
     def predict(self, *args, **kwargs):
         try:
+            x = _signature("predict").bind(None, *args, **kwargs).arguments.get("x")
+            if _empty_batch(x):  # (Keras' loop over no batch fails with an UnboundLocalError)
+                return self.predict_on_batch(x)
             return self._run_checked("predict", args, kwargs, {"x": False})
         finally:
             allocator.release_memory()
@@ -741,6 +744,15 @@ def _jax_variables_kept(model):
         model._jax_state = None
         model._jax_state_synced = True
         raise
+
+
+def _empty_batch(x):
+    """Whether `x` is arrays (a dict, list or tuple of them, or one) whose batch axis is
+    empty: what `predict` answers with the model's empty outputs."""
+    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
+    shapes = [getattr(leaf, "shape", None) for leaf in leaves]
+    return bool(shapes) and all(
+        shape is not None and len(shape) > 0 and shape[0] == 0 for shape in shapes)
 
 
 def _signature(method):
