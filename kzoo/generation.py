@@ -58,6 +58,8 @@ Example:
 >>> select_next_token(logits, strategy="sample", top_p=0.9, seed=0)
 """
 
+import os
+
 import keras
 import numpy as np
 from keras import ops
@@ -103,6 +105,36 @@ def check_sampling_args(strategy, temperature, top_k, top_p, strategies=STRATEGI
         raise ValueError(f"`top_k` must be None or a positive integer; got top_k={top_k!r}.")
     if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(f"`top_p` must be None or a number in (0, 1]; got top_p={top_p!r}.")
+
+
+def _memory_bytes():
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_cache_size(max_new_tokens, slots, bytes_per_slot):
+    """Refuse a decode whose key/value cache could never be made: positions past int32
+    (the step index is an int32 tensor) or a cache of `slots * bytes_per_slot` bytes larger
+    than this machine's memory (a clear error instead of an allocator's failure or an
+    overflow deep inside a compiled function).
+
+    Example:
+    >>> check_cache_size(20, 52, 2 * 6 * 8 * 64 * 4 * 4)
+    """
+    if slots >= 2 ** 31:
+        raise ValueError(
+            f"`max_new_tokens` is too large: max_new_tokens={max_new_tokens} needs {slots} "
+            "cache positions; positions are int32 (at most 2**31 - 1).")
+    need, have = slots * bytes_per_slot, _memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(
+            f"`max_new_tokens` is too large for this batch: max_new_tokens={max_new_tokens} "
+            f"needs a key/value cache of {need / 2 ** 30:,.1f} GiB ({slots} positions), more "
+            f"than this machine's memory ({have / 2 ** 30:,.1f} GiB). Generate fewer tokens "
+            "or fewer rows at a time.")
 
 
 def stop_ids(stop_token_ids):
@@ -1048,6 +1080,7 @@ __all__ = [
     "mask_finished",
     "check_sampling_args",
     "check_token_ids",
+    "check_cache_size",
     "integer_array",
     "integer_rows",
     "stop_ids",

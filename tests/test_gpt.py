@@ -394,6 +394,24 @@ def test_generate_errors():
         lm.generate([[1]], max_new_tokens=2, compile="no")
 
 
+def test_generate_refuses_a_cache_larger_than_memory(monkeypatch):
+    """A rotary GPT has no position table to bound `max_new_tokens`: a key/value cache that
+    cannot fit the machine's memory is refused by name (it was the allocator's failure)."""
+    from kzoo import generation
+
+    lm = tiny_lm("modern", max_sequence_length=10 ** 12)
+    with pytest.raises(ValueError, match="max_new_tokens=10000000000 needs"):
+        lm.generate([[1, 2]], max_new_tokens=10 ** 10)
+    # bytes a position: layers x (keys, values) x rows x kv heads x head dim x 4; the
+    # prompts are left-padded to 8 positions
+    per_position = 2 * 2 * 2 * 2 * (32 // 4) * 4
+    monkeypatch.setattr(generation, "_memory_bytes", lambda: 20 * per_position)
+    with pytest.raises(ValueError, match=r"max_new_tokens=13 needs a key/value cache of "
+                                         r"0\.0 GiB \(21 positions\)"):
+        lm.generate([[1, 2], [3]], max_new_tokens=13)
+    assert len(lm.generate([[1, 2], [3]], max_new_tokens=12)) == 2
+
+
 # === Saving ===
 
 

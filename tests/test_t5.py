@@ -308,6 +308,32 @@ def test_generate_refuses_an_empty_input_as_gpt_does():
         lm.generate({"encoder_token_ids": np.array([[5, 6]]),
                      "encoder_padding_mask": np.array([[0, 0]])}, max_new_tokens=2)
     assert len(lm.generate([[5, 6], [7]], max_new_tokens=2)) == 2
+    # No prompt at all: the words GPT uses.
+    for prompts in ([], np.zeros((0, 4), "int32"),
+                    {"encoder_token_ids": np.zeros((0, 3), "int32")}):
+        with pytest.raises(ValueError, match="`prompts` is empty"):
+            lm.generate(prompts, max_new_tokens=2)
+
+
+def test_generate_refuses_a_cache_that_cannot_exist(monkeypatch):
+    """`max_new_tokens` beyond int32 positions, or a self-attention cache larger than the
+    machine's memory, is refused by name before anything is allocated (it was an overflow
+    inside JAX's jit or the allocator's failure)."""
+    from kzoo import generation
+
+    lm = shared_lm("v1_0")
+    backbone = lm.backbone
+    for n in (2 ** 31, 10 ** 12):
+        with pytest.raises(ValueError, match=f"max_new_tokens={n} needs {n} cache positions"):
+            lm.generate([[5, 6]], max_new_tokens=n)
+    # bytes a position: decoder layers x (keys, values) x rows x beams x heads x dim x 4
+    per_position = (len(backbone.decoder_layers) * 2 * 2 * 3 * backbone.num_heads
+                    * backbone.key_value_dim * 4)
+    monkeypatch.setattr(generation, "_memory_bytes", lambda: 10 * per_position)
+    with pytest.raises(ValueError, match=r"max_new_tokens=11 needs a key/value cache"):
+        lm.generate([[5, 6], [7]], max_new_tokens=11, strategy="beam", num_beams=3)
+    assert len(lm.generate([[5, 6], [7]], max_new_tokens=10, strategy="beam",
+                           num_beams=3)) == 2
 
 
 @pytest.mark.spread

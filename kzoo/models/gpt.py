@@ -836,6 +836,13 @@ class GPTCausalLM(TaskModel):
         for b, row in enumerate(rows):
             ids[b, offset[b]:] = row
             mask[b, : offset[b]] = 0
+        backbone = self.backbone
+        if backbone.attention == "full":  # (the other types' caches have a fixed size)
+            generation.check_cache_size(
+                max_new_tokens, prompt_len + max_new_tokens,
+                backbone.num_layers * 2 * len(rows) * sampler.num_beams
+                * (backbone.num_kv_heads or backbone.num_heads) * backbone.head_dim
+                * np.dtype(backbone.compute_dtype).itemsize)
         outputs = generation.decode(
             self, {"token_ids": ids, "padding_mask": mask, "position_offset": offset},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,

@@ -754,6 +754,8 @@ class T5Seq2SeqLM(TaskModel):
             generation.check_token_ids(encoded, vocabulary_size)
             ids, mask = _right_pad(encoded, pad_token_id)
             return ids, mask, strings
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            raise ValueError("`prompts` is empty: give at least one prompt.")
         if isinstance(prompts, dict):
             if "encoder_token_ids" not in prompts:
                 raise ValueError(
@@ -793,6 +795,8 @@ class T5Seq2SeqLM(TaskModel):
                 "`prompts` token ids must have shape (batch, length); got shape "
                 f"{ids.shape}."
             )
+        if ids.shape[0] == 0:
+            raise ValueError("`prompts` is empty: give at least one prompt.")
         if mask is None:
             mask = (ids != pad_token_id).astype("int32")
         else:
@@ -885,6 +889,12 @@ class T5Seq2SeqLM(TaskModel):
             for name, value in (("decoder_start_token_id", decoder_start_token_id),
                                 ("pad_token_id", pad_token_id)))
         ids, mask, strings = self._prepare_inputs(prompts, padding_mask, pad_token_id)
+        backbone = self.backbone
+        generation.check_cache_size(
+            max_new_tokens, max_new_tokens,
+            len(backbone.decoder_layers) * 2 * ids.shape[0] * sampler.num_beams
+            * backbone.num_heads * backbone.key_value_dim
+            * np.dtype(backbone.compute_dtype).itemsize)
         start = np.full((ids.shape[0], 1), decoder_start_token_id, "int32")
         outputs = generation.decode(
             self,
