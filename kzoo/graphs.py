@@ -678,6 +678,14 @@ def _stack_labels(items):
         )
     labels = [np.asarray(item["labels"]) for item in items]
     labels = [label.reshape(1) if label.ndim == 0 else label for label in labels]
+    shapes = [label.shape for label in labels]
+    odd = [i for i, shape in enumerate(shapes) if shape != shapes[0]]
+    if odd:
+        raise ValueError(
+            "`graphs` must all have labels of one shape (the same number of targets); got "
+            f"labels of shape {shapes[0]} in graphs[0] and {shapes[odd[0]]} in "
+            f"graphs[{odd[0]}]."
+        )
     # GraphormerDataCollator: one target per graph -> concatenate, several -> stack.
     if len(labels[0]) == 1:
         return np.concatenate(labels)
@@ -732,6 +740,12 @@ def batch(graphs, multi_hop_max_dist=5, spatial_pos_max=20, pad_to_nodes=None,
             spatial_pos_max, (int, float, np.integer, np.floating)):
         raise ValueError(
             f"`spatial_pos_max` must be a number; got spatial_pos_max={spatial_pos_max!r}."
+        )
+    if not spatial_pos_max > 1:  # (NaN too: it would cut nothing, silently)
+        raise ValueError(
+            "`spatial_pos_max` must be a number above 1 (a node's distance code to itself "
+            "is 1: a limit of 1 or less cuts every pair of nodes off), or inf for no limit; "
+            f"got spatial_pos_max={spatial_pos_max!r}."
         )
     pad_to_nodes = _check_optional_positive_int("pad_to_nodes", pad_to_nodes)
 

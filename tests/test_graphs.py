@@ -328,6 +328,14 @@ def test_bad_inputs_raise_value_error():
         graphs.batch([good], pad_to_nodes=2)
     with pytest.raises(ValueError, match="labels"):
         graphs.batch([dict(good, y=[1]), good])
+    with pytest.raises(ValueError, match=r"labels of one shape.*\(2,\) in graphs\[0\] and "
+                                         r"\(1,\) in graphs\[1\]"):
+        graphs.batch([dict(good, y=[1, 2]), dict(good, y=[3])])
+    for limit in (float("nan"), 1, 0, -5):
+        with pytest.raises(ValueError, match=f"spatial_pos_max={limit!r}"):
+            graphs.batch([good], spatial_pos_max=limit)
+    # inf: no pair is cut off
+    assert graphs.batch([good], spatial_pos_max=float("inf"))["attn_bias"].min() == 0
     with pytest.raises(ValueError, match="smiles"):
         graphs.from_smiles("C1CC(")
     with pytest.raises(ValueError, match=r"smiles\[1\]"):
