@@ -149,6 +149,39 @@ def test_backbone_and_mlm_match_numpy_reference():
     assert_close(to_numpy(mlm(inputs))[m], logits_ref[m], atol=5e-5, rtol=1e-4)
 
 
+def test_segment_ids_and_padding_mask_may_be_left_out_as_in_hugging_face():
+    """Like transformers' BERT (token_type_ids zeros, attention_mask ones when not given):
+    the ids alone give the NumPy reference of segment 0, every token real, through the
+    call, `predict` and training (it was Keras' "Missing data for input" or, on JAX, "not
+    connected to `inputs`")."""
+    inputs = make_inputs(lengths=(9, 9, 9))
+    explicit = {**inputs, "segment_ids": np.zeros_like(inputs["token_ids"])}
+    mlm = BertMaskedLM(tiny_backbone(dropout=0.0))
+    randomize(mlm)
+    seq_ref, pooled_ref = np_bert(mlm.backbone, explicit)
+    ids = inputs["token_ids"]
+    for given in ({"token_ids": ids}, {"token_ids": ids, "padding_mask": np.ones_like(ids)},
+                  {"token_ids": ids, "segment_ids": np.zeros_like(ids)}):
+        out = mlm.backbone(given)
+        assert_close(out["sequence_output"], seq_ref, atol=2e-5)
+        assert_close(out["pooled_output"], pooled_ref, atol=2e-5)
+        backend_ids = keras.ops.convert_to_tensor(ids)
+        assert_close(mlm.backbone({"token_ids": backend_ids})["sequence_output"], seq_ref,
+                     atol=2e-5)
+        assert_close(mlm.predict(given, verbose=0), mlm.predict(explicit, verbose=0),
+                     atol=1e-6)
+    labels = rng(3).integers(0, 61, size=ids.shape).astype("int32")
+    losses = []
+    for x in ({"token_ids": ids}, explicit):
+        keras.utils.set_random_seed(0)
+        model = BertMaskedLM(tiny_backbone(dropout=0.0))
+        randomize(model)
+        model.compile(keras.optimizers.SGD(0.1))
+        losses.append([float(model.train_on_batch(x, labels)) for _ in range(2)])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    assert losses[0][1] != losses[0][0]
+
+
 def test_backbone_output_positions_match_numpy_reference():
     """`output_positions`: `sequence_output` at those rows only (the last block computes
     them and the [CLS] row alone), `pooled_output` unchanged; no rows at all (a

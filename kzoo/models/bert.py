@@ -27,6 +27,7 @@ import dataclasses
 from typing import Optional
 
 import keras
+import numpy as np
 from keras import ops
 
 from kzoo.inputs import DocumentIdInput, PositionInput, is_optional_input
@@ -185,7 +186,8 @@ class _OptionalGlobalMask:
     """Lets the input dict of a model leave out its optional inputs (`global_attention_mask`,
     `mask_positions`; Keras' optional inputs must otherwise be given, as None): `model(x)`,
     `fit`, `predict`, ... then run with None (the `global_tokens` option of the attention;
-    the masked-LM head at every position)."""
+    the masked-LM head at every position). `segment_ids` and `padding_mask` may be left out
+    too, as in Hugging Face's BERT: every token in segment 0, every token real."""
 
     def _with_global_mask(self, inputs):
         if isinstance(inputs, dict) and isinstance(self.input, dict):
@@ -193,6 +195,14 @@ class _OptionalGlobalMask:
                        if k not in inputs and is_optional_input(t)]
             if missing:
                 inputs = {**inputs, **{k: None for k in missing}}
+            ids = inputs.get("token_ids")
+            if ids is not None:
+                host = isinstance(ids, (np.ndarray, list, tuple))  # (Keras refuses a mix)
+                defaults = {"segment_ids": np.zeros_like if host else ops.zeros_like,
+                            "padding_mask": np.ones_like if host else ops.ones_like}
+                for key, like in defaults.items():
+                    if key in self.input and inputs.get(key) is None:
+                        inputs = {**inputs, key: like(ids, dtype="int32")}
         return inputs
 
     def __call__(self, *args, **kwargs):
