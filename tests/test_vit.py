@@ -136,6 +136,21 @@ def test_forward_shapes_and_dtypes():
     assert keras.backend.standardize_dtype(mixed.backbone.weights[0].dtype) == "float32"
 
 
+def test_images_smaller_than_a_patch_are_refused_and_the_model_still_works():
+    """An image without a whole patch (0 x 0 pixels gave the class token alone on JAX) is
+    refused by name; on JAX a `predict` that failed left Keras' detached weights behind, so
+    the next call failed with "'NoneType' object is not callable"."""
+    model = ViTClassifier(ViTBackbone(**TINY), num_classes=3)
+    good = images(1)
+    expected = to_numpy(model(good))
+    for height, width, axis in ((0, 0, "height=0"), (4, 32, "height=4"), (32, 4, "width=4")):
+        bad = np.zeros((1, height, width, 3), "float32")
+        for run in (model, lambda x: model.predict(x, verbose=0)):
+            with pytest.raises(ValueError, match=f"Image {axis} is smaller than one patch"):
+                run(bad)
+    assert_close(model.predict(good, verbose=0), expected, atol=1e-6)
+
+
 def test_classifier_pooling_matches_numpy():
     backbone = ViTBackbone(**TINY)
     x = images()

@@ -419,6 +419,12 @@ class PatchEmbedding(keras.layers.Layer):
                 f"got shape {tuple(shape)}."
             )
         for axis, size, p in (("height", shape[1], self._patch[0]), ("width", shape[2], self._patch[1])):
+            if size is not None and size < p:
+                raise ValueError(
+                    f"Image {axis}={size} is smaller than one patch ({axis} {p}, "
+                    f"patch_size={self.patch_size!r}): no patch to embed; got image shape "
+                    f"{tuple(shape)}."
+                )
             if size is not None and size % p != 0:
                 raise ValueError(
                     f"Image {axis}={size} is not divisible by the patch {axis} {p} "

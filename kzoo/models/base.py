@@ -481,18 +481,19 @@ class FunctionalModel(keras.Model):
         first, the checks of `__call__` suspended while it runs, and a check that failed
         inside a data pipeline re-raised as its ValueError."""
         keras_method = keras_method or getattr(super(), method)
+        # Only the looping methods detach the variables (`*_on_batch` keep them attached):
+        # listing and holding every variable costs ~30 ms a call on a 4-layer GPT.
+        kept = _jax_variables_kept(self) if method in _DETACHING else contextlib.nullcontext()
         specs = self.id_inputs()
         if not specs or input_checks.checks_suspended():
-            return keras_method(*args, **kwargs)
+            with kept:
+                return keras_method(*args, **kwargs)
         bound = _signature(method).bind(None, *args, **kwargs)
         for name, batch in data_arguments.items():
             if bound.arguments.get(name) is not None:
                 bound.arguments[name] = input_checks.checked_data(
                     bound.arguments[name], specs, f"{method}'s {name}", batch=batch
                 )
-        # Only the looping methods detach the variables (`*_on_batch` keep them attached):
-        # listing and holding every variable costs ~30 ms a call on a 4-layer GPT.
-        kept = _jax_variables_kept(self) if method in _DETACHING else contextlib.nullcontext()
         with input_checks.suspend_checks(), input_checks.pipeline_errors(), kept:
             return keras_method(*bound.args[1:], **bound.kwargs)
 
