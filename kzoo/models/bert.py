@@ -9,7 +9,8 @@ Language Understanding", https://arxiv.org/abs/1810.04805).
 - `BertClassifier`: dropout + Dense on the pooled output.
 
 Inputs follow keras-hub: `{"token_ids", "segment_ids", "padding_mask"}`, each
-`(batch, seq)` int32 (`padding_mask` 1/True for real tokens). Models with
+`(batch, seq)` int32 (`padding_mask` 1/True for real tokens; `segment_ids` and
+`padding_mask` may be left out, meaning all zeros and all ones). Models with
 `attention="longformer"` take one more, optional, input: `"global_attention_mask"` (Hugging
 Face's name; 1 for global tokens), which may be left out of the dict. Models with
 `packed_inputs=True` take `"document_ids"` too (several documents a row, see `BertBackbone`).
@@ -321,7 +322,9 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
     model, and `backbone.config` is that `BertConfig`.
 
     Inputs (a dict, each `(batch, seq)` int32):
-        token_ids; segment_ids; padding_mask (1 for real tokens, 0 for padding);
+        token_ids; segment_ids; padding_mask (1 for real tokens, 0 for padding) (either
+        of the last two may be left out of the dict, as in Hugging Face's BERT: every token
+        in segment 0, every token real);
         with attention="longformer" only, global_attention_mask (1 for tokens with global
         attention, replacing the `global_tokens` option per example; Hugging Face's
         `global_attention_mask`): an optional input that may be left out of the dict (or
