@@ -61,7 +61,27 @@ def check_model_dtype(dtype):
             f"{sorted(_FLOAT_DTYPES)}, 'mixed_float16', 'mixed_bfloat16' or a "
             f"`keras.DTypePolicy`; got dtype={dtype!r}."
         )
+    check_float64_available(policy, dtype)
     return dtype
+
+
+def check_float64_available(policy, dtype):
+    """Refuse a float64 `policy` (given as `dtype`) on JAX with 64-bit floats off (its
+    default), where the model would silently hold float32 values."""
+    import keras
+
+    if "float64" not in (getattr(policy, "compute_dtype", None),
+                         getattr(policy, "variable_dtype", None)):
+        return
+    if keras.config.backend() == "jax":
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            raise ValueError(
+                f"dtype={getattr(dtype, 'name', dtype)!r} needs 64-bit floats, which JAX "
+                "turns off by default: set "
+                "the environment variable JAX_ENABLE_X64=1 (or call "
+                "`jax.config.update('jax_enable_x64', True)`) before building the model.")
 
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")

@@ -367,3 +367,28 @@ def test_an_empty_batch_predicts_empty_outputs(name):
     for out in (model.predict(empty, verbose=0), model.predict_on_batch(empty),
                 to_numpy(model(empty))):
         assert out.shape == (0,) + full.shape[1:]
+
+
+def test_float64_holds_float64_or_is_refused_on_jax_without_x64():
+    """dtype="float64" gives float64 weights and outputs; on JAX with 64-bit floats off
+    (its default) it is refused by name, where the model held float32 values silently."""
+    import kzoo.presets
+
+    shape = dict(num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32,
+                 vocabulary_size=VOCAB)
+    builds = (lambda: kzoo.presets.load("gpt_mini", dtype="float64", **shape),
+              lambda: _gpt(dtype="float64"))
+    if backend() == "jax":
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            for build in builds:
+                with pytest.raises(ValueError, match="dtype='float64' needs 64-bit floats"):
+                    build()
+            return
+    ids, mask = _tokens(np.random.default_rng(0))
+    for build in builds:
+        model = build()
+        assert {keras.backend.standardize_dtype(w.dtype) for w in model.weights} == {"float64"}
+        out = model.predict({"token_ids": ids, "padding_mask": mask}, verbose=0)
+        assert out.dtype == np.float64

@@ -370,6 +370,10 @@ class FunctionalModel(keras.Model):
         # Keras' functional constructor drops `dtype` (3.15): a task model built with
         # dtype="mixed_bfloat16" reported float32, and was saved and reloaded as float32.
         policy = keras.dtype_policies.get(dtype) if dtype is not None else None
+        if policy is not None:
+            from kzoo import registry
+
+            registry.check_float64_available(policy, dtype)
         if (type(policy) in (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy)
                 and policy.name != self.dtype_policy.name):
             self.dtype_policy = policy
