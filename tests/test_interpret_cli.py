@@ -102,6 +102,20 @@ def test_vit_image_gets_a_rollout_picture(tmp_path):
     _png_ok(os.path.join(out, "rollout.png"))
 
 
+def test_an_image_that_cannot_be_read_is_named(tmp_path):
+    model = kzoo.presets.load("vit_tiny_patch16_224", image_size=8, patch_size=2,
+                              num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
+                              num_classes=3)
+    source = str(tmp_path / "vit.keras")
+    model.save(source)
+    (tmp_path / "bad.png").write_text("not an image")
+    (tmp_path / "bad.npy").write_text("not an array")
+    for name in ("bad.png", "bad.npy"):
+        with pytest.raises(ValueError, match=f"`--image` .*{name}' could not be read"):
+            main([source, "--image", str(tmp_path / name), "--out", str(tmp_path / "out")])
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_errors_name_the_option(tmp_path):
     model = kzoo.presets.load("gpt_mini", num_layers=1, num_heads=2, hidden_dim=16,
                               intermediate_dim=32, vocabulary_size=40, max_sequence_length=16)
@@ -119,5 +133,9 @@ def test_errors_name_the_option(tmp_path):
     with pytest.raises(ValueError, match=r"holds id -2 at batch row 0, token 0"):
         main([source, "--ids=-2,1", "--out", out])
     assert not os.path.exists(out)  # nothing written for refused ids
+    taken = tmp_path / "a_file"
+    taken.write_text("x")
+    with pytest.raises(ValueError, match=r"`--out` .*a_file' exists and is not a directory"):
+        main([source, "--ids", "1,2", "--out", str(taken)])
     with pytest.raises(SystemExit):  # argparse: --out is required
         main([source, "--ids", "1,2"])

@@ -92,12 +92,17 @@ def _image(path, backbone):
 
     if not os.path.isfile(path):
         raise ValueError(f"`--image` {path!r} is not a file.")
-    if path.endswith(".npy"):
-        image = np.load(path, allow_pickle=False).astype("float32")
-    else:
-        import matplotlib.image
+    try:
+        if path.endswith(".npy"):
+            image = np.load(path, allow_pickle=False).astype("float32")
+        else:
+            import matplotlib.image
 
-        image = np.asarray(matplotlib.image.imread(path), "float32")
+            image = np.asarray(matplotlib.image.imread(path), "float32")
+    except (OSError, SyntaxError, ValueError, TypeError) as error:  # (PIL: SyntaxError)
+        raise ValueError(
+            f"`--image` {path!r} could not be read as a PNG/JPEG image or a .npy array of "
+            f"numbers: {error}") from None
         if image.max() > 1.0:  # 8-bit JPEG
             image = image / 255.0
     if image.ndim == 2:
@@ -158,6 +163,8 @@ def _takes_dict(model):
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"`--out` {args.out!r} exists and is not a directory.")
     import kzoo
     from kzoo.interpret import (attention_entropy, attention_maps, attention_rollout,
                                 head_view_html, plot_attention, plot_rollout)
