@@ -392,3 +392,28 @@ def test_float64_holds_float64_or_is_refused_on_jax_without_x64():
         assert {keras.backend.standardize_dtype(w.dtype) for w in model.weights} == {"float64"}
         out = model.predict({"token_ids": ids, "padding_mask": mask}, verbose=0)
         assert out.dtype == np.float64
+
+
+def test_input_dicts_with_unknown_or_missing_keys_are_refused_by_name():
+    """A misspelt key was run on JAX with a warning (its ids unchecked, the logits of
+    another input); torch and TensorFlow said "Missing data for input" or ignored it."""
+    r = np.random.default_rng(0)
+    model = _gpt()
+    model.compile(keras.optimizers.SGD(0.1))
+    (x, y) = _lm_data(r)
+    bad = {"tokens": x["token_ids"] + 5000, "padding_mask": x["padding_mask"]}
+    expected = r"must be a dict with the keys \['padding_mask', 'token_ids'\]"
+    for run in (model, lambda v: model.predict(v, verbose=0), lambda v: model.fit(v, y),
+                lambda v: model.evaluate(v, y, verbose=0), lambda v: model.train_on_batch(v, y),
+                lambda v: model.fit(x, y, validation_data=(v, y), verbose=0)):
+        with pytest.raises(ValueError, match=expected + r".*unknown key\(s\) \['tokens'\] and "
+                                                        r"no \['token_ids'\]"):
+            run(bad)
+    with pytest.raises(ValueError, match=expected + r".*got no \['padding_mask'\]"):
+        model.predict({"token_ids": x["token_ids"]}, verbose=0)
+    # BERT: segment_ids and padding_mask may be left out, a misspelling may not
+    bert = BertMaskedLM(_bert_backbone())
+    ids = _bert_data(r)["token_ids"]
+    assert bert.predict({"token_ids": ids}, verbose=0).shape == ids.shape + (VOCAB,)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['segment'\]"):
+        bert.predict({"token_ids": ids, "segment": 0 * ids}, verbose=0)

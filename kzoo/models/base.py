@@ -471,11 +471,43 @@ class FunctionalModel(keras.Model):
         """The id inputs of this model, a tuple of `kzoo.inputs.IdInput` (none here)."""
         return ()
 
+    # Keys of the input dict that may be left out because the model fills them in (BERT's
+    # `segment_ids` and `padding_mask`); optional Keras inputs may always be left out.
+    _defaulted_inputs = ()
+
+    def check_input_keys(self, inputs, source=None):
+        """Refuse an input dict with a key the model does not take, or without one it needs
+        (JAX's Keras warned and ran on, the ids of a misspelt key unchecked; torch and
+        TensorFlow said "Missing data for input" or nothing for an extra key)."""
+        names = self.__dict__.get("_input_names")
+        if names is None:
+            names = {}
+            if isinstance(getattr(self, "_inputs_struct", None), dict):
+                names = {k: input_checks.is_optional_input(t) or k in self._defaulted_inputs
+                         for k, t in self._inputs_struct.items()}
+            self.__dict__["_input_names"] = names
+        if not names or not isinstance(inputs, dict):
+            return
+        source = source or f"the input of {self.name}"
+        unknown = sorted(str(k) for k in inputs if k not in names)
+        missing = sorted(k for k, may_leave_out in names.items()
+                         if not may_leave_out and k not in inputs)
+        if unknown or missing:
+            raise ValueError(
+                f"{source} must be a dict with the keys {sorted(names)} (optional: "
+                f"{sorted(k for k, o in names.items() if o) or 'none'}); got "
+                + (f"the unknown key(s) {unknown}" if unknown else "")
+                + (" and " if unknown and missing else "")
+                + (f"no {missing}" if missing else "") + ".")
+
     def __call__(self, *args, **kwargs):
-        specs = self.id_inputs() if "_initialized" in self.__dict__ else ()
-        if specs and not input_checks.checks_suspended():
+        initialized = "_initialized" in self.__dict__
+        specs = self.id_inputs() if initialized else ()
+        if initialized and not input_checks.checks_suspended():
             inputs = args[0] if args else kwargs.get("inputs")
-            input_checks.check_inputs(inputs, specs, f"input of {self.name}")
+            if specs:
+                input_checks.check_inputs(inputs, specs, f"input of {self.name}")
+            self.check_input_keys(inputs)
         with input_checks.suspend_checks():
             return super().__call__(*args, **kwargs)
 
@@ -488,16 +520,20 @@ class FunctionalModel(keras.Model):
         # Only the looping methods detach the variables (`*_on_batch` keep them attached):
         # listing and holding every variable costs ~30 ms a call on a 4-layer GPT.
         kept = _jax_variables_kept(self) if method in _DETACHING else contextlib.nullcontext()
-        specs = self.id_inputs()
-        if not specs or input_checks.checks_suspended():
+        if input_checks.checks_suspended():
             with kept:
                 return keras_method(*args, **kwargs)
+        specs = self.id_inputs()
         bound = _signature(method).bind(None, *args, **kwargs)
         for name, batch in data_arguments.items():
-            if bound.arguments.get(name) is not None:
+            data = bound.arguments.get(name)
+            if data is None:
+                continue
+            if specs:  # (first: their messages are the more precise, e.g. document_ids)
                 bound.arguments[name] = input_checks.checked_data(
-                    bound.arguments[name], specs, f"{method}'s {name}", batch=batch
-                )
+                    data, specs, f"{method}'s {name}", batch=batch)
+            self.check_input_keys(input_checks.features(data) if batch else data,
+                                  f"{method}'s {name}")
         with input_checks.suspend_checks(), input_checks.pipeline_errors(), kept:
             return keras_method(*bound.args[1:], **bound.kwargs)
 

@@ -190,6 +190,8 @@ class _OptionalGlobalMask:
     the masked-LM head at every position). `segment_ids` and `padding_mask` may be left out
     too, as in Hugging Face's BERT: every token in segment 0, every token real."""
 
+    _defaulted_inputs = ("segment_ids", "padding_mask")
+
     def _with_global_mask(self, inputs):
         if isinstance(inputs, dict) and isinstance(self.input, dict):
             missing = [k for k, t in self.input.items()
