@@ -765,6 +765,16 @@ def test_hf_gpt2_generate_stops_where_transformers_does_by_default(tmp_path):
         assert json.load(f)["eos_token_id"] == stop
     again = transformers.GPT2LMHeadModel.from_pretrained(out, attn_implementation="eager")
     assert _hf_generate_alone(again.eval(), prompts) == expected
+    # No stop token: exported as an explicit null (left out, transformers stopped at its
+    # own default), so both run to max_new_tokens, and it loads back without one.
+    model.stop_token_ids = None
+    free_out = os.path.join(tmp_path, "free")
+    kzoo.presets.save(model, free_out, format="hf")
+    with open(os.path.join(free_out, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] is None
+    again = transformers.GPT2LMHeadModel.from_pretrained(free_out, attn_implementation="eager")
+    assert _hf_generate_alone(again.eval(), prompts) == free
+    assert kzoo.presets.load(free_out).stop_token_ids is None
 
 
 def test_causal_lm_stop_token_ids_errors():

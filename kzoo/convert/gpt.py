@@ -489,9 +489,13 @@ def to_hf(model):
         hf_config, state = _modern_to_hf(backbone, task)
     else:
         hf_config, state = _gpt2_to_hf(backbone, task)
-    stops = getattr(model, "stop_token_ids", None) if task is not None else None
-    if stops:  # `generate`'s default stop, as transformers' `eos_token_id`
-        hf_config["eos_token_id"] = stops[0] if len(stops) == 1 else list(stops)
+    if task is not None:
+        # `generate`'s default stop, as transformers' `eos_token_id`; written as null when
+        # there is none (left out, transformers would stop at its own default: 2 for LLaMA,
+        # 50256 for GPT-2)
+        stops = getattr(model, "stop_token_ids", None)
+        hf_config["eos_token_id"] = (None if not stops else stops[0] if len(stops) == 1
+                                     else list(stops))
     return hf_config, state
 
 
