@@ -142,16 +142,20 @@ def stop_ids(stop_token_ids):
     if stop_token_ids is None:
         return ()
     if isinstance(stop_token_ids, (int, np.integer)) and not isinstance(stop_token_ids, bool):
-        return (int(stop_token_ids),)
-    try:
-        values = tuple(stop_token_ids)
-    except TypeError:
-        values = None
+        values = (stop_token_ids,)
+    else:
+        try:
+            values = tuple(stop_token_ids)
+        except TypeError:
+            values = None
+    # (int32 at most: the loop compares them with int32 ids; larger ones failed on JAX and
+    # wrapped around on torch)
     if values is None or any(
-        isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in values
+        isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2 ** 31
+        for s in values
     ):
         raise ValueError(
-            "`stop_token_ids` must be None, a non-negative int or a sequence of them; got "
+            "`stop_token_ids` must be None, an int in [0, 2**31) or a sequence of them; got "
             f"stop_token_ids={stop_token_ids!r}."
         )
     return tuple(int(s) for s in values)
@@ -187,7 +191,17 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     check_sampling_args("sample", temperature, top_k, top_p)
     logits = ops.cast(logits, "float32")
     if float(temperature) != 1.0:
-        logits = logits / float(temperature)
+        # Below 1e-30 the temperature is no longer a normal float32 (flushed to 0 by some
+        # kernels) and only the largest logits keep any probability: it divides as 1e-30.
+        divisor = max(float(temperature), 1e-30)
+        scaled = logits / divisor
+        # A row that overflowed (a tiny temperature: inf, whose softmax is NaN; TensorFlow
+        # then drew the id `vocab`, one past the table) has its largest logit taken out
+        # first: the same probabilities, finite.
+        shifted = ops.maximum((logits - ops.max(logits, axis=-1, keepdims=True)) / divisor,
+                              _MASKED)
+        finite = ops.all(ops.isfinite(scaled), axis=-1, keepdims=True)
+        logits = ops.where(finite, scaled, shifted)
     masked = ops.full_like(logits, _MASKED)
     vocab = logits.shape[-1]
     if top_k is not None and (vocab is None or top_k < vocab):

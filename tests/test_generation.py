@@ -280,6 +280,27 @@ def test_stop_ids_and_prompt_checks():
     assert generation.stop_ids([1, 2]) == (1, 2)
     with pytest.raises(ValueError, match="stop_token_ids"):
         generation.stop_ids([1.5])
+    # int32 ids only (2**32 + 3 failed on JAX and stopped at 3 on torch), none negative
+    assert generation.stop_ids(2 ** 31 - 1) == (2 ** 31 - 1,)
+    for bad in (2 ** 32 + 3, [5, 2 ** 31], -1, np.int64(-2)):
+        with pytest.raises(ValueError, match=r"an int in \[0, 2\*\*31\)"):
+            generation.stop_ids(bad)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    """Near 0 the temperature leaves only the largest logit: its id every draw (it was
+    inf / NaN logits: TensorFlow drew id `vocab`, past the table; torch raised)."""
+    logits = _logits(6, 40, seed=3)
+    expected = logits.argmax(-1)
+    for seed in range(3):
+        ids = to_numpy(select_next_token(keras.ops.convert_to_tensor(logits),
+                                         strategy="sample", temperature=temperature,
+                                         seed=seed))
+        np.testing.assert_array_equal(ids, expected)
+    filtered = to_numpy(filter_logits(logits, temperature=temperature))
+    assert np.isfinite(filtered).all()
+    np.testing.assert_array_equal(filtered.argmax(-1), expected)
     with pytest.raises(ValueError, match=r"id 99 at prompt 1, token 2"):
         generation.check_token_ids([[1, 2], [3, 4, 99]], 50)
     with pytest.raises(ValueError, match=r"id -1 at prompt 0, token 1"):
