@@ -352,14 +352,15 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         write_model_card(model, directory, format=format, metrics=metrics)
         return directory
     family = registry.for_model(model)
-    os.makedirs(directory, exist_ok=True)
     if format == "hf":
-        hf_config, state = family.to_hf(model)
+        hf_config, state = family.to_hf(model)  # (first: a model it refuses leaves no folder)
+        os.makedirs(directory, exist_ok=True)
         checkpoints.write_hf(directory, hf_config, state,
                              tokenizer=getattr(model, "tokenizer", None),
                              max_shard_size=max_shard_size or checkpoints.DEFAULT_MAX_SHARD_SIZE)
         write_model_card(model, directory, format=format, metrics=metrics)
         return directory
+    os.makedirs(directory, exist_ok=True)
     task, config, task_config = family.describe(model)
     config_path = marker
     meta = {

@@ -210,3 +210,36 @@ def test_cli_lora_run_trains_the_adapters_only(tmp_path):
     assert record["run"]["lora"] == {"rank": 2, "targets": ["query", "value", "head"]}
     model.load_lora_weights(os.path.join(out, "model", "adapters.lora.npz"))
     assert kzoo.lora.count_params(model.trainable_weights) == expected
+
+
+@pytest.mark.parametrize("preset", ["gpt_mini", "gpt_modern_mini"])
+def test_hugging_face_export_of_an_adapted_model_holds_the_merged_kernels(preset, tmp_path):
+    """`presets.save(format="hf")` of a model with adapters writes `W + (alpha / rank) A B`
+    (it failed on the adapters' kernel, a tensor, and left an empty folder): transformers'
+    model of the checkpoint gives the adapted model's logits."""
+    import os
+
+    import torch
+    import transformers
+
+    model = kzoo.presets.load(preset, num_layers=1, hidden_dim=32, num_heads=2,
+                              intermediate_dim=64, vocabulary_size=100)
+    model.enable_lora(2)
+    r = np.random.default_rng(0)
+    for v in model.weights:
+        if "lora" in v.path:  # (B starts at zero: give both factors values)
+            v.assign(r.normal(0, 0.3, tuple(v.shape)).astype("float32"))
+    ids = r.integers(1, 100, (2, 6)).astype("int32")
+    ours = to_numpy(model({"token_ids": ids, "padding_mask": np.ones_like(ids)}))
+    out = str(tmp_path / "hf")
+    kzoo.presets.save(model, out, format="hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        theirs = hf.eval()(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    # A model the exporter refuses leaves no folder behind.
+    refused = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=32, num_heads=2,
+                                intermediate_dim=64, vocabulary_size=100, norm="rmsnorm")
+    with pytest.raises(ValueError):
+        kzoo.presets.save(refused, str(tmp_path / "refused"), format="hf")
+    assert not os.path.exists(tmp_path / "refused")

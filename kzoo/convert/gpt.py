@@ -548,9 +548,7 @@ def _gpt2_to_hf(backbone, task):
     if backbone.vocabulary_size == 50257:
         hf_config.update(bos_token_id=50256, eos_token_id=50256)
 
-    def val(variable):
-        return np.asarray(keras.ops.convert_to_numpy(variable.value), dtype=np.float32)
-
+    val = _val
     prefix = "transformer." if task is not None else ""
     state = {
         prefix + "wte.weight": val(backbone.token_embedding.embeddings),
@@ -585,7 +583,10 @@ def _gpt2_to_hf(backbone, task):
 
 
 def _val(variable):
-    return np.asarray(keras.ops.convert_to_numpy(variable.value), dtype=np.float32)
+    """A float32 NumPy copy of a variable, or of a tensor: a LoRA layer's `kernel` is its
+    merged kernel `W + (alpha / rank) A B`, what the checkpoint gets."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return np.asarray(keras.ops.convert_to_numpy(value), dtype=np.float32)
 
 
 def _modern_to_hf(backbone, task):
