@@ -64,7 +64,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from kzoo.inputs import check_token_ids, integer_array, integer_rows  # noqa: F401
+from kzoo.inputs import (  # noqa: F401
+    check_mask_values, check_token_ids, integer_array, integer_rows)
 from kzoo.layers.utils import check_positive_int
 
 STRATEGIES = ("greedy", "sample", "beam")

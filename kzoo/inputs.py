@@ -274,6 +274,20 @@ def _is_array_like(value):
 # === The checks ===
 
 
+def check_mask_values(mask, key, source="model input"):
+    """A padding mask holds 1 / True (a token) and 0 / False (padding) only: other values
+    (0.5, -1, NaN) were read as padding on one backend and as a token on another."""
+    mask = np.asarray(mask)
+    if mask.dtype == bool or mask.size == 0:
+        return
+    if not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
+        bad = (mask.reshape(-1)[~np.isin(mask.reshape(-1), (0, 1))][0].item()
+               if np.issubdtype(mask.dtype, np.number) else mask.dtype)
+        raise ValueError(
+            f"`{key}` ({source}) must hold only 1 / True (a token) and 0 / False (padding); "
+            f"got {bad!r} (dtype {mask.dtype}).")
+
+
 def check_integer_dtype(array, key, source="model input"):
     """Raise `ValueError` unless `array` (NumPy) has an integer dtype (bool refused)."""
     if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
@@ -357,6 +371,7 @@ def check_inputs(inputs, specs, source="model input"):
                     f"`{spec.mask}` ({source}) has shape {tuple(mask.shape)}; it must have "
                     f"the shape of `{spec.key}`, {tuple(array.shape)} (one entry a token)."
                 )
+            check_mask_values(mask, spec.mask, source)
         check_id_range(array, spec, mask, source)
 
 

@@ -332,6 +332,28 @@ def test_padding_may_hold_any_id_where_the_mask_says_padding():
         model(unmasked)
 
 
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_a_padding_mask_holds_only_0_and_1(family):
+    """0.5, -1, 2 or NaN in a mask were read as padding on one backend and as a token on
+    another; they are refused by name (bool and 0 / 1 of any number type are fine)."""
+    model, x, y, _ = _family(family)
+    key = "padding_mask" if family == "gpt" else "encoder_padding_mask"
+    ids = "token_ids" if family == "gpt" else "encoder_token_ids"
+    reference = _outputs(model, x)
+    for good in (x[key] > 0, x[key].astype("float32"), x[key].astype("uint8")):
+        np.testing.assert_allclose(_outputs(model, dict(x, **{key: good})), reference,
+                                   rtol=1e-6, atol=1e-6)
+    for value in (0.5, -1, 2, np.nan):
+        bad = x[key].astype("float32")
+        bad[0, 1] = value
+        pattern = rf"`{key}` \(.*\) must hold only 1 / True \(a token\) and 0 / False"
+        for run in (model, lambda v: model.predict(v, verbose=0), lambda v: model.fit(v, y)):
+            with pytest.raises(ValueError, match=pattern):
+                run(dict(x, **{key: bad}))
+        with pytest.raises(ValueError, match=r"`padding_mask` \(generate's argument\)"):
+            model.generate(x[ids], padding_mask=bad, max_new_tokens=2)
+
+
 def test_fit_on_valid_datasets_and_generators_trains():
     model, x, y, _ = _family("gpt")
     weights = [np.array(w) for w in model.get_weights()]

@@ -734,7 +734,9 @@ class GPTCausalLM(TaskModel):
                     f"dtype {ids.dtype}."
                 )
             mask = (np.ones_like(ids, dtype=bool) if padding_mask is None
-                    else np.asarray(keras.ops.convert_to_numpy(padding_mask)).astype(bool))
+                    else np.asarray(keras.ops.convert_to_numpy(padding_mask)))
+            generation.check_mask_values(mask, "padding_mask", "generate's argument")
+            mask = mask.astype(bool)
             if mask.shape != ids.shape:
                 raise ValueError(
                     f"`padding_mask` must have the shape of the prompts {ids.shape}; got "

@@ -800,7 +800,9 @@ class T5Seq2SeqLM(TaskModel):
         if mask is None:
             mask = (ids != pad_token_id).astype("int32")
         else:
-            mask = _to_numpy(mask).astype("int32")
+            mask = _to_numpy(mask)
+            generation.check_mask_values(mask, "padding_mask", "generate's argument")
+            mask = mask.astype("int32")
             if mask.shape != ids.shape:
                 raise ValueError(
                     f"`padding_mask` must have the shape of the token ids {ids.shape}; got "
