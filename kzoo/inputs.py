@@ -288,6 +288,30 @@ def check_mask_values(mask, key, source="model input"):
             f"got {bad!r} (dtype {mask.dtype}).")
 
 
+def check_targets(y, classes, ignore_class=None, source="fit's y"):
+    """Class-id targets of a sparse cross-entropy: whole numbers in `[0, classes)` (or
+    `ignore_class`), every entry (a weight of 0 too: TensorFlow's loss asserts them all).
+    Out of range, JAX's loss read them as 0 (a loss of 0.0, silently), torch and
+    TensorFlow failed inside the step; a fraction was truncated on every backend. Arrays
+    and tensors only (a dataset's batches are not checked here)."""
+    if y is None or is_symbolic(y) or not _is_array_like(y):
+        return
+    y = to_host(y)
+    if y.dtype == bool or not np.issubdtype(y.dtype, np.number):
+        raise ValueError(f"`y` ({source}) must hold integer class ids; got dtype {y.dtype}.")
+    valid = (y >= 0) & (y < classes) & (y == np.floor(y))
+    if ignore_class is not None:
+        valid |= y == ignore_class
+    if valid.all():
+        return
+    where = tuple(int(i) for i in np.argwhere(~valid)[0])
+    raise ValueError(
+        f"`y` ({source}) holds {y[where].item()!r} at index {where}; the loss (a sparse "
+        f"cross-entropy) takes whole class ids in [0, {classes}), the logits' last axis"
+        + (f", or ignore_class={ignore_class}" if ignore_class is not None else "")
+        + ".")
+
+
 def check_integer_dtype(array, key, source="model input"):
     """Raise `ValueError` unless `array` (NumPy) has an integer dtype (bool refused)."""
     if array.dtype == object or not np.issubdtype(array.dtype, np.integer):

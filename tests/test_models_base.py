@@ -7,6 +7,8 @@ here do not trust the trainer: a second step taken by a trained model must equal
 taken by a fresh model that starts from the same weights with a fresh optimizer.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -417,3 +419,26 @@ def test_input_dicts_with_unknown_or_missing_keys_are_refused_by_name():
     assert bert.predict({"token_ids": ids}, verbose=0).shape == ids.shape + (VOCAB,)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['segment'\]"):
         bert.predict({"token_ids": ids, "segment": 0 * ids}, verbose=0)
+
+
+@pytest.mark.parametrize("name", ["bert_classifier", "gpt_causal_lm", "t5_seq2seq_lm",
+                                  "vit_classifier"])
+def test_class_id_targets_out_of_range_are_refused(name):
+    """A sparse cross-entropy's targets must be whole ids below the logits' last axis: out
+    of range, JAX's loss was 0.0 (silently) while torch and TensorFlow failed inside the
+    step; fractions were truncated everywhere."""
+    build, loss, data = CASES[name]
+    x, y = data(np.random.default_rng(0))
+    model = build()
+    model.compile(keras.optimizers.SGD(0.1), loss)
+    classes = model.outputs[0].shape[-1]
+    for bad, shown in ((y + classes, str(int(y.reshape(-1)[0]) + classes)), (y * 0 - 1, "-1"),
+                       (y + 0.5, str(float(y.reshape(-1)[0]) + 0.5))):
+        pattern = rf"holds {re.escape(shown)} at index .*whole class ids in \[0, {classes}\)"
+        for run in (lambda t: model.fit(x, t, verbose=0),
+                    lambda t: model.evaluate(x, t, verbose=0),
+                    lambda t: model.train_on_batch(x, t), lambda t: model.test_on_batch(x, t),
+                    lambda t: model.fit(x, y, validation_data=(x, t), verbose=0)):
+            with pytest.raises(ValueError, match=pattern):
+                run(bad)
+    assert np.isfinite(model.train_on_batch(x, y.astype("float32")))  # whole floats: fine

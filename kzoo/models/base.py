@@ -525,6 +525,7 @@ class FunctionalModel(keras.Model):
                 return keras_method(*args, **kwargs)
         specs = self.id_inputs()
         bound = _signature(method).bind(None, *args, **kwargs)
+        self._check_targets(method, bound.arguments)
         for name, batch in data_arguments.items():
             data = bound.arguments.get(name)
             if data is None:
@@ -536,6 +537,26 @@ class FunctionalModel(keras.Model):
                                   f"{method}'s {name}")
         with input_checks.suspend_checks(), input_checks.pipeline_errors(), kept:
             return keras_method(*bound.args[1:], **bound.kwargs)
+
+    def _check_targets(self, method, arguments):
+        """Class-id targets of a sparse cross-entropy (`kzoo.inputs.check_targets`): `y`,
+        and `validation_data`'s, against the logits' last axis."""
+        from kzoo.losses import TokenCrossentropy
+
+        loss = getattr(self, "loss", None)
+        sparse = (isinstance(loss, (TokenCrossentropy,
+                                    keras.losses.SparseCategoricalCrossentropy))
+                  or loss in ("sparse_categorical_crossentropy",
+                              keras.losses.sparse_categorical_crossentropy))
+        outputs = getattr(self, "outputs", None) or []
+        if not sparse or len(outputs) != 1 or outputs[0].shape[-1] is None:
+            return
+        classes, ignore = outputs[0].shape[-1], getattr(loss, "ignore_class", None)
+        input_checks.check_targets(arguments.get("y"), classes, ignore, f"{method}'s y")
+        validation = arguments.get("validation_data")
+        if isinstance(validation, tuple) and len(validation) in (2, 3):
+            input_checks.check_targets(validation[1], classes, ignore,
+                                       f"{method}'s validation_data")
 
     def fit(self, *args, **kwargs):
         try:
