@@ -112,14 +112,32 @@ def test_bad_arguments_are_named(argv, needle, capsys):
     (["gpt_text", "--override", "num_layers=abc"], "`num_layers` must be a positive integer"),
     (["gpt_text", "--override", "foo=1"], "Unknown override foo=1"),
     (["vit_digits", "--override", "num_heads=5"], "`num_heads` must divide"),
+    (["gpt_text", "--seq-len", "16", "--override", "max_sequence_length=8"],
+     "--seq-len 16 is longer than the model's max_sequence_length=8"),
+    (["bert_mlm", "--seq-len", "600"], "--seq-len 600 is longer than the model's "
+                                       "max_sequence_length=512"),
+    (["gpt_text", "--seq-len", "0"], "--seq-len must be an integer >= 2; got 0"),
+    (["gpt_text", "--max-chars", "5"], "--max-chars must be at least 1000; got 5"),
+    (["bert_mlm", "--tokenizer", "bpe", "--bpe-vocab", "5"],
+     "--bpe-vocab must be an integer >= 260; got 5"),
 ])
 def test_bad_presets_and_overrides_are_named_before_any_work(argv, needle, tmp_path, capsys):
-    """A preset of another family, an unknown override or a bad value: exit 2 with one line
-    naming it, before data, tokenizer or model are made (nothing written)."""
+    """A preset of another family, an unknown override or a bad value, a recipe option
+    out of range, a --seq-len the positions cannot hold: exit 2 with one line naming it,
+    before data, tokenizer or model are made (nothing written). The recipe options and
+    --seq-len were tracebacks (exit 1), the latter once training had started."""
     out = str(tmp_path / "run")
     assert main(argv + ["--out", out]) == 2
     assert needle in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+def test_an_out_that_is_a_file_is_named(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    assert main(["gpt_text", "--steps", "1", "--out", str(taken)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert taken.read_text() == "keep me"
 
 
 # === Building blocks ===

@@ -310,6 +310,13 @@ def check_model_arguments(module, cfg):
             family.config_class(**{**spec["config"], **config_over})
         except (ValueError, TypeError) as error:
             raise ValueError(f"--override: {error}") from None
+    limit = {**spec["config"], **config_over}.get("max_sequence_length")
+    seq_len = cfg.options.get("seq_len")
+    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:
+        raise ValueError(
+            f"--seq-len {seq_len} is longer than the model's max_sequence_length={limit} "
+            f"(--preset {cfg.preset}{' and --override' if config_over else ''}); give a "
+            f"shorter --seq-len or --override max_sequence_length={seq_len}.")
 
 
 def main(argv=None):
@@ -322,6 +329,10 @@ def main(argv=None):
     module = recipe_module(args.recipe)
     try:
         cfg = config_from_args(args)
+        if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+            raise ValueError(f"--out {cfg.out!r} exists and is not a directory.")
+        if hasattr(module, "check_options"):
+            module.check_options(cfg.options)
         check_model_arguments(module, cfg)
     except ValueError as error:  # a usage error: no traceback, nothing written
         print(f"{parser.prog}: error: {error}", file=sys.stderr)

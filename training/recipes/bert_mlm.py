@@ -24,6 +24,9 @@ from training import data as D
 from training.loop import set_seed
 from training.recipes import _text
 
+# (checked by the CLI before any work: a bad value is a usage error)
+check_options = _text.check_options
+
 NAME = "bert_mlm"
 HELP = "BERT masked-language modelling (15%, 80/10/10) on the same text; masked-token accuracy."
 DEFAULTS = dict(

@@ -47,6 +47,9 @@ import numpy as np
 from training.recipes import _text
 from training.recipes import gpt_text
 
+# (checked by the CLI before any work: a bad value is a usage error)
+check_options = _text.check_options
+
 NAME = "demo"
 HELP = ("what `make demo` runs: a few minutes of a small GPT on the pydoc prose (BPE tokens), "
         "then samples and the share of their words found in the training text.")

@@ -26,6 +26,9 @@ from training import data as D
 from training.loop import set_seed
 from training.recipes import _text
 
+# (checked by the CLI before any work: a bad value is a usage error)
+check_options = _text.check_options
+
 NAME = "gpt_text"
 HELP = "GPT next-token prediction on pydoc/shakespeare text; validation loss, accuracy, perplexity."
 DEFAULTS = dict(
