@@ -151,6 +151,17 @@ def test_images_smaller_than_a_patch_are_refused_and_the_model_still_works():
     assert_close(model.predict(good, verbose=0), expected, atol=1e-6)
 
 
+def test_predict_takes_one_image_size_after_another():
+    """The documented any-size input through `predict`, size after size (TensorFlow traced
+    the second size with unknown height and width, which ViT's patch grid refuses)."""
+    model = ViTClassifier(ViTBackbone(**TINY), num_classes=3)
+    for height, width in ((32, 32), (48, 24), (16, 16), (32, 32)):
+        x = images(2, height, width)
+        assert_close(model.predict(x, verbose=0), to_numpy(model(x)), atol=1e-5)
+        assert model.backbone.predict(x, verbose=0).shape == (
+            2, 1 + (height // 8) * (width // 8), 32)
+
+
 def test_classifier_pooling_matches_numpy():
     backbone = ViTBackbone(**TINY)
     x = images()

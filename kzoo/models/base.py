@@ -452,18 +452,23 @@ class FunctionalModel(keras.Model):
             return False
         return bool(model_supports_jit(self))
 
+    # Models whose graph needs the inputs' static shape (ViT's patch grid): on TensorFlow
+    # their prediction function is traced once per input shape, never with relaxed shapes.
+    _needs_static_shapes = False
+
     def make_predict_function(self, force=False):
         if self.predict_function is not None and not force:
             return self.predict_function
-        if not self.xla_prediction:
-            return super().make_predict_function(force)
-        # Keras' TensorFlow trainer reads `jit_compile` once, when it makes the function.
-        keras_choice = self._jit_compile
-        self._jit_compile = True
-        try:
-            return super().make_predict_function(force)
-        finally:
-            self._jit_compile = keras_choice
+        with _exact_tracing(self._needs_static_shapes):
+            if not self.xla_prediction:
+                return super().make_predict_function(force)
+            # Keras' TensorFlow trainer reads `jit_compile` once, when it makes the function.
+            keras_choice = self._jit_compile
+            self._jit_compile = True
+            try:
+                return super().make_predict_function(force)
+            finally:
+                self._jit_compile = keras_choice
 
     # === Id checks (kzoo.inputs) ===
 
@@ -806,6 +811,29 @@ def _jax_variables_kept(model):
         model._jax_state = None
         model._jax_state_synced = True
         raise
+
+
+@contextlib.contextmanager
+def _exact_tracing(enabled):
+    """On TensorFlow, `tf.function`s made inside trace once per input shape: Keras makes
+    its step functions with `reduce_retracing=True`, whose second shape traces with `None`
+    dimensions (ViT's second image size then failed on TensorFlow alone)."""
+    if not enabled or keras.config.backend() != "tensorflow":
+        yield
+        return
+    import tensorflow as tf
+
+    original = tf.function
+
+    def exact(*args, **kwargs):
+        kwargs["reduce_retracing"] = False
+        return original(*args, **kwargs)
+
+    tf.function = exact
+    try:
+        yield
+    finally:
+        tf.function = original
 
 
 def _empty_batch(x):

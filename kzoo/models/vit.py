@@ -433,6 +433,8 @@ class ViTBackbone(Backbone):
     ```
     """
 
+    _needs_static_shapes = True  # (the patch grid: see FunctionalModel)
+
     family = FAMILY
     config_class = ViTConfig
 
@@ -557,6 +559,8 @@ class ViTClassifier(TaskModel):
     logits = model(np.zeros((2, 32, 32, 3), "float32"))  # (2, 10)
     ```
     """
+
+    _needs_static_shapes = True  # (the patch grid: see FunctionalModel)
 
     family = FAMILY
     task_name = "classifier"
