@@ -1046,7 +1046,7 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
     seed_value = generator = None
     if sampler.uses_seed:
         generator = (seed if isinstance(seed, keras.random.SeedGenerator)
-                     else keras.random.SeedGenerator(seed))
+                     else keras.random.SeedGenerator(None if seed is None else int(seed)))
         seed_value = generator.state.value
         RandomSampler.seed_variable()
     if compile and backend in ("jax", "tensorflow"):

@@ -49,9 +49,10 @@ def _check_unit_interval(name, value):
 
 def _update_index(step):
     """The 1-based index `t = step + 1` of the update, as a float32 tensor. A negative
-    `step` (before the first update: never an optimizer's) counts as step 0, so no
-    schedule answers NaN (`sqrt` of a negative) or a negative rate there."""
-    return ops.maximum(ops.cast(step, "float32"), 0.0) + 1.0
+    `step` (before the first update: never an optimizer's), and a NaN one, count as step
+    0, so no schedule answers NaN (`sqrt` of a negative) or a negative rate there."""
+    step = ops.cast(step, "float32")
+    return ops.where(step > 0.0, step, 0.0) + 1.0  # (NaN > 0 is False: step 0)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")

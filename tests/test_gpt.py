@@ -392,6 +392,9 @@ def test_generate_errors():
             lm.generate([[1]], max_new_tokens=2, strategy="sample", seed=seed)
     with pytest.raises(ValueError, match="`compile` must be True or False"):
         lm.generate([[1]], max_new_tokens=2, compile="no")
+    # NumPy ints are ints (Keras' SeedGenerator refused np.int64)
+    assert (lm.generate([[1]], max_new_tokens=3, strategy="sample", seed=np.int64(3))
+            == lm.generate([[1]], max_new_tokens=3, strategy="sample", seed=3))
 
 
 def test_generate_refuses_a_cache_larger_than_memory(monkeypatch):

@@ -214,5 +214,5 @@ def test_a_step_before_the_first_counts_as_the_first(schedule):
     NaN of `sqrt` of a negative index (WarmupInverseSqrt gave NaN at step -2)."""
     first = float(to_numpy(schedule(0)))
     assert first == pytest.approx(1e-3 / 10)
-    for step in (-1, -2, -1000):
+    for step in (-1, -2, -1000, float("nan"), np.float32("nan")):
         assert float(to_numpy(schedule(step))) == first
