@@ -72,6 +72,9 @@ class IdInput:
         mask: the key of the padding mask of this input, if any: positions where it is
             0 / False are not checked.
         axes: names of the array's axes, to say where a bad id is ("batch row", "token").
+        max_length: optional, the longest sequence (axis 1) the model takes (a learned
+            position table's `max_sequence_length`): longer ones are refused by name on
+            every backend (TensorFlow's graph failed with a slicing error).
     """
 
     key: str
@@ -79,6 +82,7 @@ class IdInput:
     size_name: str
     mask: Optional[str] = None
     axes: tuple = ("batch row", "token")
+    max_length: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +389,11 @@ def check_inputs(inputs, specs, source="model input"):
             continue
         array = to_host(value)
         check_integer_dtype(array, spec.key, source)
+        if spec.max_length is not None and array.ndim >= 2 and array.shape[1] > spec.max_length:
+            raise ValueError(
+                f"`{spec.key}` ({source}) has {array.shape[1]} tokens a row; the model takes "
+                f"at most max_sequence_length={spec.max_length} (its learned position "
+                "table).")
         mask = values.get(spec.mask) if spec.mask else None
         if mask is not None and is_symbolic(mask):
             mask = None

@@ -521,3 +521,22 @@ def test_a_failing_on_batch_call_leaves_the_model_intact():
     np.testing.assert_array_equal(_outputs(model, x), before)
     model.train_on_batch(x, y)  # still trains
     assert not np.array_equal(_outputs(model, x), before)
+
+
+def test_a_sequence_longer_than_the_position_table_is_refused_by_name():
+    """Learned positions hold `max_sequence_length` rows: a longer input is refused at the
+    entry point on every backend (TensorFlow's graph failed with a slicing error); rotary
+    positions have no table, and packed rows restart their positions at each document."""
+    model, x, y, _ = _family("gpt")
+    limit = model.backbone.max_sequence_length
+    long = {"token_ids": np.ones((2, limit + 3), "int32"),
+            "padding_mask": np.ones((2, limit + 3), "int32")}
+    pattern = rf"`token_ids` \(.*\) has {limit + 3} tokens a row; .*max_sequence_length={limit}"
+    for run in (model, lambda v: model.predict(v, verbose=0),
+                lambda v: model.fit(v, np.ones((2, limit + 3), "int32"), verbose=0)):
+        with pytest.raises(ValueError, match=pattern):
+            run(long)
+    rotary = GPTCausalLM(GPTBackbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2,
+                                     hidden_dim=8, intermediate_dim=16,
+                                     max_sequence_length=limit, position="rotary"))
+    assert rotary.predict(long, verbose=0).shape == (2, limit + 3, VOCAB)

@@ -512,7 +512,9 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
         where `padding_mask` marks a token, checked at every entry point (`kzoo.inputs`)."""
         return (
             IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
-                    mask="padding_mask"),
+                    mask="padding_mask",
+                    max_length=(None if self.config.packed_inputs  # (positions restart)
+                                else self.config.max_sequence_length)),
             IdInput("segment_ids", self.config.num_segments, "num_segments",
                     mask="padding_mask"),
             PositionInput(OUTPUT_POSITIONS_INPUT, like="token_ids"),

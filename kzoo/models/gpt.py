@@ -433,7 +433,11 @@ class GPTBackbone(Backbone):
         """`token_ids` in `[0, vocabulary_size)` where `padding_mask` marks a token, checked
         at every entry point (`kzoo.inputs`)."""
         ids = (IdInput("token_ids", self.config.vocabulary_size, "vocabulary_size",
-                       mask="padding_mask"),)
+                       mask="padding_mask",
+                       # (packed rows restart positions at each document: any length)
+                       max_length=(self.config.max_sequence_length
+                                   if self.position_embedding is not None
+                                   and not self.config.packed_inputs else None)),)
         if self.config.packed_inputs:
             ids += (DocumentIdInput("document_ids", like="token_ids", mask="padding_mask"),)
         return ids
