@@ -190,7 +190,9 @@ class _OptionalGlobalMask:
     the masked-LM head at every position). `segment_ids` and `padding_mask` may be left out
     too, as in Hugging Face's BERT: every token in segment 0, every token real."""
 
-    _defaulted_inputs = ("segment_ids", "padding_mask")
+    # What a left-out input holds, for every token (transformers' defaults).
+    _input_fills = {"segment_ids": 0, "padding_mask": 1}
+    _defaulted_inputs = tuple(_input_fills)
 
     def _with_global_mask(self, inputs):
         if isinstance(inputs, dict) and isinstance(self.input, dict):
@@ -201,11 +203,10 @@ class _OptionalGlobalMask:
             ids = inputs.get("token_ids")
             if ids is not None:
                 host = isinstance(ids, (np.ndarray, list, tuple))  # (Keras refuses a mix)
-                defaults = {"segment_ids": np.zeros_like if host else ops.zeros_like,
-                            "padding_mask": np.ones_like if host else ops.ones_like}
-                for key, like in defaults.items():
+                full_like = np.full_like if host else ops.full_like
+                for key, fill in self._input_fills.items():
                     if key in self.input and inputs.get(key) is None:
-                        inputs = {**inputs, key: like(ids, dtype="int32")}
+                        inputs = {**inputs, key: full_like(ids, fill, dtype="int32")}
         return inputs
 
     def __call__(self, *args, **kwargs):
