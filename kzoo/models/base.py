@@ -476,9 +476,10 @@ class FunctionalModel(keras.Model):
         """The id inputs of this model, a tuple of `kzoo.inputs.IdInput` (none here)."""
         return ()
 
-    # Keys of the input dict that may be left out because the model fills them in (BERT's
-    # `segment_ids` and `padding_mask`); optional Keras inputs may always be left out.
-    _defaulted_inputs = ()
+    # Keys of the input dict that may be left out because the model fills them in
+    # (`FilledInputs`: padding masks, BERT's `segment_ids`); optional Keras inputs may always
+    # be left out.
+    _input_fills = {}
 
     def check_input_keys(self, inputs, source=None):
         """Refuse an input dict with a key the model does not take, or without one it needs
@@ -488,7 +489,7 @@ class FunctionalModel(keras.Model):
         if names is None:
             names = {}
             if isinstance(getattr(self, "_inputs_struct", None), dict):
-                names = {k: input_checks.is_optional_input(t) or k in self._defaulted_inputs
+                names = {k: input_checks.is_optional_input(t) or k in self._input_fills
                          for k, t in self._inputs_struct.items()}
             self.__dict__["_input_names"] = names
         if not names or not isinstance(inputs, dict):
@@ -544,8 +545,10 @@ class FunctionalModel(keras.Model):
             return keras_method(*bound.args[1:], **bound.kwargs)
 
     def _check_targets(self, method, arguments):
-        """Class-id targets of a sparse cross-entropy (`kzoo.inputs.check_targets`): `y`,
-        and `validation_data`'s, against the logits' last axis."""
+        """The targets of a sparse cross-entropy (`y`, and `validation_data`'s) against the
+        logits: class ids in range (`kzoo.inputs.check_targets`), of the logits' shape
+        without the class axis (`_check_target_shape`), and given at all when `x` is arrays
+        (`y=None` failed inside the step with a backend error)."""
         from kzoo.losses import TokenCrossentropy
 
         loss = getattr(self, "loss", None)
@@ -557,11 +560,74 @@ class FunctionalModel(keras.Model):
         if not sparse or len(outputs) != 1 or outputs[0].shape[-1] is None:
             return
         classes, ignore = outputs[0].shape[-1], getattr(loss, "ignore_class", None)
-        input_checks.check_targets(arguments.get("y"), classes, ignore, f"{method}'s y")
+        pairs = [(arguments.get("x"), arguments.get("y"), f"{method}'s y")]
         validation = arguments.get("validation_data")
         if isinstance(validation, tuple) and len(validation) in (2, 3):
-            input_checks.check_targets(validation[1], classes, ignore,
-                                       f"{method}'s validation_data")
+            pairs.append((validation[0], validation[1], f"{method}'s validation_data"))
+        for x, y, source in pairs:
+            if method not in ("predict", "predict_on_batch"):
+                self._check_target_shape(x, y, source)
+            input_checks.check_targets(y, classes, ignore, source)
+
+    def _check_target_shape(self, x, y, source):
+        """Refuse `y=None` beside array inputs, and array targets whose shape is not the
+        logits' for `x` without the class axis (or with it as 1): a sequence of another
+        length or another batch failed inside the step with a broadcasting or indexing
+        error that named neither (and on JAX could broadcast silently)."""
+        arrays = isinstance(x, dict) and x and all(
+            input_checks._is_array_like(v) for v in x.values())
+        arrays = arrays or (not isinstance(x, dict) and input_checks._is_array_like(x))
+        if not arrays or any(input_checks.is_symbolic(v)
+                             for v in (x.values() if isinstance(x, dict) else [x])):
+            return
+        logits = self._logits_shape(x)
+        if logits is None:
+            return
+        wanted = tuple(logits[:-1])
+        if y is None:
+            raise ValueError(
+                f"`y` ({source}) is missing: the model's loss (a sparse cross-entropy) needs "
+                f"class-id targets of shape {wanted} for these inputs"
+                + (" (for a causal LM, the token ids shifted by one: "
+                   "`GPTCausalLM.lm_batch(token_ids)` returns x, y and weights)"
+                   if hasattr(self, "lm_batch") else "") + ".")
+        if input_checks.is_symbolic(y) or not input_checks._is_array_like(y):
+            return
+        shape = tuple(np.shape(y) if isinstance(y, (list, tuple)) else y.shape)
+        if shape not in (wanted, wanted + (1,)):
+            raise ValueError(
+                f"`y` ({source}) has shape {shape}; the logits for these inputs have shape "
+                f"{tuple(logits)}, so the loss (a sparse cross-entropy) takes class ids of "
+                f"shape {wanted}" + (f" (or {wanted + (1,)})" if wanted else "") + ".")
+
+    def _logits_shape(self, x):
+        """The output shape for inputs of `x`'s shapes (symbolic, remembered per shapes), or
+        None where it cannot be worked out (the check is then left to Keras)."""
+        items = sorted(x.items()) if isinstance(x, dict) else [(None, x)]
+        shapes = tuple((k, tuple(np.shape(v) if isinstance(v, (list, tuple)) else v.shape))
+                       for k, v in items)
+        known = self.__dict__.setdefault("_logits_shapes", {})
+        if shapes not in known:
+            if len(known) >= 256:  # (many lengths: forget the oldest)
+                del known[next(iter(known))]
+            try:
+                specs = {k: keras.KerasTensor(shape, dtype=_dtype_name(v))
+                         for (k, shape), (_, v) in zip(shapes, items)}
+                specs = specs if isinstance(x, dict) else specs[None]
+                if isinstance(specs, dict) and hasattr(self, "_filled"):
+                    specs = self._filled(specs)
+                if isinstance(specs, dict) and any(v is None for v in specs.values()):
+                    # Optional inputs left out: the functional graph's shape inference
+                    # cannot run them as None; trace `call` instead (~0.1 s, once a shape).
+                    from keras.src import backend as keras_backend
+
+                    out = keras_backend.compute_output_spec(self.call, specs)
+                else:
+                    out = self.compute_output_spec(specs)  # (~1 ms)
+                known[shapes] = tuple(out.shape) if isinstance(out, keras.KerasTensor) else None
+            except Exception:  # noqa: BLE001  (no shape to check against: Keras checks)
+                known[shapes] = None
+        return known[shapes]
 
     def fit(self, *args, **kwargs):
         try:
@@ -836,6 +902,17 @@ def _exact_tracing(enabled):
         tf.function = original
 
 
+def _dtype_name(value):
+    """The dtype of an array, a backend tensor or a list, as Keras names it."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(value).dtype
+    try:
+        return keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        return "int32"
+
+
 def _empty_batch(x):
     """Whether `x` is arrays (a dict, list or tuple of them, or one) whose batch axis is
     empty: what `predict` answers with the model's empty outputs."""
@@ -851,6 +928,44 @@ def _signature(method):
     if method not in _SIGNATURES:
         _SIGNATURES[method] = inspect.signature(getattr(keras.Model, method))
     return _SIGNATURES[method]
+
+
+class FilledInputs:
+    """Lets the input dict of a model leave out its optional inputs and the inputs it can
+    fill in itself. Optional Keras inputs (BERT's `global_attention_mask`,
+    `mask_positions`) run as None. A key of `_input_fills`, `{key: (like, value)}`, runs as
+    a tensor shaped like the input `like` holding `value` everywhere: padding masks of ones
+    (every token real) and BERT's segment ids of zeros, as in Hugging Face's models.
+    `model(x)`, `fit`, `predict`, ... all fill in the same way (`__call__` and `call`)."""
+
+    _input_fills = {}
+
+    def _filled(self, inputs):
+        if not (isinstance(inputs, dict) and isinstance(self.input, dict)):
+            return inputs
+        missing = [k for k, t in self.input.items()
+                   if k not in inputs and input_checks.is_optional_input(t)]
+        if missing:
+            inputs = {**inputs, **{k: None for k in missing}}
+        for key, (like, value) in self._input_fills.items():
+            ids = inputs.get(like)
+            if key in self.input and inputs.get(key) is None and ids is not None:
+                host = isinstance(ids, (np.ndarray, list, tuple))  # (Keras refuses a mix)
+                full_like = np.full_like if host else keras.ops.full_like
+                inputs = {**inputs, key: full_like(ids, value, dtype="int32")}
+        return inputs
+
+    def __call__(self, *args, **kwargs):
+        if "_initialized" in self.__dict__:
+            if args:
+                args = (self._filled(args[0]),) + args[1:]
+            elif "inputs" in kwargs:
+                kwargs["inputs"] = self._filled(kwargs["inputs"])
+        return super().__call__(*args, **kwargs)
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        # Functional.call's own signature: Keras passes `training` only to a `call` naming it.
+        return super().call(self._filled(inputs), training=training, mask=mask, **kwargs)
 
 
 class Backbone(FunctionalModel):

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kzoo.inputs import DocumentIdInput, PositionInput, is_optional_input
+from kzoo.inputs import DocumentIdInput, PositionInput
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
@@ -46,7 +46,14 @@ from kzoo.layers.utils import (
     check_positive_int,
     check_rate,
 )
-from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, TaskModel
+from kzoo.models.base import (
+    Backbone,
+    FamilyConfig,
+    FilledInputs,
+    HeadTransform,
+    IdInput,
+    TaskModel,
+)
 
 FAMILY = "bert"
 # The optional input of attention="longformer" models: which tokens are global, per example.
@@ -183,44 +190,9 @@ class NoRows(keras.layers.Layer):
         return keras.KerasTensor((inputs.shape[0], 0), dtype="int32")
 
 
-class _OptionalGlobalMask:
-    """Lets the input dict of a model leave out its optional inputs (`global_attention_mask`,
-    `mask_positions`; Keras' optional inputs must otherwise be given, as None): `model(x)`,
-    `fit`, `predict`, ... then run with None (the `global_tokens` option of the attention;
-    the masked-LM head at every position). `segment_ids` and `padding_mask` may be left out
-    too, as in Hugging Face's BERT: every token in segment 0, every token real."""
-
-    # What a left-out input holds, for every token (transformers' defaults).
-    _input_fills = {"segment_ids": 0, "padding_mask": 1}
-    _defaulted_inputs = tuple(_input_fills)
-
-    def _with_global_mask(self, inputs):
-        if isinstance(inputs, dict) and isinstance(self.input, dict):
-            missing = [k for k, t in self.input.items()
-                       if k not in inputs and is_optional_input(t)]
-            if missing:
-                inputs = {**inputs, **{k: None for k in missing}}
-            ids = inputs.get("token_ids")
-            if ids is not None:
-                host = isinstance(ids, (np.ndarray, list, tuple))  # (Keras refuses a mix)
-                full_like = np.full_like if host else ops.full_like
-                for key, fill in self._input_fills.items():
-                    if key in self.input and inputs.get(key) is None:
-                        inputs = {**inputs, key: full_like(ids, fill, dtype="int32")}
-        return inputs
-
-    def __call__(self, *args, **kwargs):
-        if "_initialized" in self.__dict__:
-            if args:
-                args = (self._with_global_mask(args[0]),) + args[1:]
-            elif "inputs" in kwargs:
-                kwargs["inputs"] = self._with_global_mask(kwargs["inputs"])
-        return super().__call__(*args, **kwargs)
-
-    def call(self, inputs, training=None, mask=None, **kwargs):
-        # Functional.call's own signature: Keras passes `training` only to a `call` naming it.
-        return super().call(self._with_global_mask(inputs), training=training, mask=mask,
-                            **kwargs)
+# What a left-out input of BERT holds for every token (`FilledInputs`; transformers'
+# defaults): segment 0, every token real.
+_INPUT_FILLS = {"segment_ids": ("token_ids", 0), "padding_mask": ("token_ids", 1)}
 
 
 # === Config ===
@@ -283,7 +255,7 @@ class BertConfig(FamilyConfig):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class BertBackbone(_OptionalGlobalMask, Backbone):
+class BertBackbone(FilledInputs, Backbone):
     """The BERT encoder (Devlin et al., 2019, arXiv:1810.04805).
 
     `embeddings = LayerNorm(token + position + segment)` then dropout; `num_layers` post-LN
@@ -363,6 +335,8 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
     >>> out["sequence_output"].shape, out["pooled_output"].shape
     ((2, 8, 64), (2, 64))
     """
+
+    _input_fills = _INPUT_FILLS
 
     family = FAMILY
     config_class = BertConfig
@@ -526,8 +500,10 @@ class BertBackbone(_OptionalGlobalMask, Backbone):
 # === Task models ===
 
 
-class _BertTask(_OptionalGlobalMask, TaskModel):
+class _BertTask(FilledInputs, TaskModel):
     """Shared plumbing of the BERT task models."""
+
+    _input_fills = _INPUT_FILLS
 
     family = FAMILY
 

@@ -11,8 +11,9 @@
 
 Classes:
 
-- `GPTBackbone`: inputs `{"token_ids", "padding_mask"}` `(batch, seq)` int32 (and
-  `"document_ids"` for packed rows, `packed_inputs=True`), output the final hidden states
+- `GPTBackbone`: inputs `{"token_ids", "padding_mask"}` `(batch, seq)` int32 (the mask may
+  be left out: every token real; and `"document_ids"` for packed rows,
+  `packed_inputs=True`), output the final hidden states
   `(batch, seq, hidden_dim)`; `call_with_cache` runs it incrementally on a key/value cache.
 - `GPTCausalLM`: next-token logits `(batch, seq, vocabulary_size)`, and `generate(...)`
   (greedy / temperature / top-k / top-p / beam search decoding on the key/value cache, in
@@ -57,6 +58,7 @@ from kzoo.models.base import (
     AUTO,
     Backbone,
     FamilyConfig,
+    FilledInputs,
     IdInput,
     TaskModel,
     check_stop_token_ids,
@@ -188,8 +190,13 @@ class GPTConfig(FamilyConfig):
 # === Backbone ===
 
 
+# What a left-out `padding_mask` holds (`FilledInputs`; transformers' default): every token
+# real.
+_INPUT_FILLS = {"padding_mask": ("token_ids", 1)}
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
-class GPTBackbone(Backbone):
+class GPTBackbone(FilledInputs, Backbone):
     """The GPT decoder stack: GPT-2 by default, a LLaMA-style decoder by configuration.
 
     `x = token_embedding(ids) [+ position_embedding]`, dropout, `num_layers` pre-norm causal
@@ -248,7 +255,8 @@ class GPTBackbone(Backbone):
     validates them: `GPTBackbone(**fields)` and `GPTConfig(**fields).build()` are the same
     model, and `backbone.config` is that `GPTConfig`.
 
-    Inputs (a dict, each `(batch, seq)` int32): `token_ids`; `padding_mask` (1 = real token);
+    Inputs (a dict, each `(batch, seq)` int32): `token_ids`; `padding_mask` (1 = real token;
+    left out, every token is real, as in Hugging Face's GPT-2);
     with `packed_inputs=True` also `document_ids`: the document of each token of a packed
     row, numbered 1, 2, 3, ... within the row, 0 for padding (`kzoo.data.pack` builds
     them). A token then attends only to earlier tokens of its own document
@@ -268,6 +276,8 @@ class GPTBackbone(Backbone):
     ...         "padding_mask": np.ones((2, 8), "int32")}).shape
     (2, 8, 512)
     """
+
+    _input_fills = _INPUT_FILLS
 
     family = FAMILY
     config_class = GPTConfig
@@ -567,7 +577,7 @@ def _encode(tokenizer, text):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class GPTCausalLM(TaskModel):
+class GPTCausalLM(FilledInputs, TaskModel):
     """A GPT backbone with its language-model head: next-token logits at every position.
 
     `logits = hidden @ E^T` with `E` the token embedding matrix (tied, GPT-2), or
@@ -584,7 +594,8 @@ class GPTCausalLM(TaskModel):
             does), and exporting writes it back.
         dtype: dtype policy (defaults to the backbone's).
 
-    Inputs: `{"token_ids", "padding_mask"}` `(batch, seq)`, and `"document_ids"` when the
+    Inputs: `{"token_ids", "padding_mask"}` `(batch, seq)` (the mask may be left out: every
+    token real), and `"document_ids"` when the
     backbone has `packed_inputs=True` (train on `kzoo.data.pack` rows with
     `kzoo.data.next_token_targets`). Output: logits `(batch, seq, vocabulary_size)`.
 
@@ -601,6 +612,8 @@ class GPTCausalLM(TaskModel):
     >>> lm.fit(x, y, sample_weight=w, epochs=1)
     >>> lm.generate([[72, 105], [79]], max_new_tokens=8, strategy="sample", top_p=0.9, seed=0)
     """
+
+    _input_fills = _INPUT_FILLS
 
     family = FAMILY
     task_name = "causal_lm"

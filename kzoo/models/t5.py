@@ -16,7 +16,8 @@ Text-to-Text Transformer", https://arxiv.org/abs/1910.10683), versions 1.0 and 1
 
 Inputs follow keras-hub: `{"encoder_token_ids", "encoder_padding_mask",
 "decoder_token_ids", "decoder_padding_mask"}`, each `(batch, seq)` int32 (masks 1/True for
-real tokens).
+real tokens; a mask left out means every token of its sequence is real, as in Hugging Face's
+T5).
 
 Example:
 >>> backbone = T5Backbone(vocabulary_size=1000, num_layers=2, num_heads=4, hidden_dim=64,
@@ -54,6 +55,7 @@ from kzoo.models.base import (
     AUTO,
     Backbone,
     FamilyConfig,
+    FilledInputs,
     IdInput,
     TaskModel,
     check_stop_token_ids,
@@ -146,8 +148,14 @@ class T5Config(FamilyConfig):
 # === Backbone ===
 
 
+# What a left-out padding mask holds (`FilledInputs`; transformers' default): every token
+# real.
+_INPUT_FILLS = {"encoder_padding_mask": ("encoder_token_ids", 1),
+                "decoder_padding_mask": ("decoder_token_ids", 1)}
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
-class T5Backbone(Backbone):
+class T5Backbone(FilledInputs, Backbone):
     """The T5 encoder-decoder transformer (Raffel et al., 2020, arXiv:1910.10683).
 
     Encoder: `x = dropout(E[ids])`; `num_layers` pre-LN blocks
@@ -214,6 +222,8 @@ class T5Backbone(Backbone):
     >>> out["decoder_sequence_output"].shape
     (2, 8, 64)
     """
+
+    _input_fills = _INPUT_FILLS
 
     family = FAMILY
     config_class = T5Config
@@ -594,7 +604,7 @@ def _check_no_empty_row(mask):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class T5Seq2SeqLM(TaskModel):
+class T5Seq2SeqLM(FilledInputs, TaskModel):
     """T5 with its language-model head: vocabulary logits at every decoder position.
 
     With `backbone.tie_embeddings` (v1.0) the logits are
@@ -635,6 +645,8 @@ class T5Seq2SeqLM(TaskModel):
     >>> [len(row) for row in model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)]
     [5]
     """
+
+    _input_fills = _INPUT_FILLS
 
     family = FAMILY
     task_name = "seq2seq_lm"
