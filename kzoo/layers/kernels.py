@@ -263,8 +263,22 @@ def _check_inputs(query, key, value, mask, bias, scale):
                 f"`{name}` must have rank 4 (batch, seq, heads, head_dim); got {name} with "
                 f"shape {tuple(t.shape)}."
             )
+        # Integer or boolean inputs ran the products in integers: JAX and TensorFlow
+        # returned integer outputs (weights truncated to 0 or 1) in silence, torch failed
+        # inside its kernels.
+        dtype = keras.backend.standardize_dtype(t.dtype)
+        if "float" not in dtype:
+            raise ValueError(
+                f"`{name}` must have a floating-point dtype (attention needs floating-point "
+                f"query/key/value); got {name} with dtype {dtype}."
+            )
     b, q_len, heads, dim = query.shape
     kb, k_len, kv_heads, kdim = key.shape
+    if heads == 0 or kv_heads == 0:  # (`heads % kv_heads` below; empty reshapes on torch)
+        raise ValueError(
+            f"`query` and `key` must have at least one head; got query {tuple(query.shape)} "
+            f"and key {tuple(key.shape)}."
+        )
     if tuple(value.shape[:3]) != tuple(key.shape[:3]):
         raise ValueError(
             f"`key` and `value` must agree on (batch, seq, heads); got key {tuple(key.shape)} "
@@ -274,6 +288,11 @@ def _check_inputs(query, key, value, mask, bias, scale):
         raise ValueError(
             f"`query` and `key` must have the same head_dim; got query {tuple(query.shape)} "
             f"and key {tuple(key.shape)}."
+        )
+    if dim == 0:  # (the default scale is head_dim ** -0.5)
+        raise ValueError(
+            "`head_dim` (the last axis of `query`, `key` and `value`) must be at least 1; "
+            f"got 0; query has shape {tuple(query.shape)}."
         )
     if heads % kv_heads != 0:
         raise ValueError(

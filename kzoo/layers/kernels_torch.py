@@ -117,7 +117,9 @@ def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
                 allowed = c if allowed is None else ops.logical_and(allowed, c)
             if allowed is not None:
                 s = ops.where(allowed, s, _NEG)
-            blk_max = ops.max(s, axis=-1)
+            # (torch.amax: keras' `ops.max` on torch refuses any tensor with a zero-size
+            # axis, a batch of 0 rows too, where the other kernels return an empty output.)
+            blk_max = torch.amax(s, dim=-1)
             new_max = blk_max if running_max is None else ops.maximum(running_max, blk_max)
             p = ops.exp(s - new_max[..., None])
             if allowed is not None:

@@ -32,8 +32,15 @@ from kzoo.layers.utils import serialize_initializer
 # === Helpers ===
 
 
-def _check_start_index(start_index):
-    """Validate a Python `start_index`; tensors pass through unchecked (traced values)."""
+# Positions are int32 tensors (`_positions`): the last one, `start_index + length - 1`, must
+# fit. Past it JAX refused the Python int with an OverflowError, while torch and TensorFlow
+# wrapped the positions round to negative ones in silence.
+_MAX_POSITION = 2**31 - 1
+
+
+def _check_start_index(start_index, length=None):
+    """Validate a Python `start_index` (with `length`, a static sequence length, the last
+    position it gives too); tensors pass through unchecked (traced values)."""
     if isinstance(start_index, bool):
         raise ValueError(
             "`start_index` must be a non-negative integer or a scalar integer tensor; "
@@ -44,6 +51,13 @@ def _check_start_index(start_index):
             raise ValueError(
                 "`start_index` must be a non-negative integer or a scalar integer tensor; "
                 f"got start_index={start_index!r}."
+            )
+        known = isinstance(length, int) and length > 0
+        if int(start_index) + (length - 1 if known else 0) > _MAX_POSITION:
+            raise ValueError(
+                "`start_index` + sequence length - 1 (the last position) must be <= "
+                f"{_MAX_POSITION} (positions are int32); got start_index={start_index!r}"
+                + (f" and a sequence of length {length}." if known else ".")
             )
         return int(start_index)
     if isinstance(start_index, float):
@@ -159,10 +173,10 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
         return (float(self.max_wavelength) ** (-pair / dim)).astype("float32")
 
     def call(self, inputs, start_index=0):
-        start_index = _check_start_index(start_index)
         check_rank("inputs", inputs, 3)
         shape = ops.shape(inputs)
         seq_len, dim = shape[1], inputs.shape[-1]
+        start_index = _check_start_index(start_index, seq_len)
         positions = _positions(seq_len, start_index, "float32")
         inv_freq = ops.convert_to_tensor(self._inverse_frequencies(dim))
         angles = positions[:, None] * inv_freq[None, :]
@@ -388,7 +402,7 @@ class RotaryEmbedding(keras.layers.Layer):
         per_row = getattr(start_index, "shape", None) is not None and len(
             start_index.shape) == 1
         if not per_row and per_token is None:
-            start_index = _check_start_index(start_index)
+            start_index = _check_start_index(start_index, seq_len)
 
         inv_freq = ops.convert_to_tensor(rope_inverse_frequencies(self.max_wavelength, head_dim))
         if per_token is not None:  # (batch, seq)
@@ -509,9 +523,9 @@ class ALiBiBias(keras.layers.Layer):
         self.built = True
 
     def call(self, query, key=None, start_index=0):
-        start_index = _check_start_index(start_index)
         key = query if key is None else key
         q_len, k_len = ops.shape(query)[1], ops.shape(key)[1]
+        start_index = _check_start_index(start_index, q_len)
         query_pos = _positions(q_len, start_index, "float32")
         key_pos = _positions(k_len, 0, "float32")
         distance = query_pos[:, None] - key_pos[None, :]
@@ -679,9 +693,9 @@ class RelativePositionBias(keras.layers.Layer):
         self.built = True
 
     def call(self, query, key=None, start_index=0):
-        start_index = _check_start_index(start_index)
         key = query if key is None else key
         q_len, k_len = ops.shape(query)[1], ops.shape(key)[1]
+        start_index = _check_start_index(start_index, q_len)
         query_pos = _positions(q_len, start_index)
         key_pos = _positions(k_len, 0)
         relative = key_pos[None, :] - query_pos[:, None]

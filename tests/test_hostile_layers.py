@@ -1,0 +1,151 @@
+"""Public layer functions given hostile input: a ValueError that names the argument, the
+same on every backend, instead of a backend's own error deep inside (or a silently wrong
+result); and the edge cases that are valid still give the NumPy formula's numbers."""
+
+import numpy as np
+import pytest
+from keras import ops
+
+from kzoo.layers import dot_product_attention
+from kzoo.layers.position import ALiBiBias
+from kzoo.layers.position import RelativePositionBias
+from kzoo.layers.position import RotaryEmbedding
+from kzoo.layers.position import SinusoidalPositionEncoding
+from tests.harness import assert_close, backend, to_numpy
+
+KERNELS = ["auto", "reference", "fused", "chunked"]
+INT32_MAX = 2**31 - 1
+
+
+def _qkv(b=2, t=5, s=None, h=4, hk=None, d=8, seed=0):
+    r = np.random.default_rng(seed)
+    q = r.normal(size=(b, t, h, d)).astype("float32")
+    k = r.normal(size=(b, s or t, hk or h, d)).astype("float32")
+    v = r.normal(size=(b, s or t, hk or h, d)).astype("float32")
+    return q, k, v
+
+
+# === dot_product_attention ===
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_zero_head_dim_is_refused_by_name(kernel):
+    # Was a ZeroDivisionError (the default scale 1 / sqrt(0)) on every backend; with an
+    # explicit scale an empty output.
+    q = np.zeros((1, 4, 2, 0), "float32")
+    for scale in (None, 1.0):
+        with pytest.raises(ValueError, match=r"`head_dim` .* got 0;"):
+            dot_product_attention(q, q, q, scale=scale, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_non_float_inputs_are_refused_by_name(kernel):
+    # Were integer outputs in silence on JAX and TensorFlow (softmax weights truncated to 0
+    # or 1), a RuntimeError from torch's kernels, and for booleans errors of each backend.
+    q, k, v = _qkv()
+    ints = (np.round(q * 3).astype("int32"), np.round(k * 3).astype("int32"))
+    with pytest.raises(ValueError, match="`query` must have a floating-point dtype.*int32"):
+        dot_product_attention(ints[0], ints[1], v, kernel=kernel)
+    with pytest.raises(ValueError, match="`key` must have a floating-point dtype.*int32"):
+        dot_product_attention(q, ints[1], v, kernel=kernel)
+    with pytest.raises(ValueError, match="`value` must have a floating-point dtype.*bool"):
+        dot_product_attention(q, k, v > 0, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_zero_heads_are_refused_by_name(kernel):
+    # No key/value heads was a ZeroDivisionError (`heads % kv_heads`); no query heads an
+    # empty reshape error on torch, and an empty output from some kernels.
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="at least one head"):
+        dot_product_attention(q, k[:, :, :0], v[:, :, :0], kernel=kernel)
+    with pytest.raises(ValueError, match="at least one head"):
+        dot_product_attention(q[:, :, :0], k[:, :, :1], v[:, :, :1], kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", ["plain", "gqa_causal_mask_bias"])
+def test_empty_batch_gives_an_empty_output(kernel, case):
+    # torch's chunked kernel failed in keras' `ops.max` ("Cannot compute the max of an empty
+    # tensor"); every other kernel and backend returned the empty output.
+    if case == "plain":
+        q, k, v = _qkv(b=0, t=5, s=7)
+        kwargs = {}
+    else:
+        q, k, v = _qkv(b=0, t=5, s=7, h=4, hk=2)
+        kwargs = dict(is_causal=True, mask=np.ones((0, 1, 1, 7), bool),
+                      bias=np.zeros((1, 4, 5, 7), "float32"))
+    out = dot_product_attention(q, k, v, kernel=kernel, **kwargs)
+    assert tuple(out.shape) == (0, 5, 4, 8)
+    assert to_numpy(out).dtype == np.float32
+    # An empty sequence of queries, by contrast, is refused by name.
+    q, k, v = _qkv(b=1, t=5)
+    with pytest.raises(ValueError, match="`query` has no positions"):
+        dot_product_attention(q[:, :0], k, v, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_smallest_valid_attention_matches_numpy_softmax(kernel):
+    """head_dim 1 (the default scale is 1), one query, or one key, grouped heads: still the
+    formula softmax(q k^T / sqrt(d)) v, written here in NumPy."""
+    def np_attention(q, k, v):
+        q, k, v = (x.astype(np.float64) for x in (q, k, v))
+        g = q.shape[2] // k.shape[2]
+        k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+        scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+        e = np.exp(scores - scores.max(-1, keepdims=True))
+        return np.einsum("bhts,bshd->bthd", e / e.sum(-1, keepdims=True), v)
+
+    for t, s, h, hk, d in ((1, 3, 2, 1, 1), (3, 1, 2, 2, 4), (1, 1, 1, 1, 1)):
+        q, k, v = _qkv(b=2, t=t, s=s, h=h, hk=hk, d=d, seed=t + 10 * s)
+        out = dot_product_attention(q, k, v, kernel=kernel)
+        assert tuple(out.shape) == (2, t, h, d)
+        assert_close(out, np_attention(q, k, v), atol=2e-6, rtol=2e-6)
+    # One key: every query's output is that key's value, exactly.
+    q, k, v = _qkv(b=2, t=3, s=1, h=2, d=4)
+    np.testing.assert_allclose(to_numpy(dot_product_attention(q, k, v, kernel=kernel)),
+                               np.broadcast_to(v, (2, 3, 2, 4)), rtol=1e-6, atol=1e-6)
+
+
+# === Position layers' start_index ===
+
+
+@pytest.mark.parametrize("start_index", [2**31, 2**40, INT32_MAX - 1])
+def test_rope_start_index_past_int32_positions_is_refused(start_index):
+    # Positions are int32: JAX raised an OverflowError from 2**31 on, torch and TensorFlow
+    # wrapped them round to negative positions in silence (INT32_MAX - 1 with 3 tokens
+    # puts the last token at 2**31).
+    x = np.random.default_rng(0).normal(size=(1, 3, 2, 8)).astype("float32")
+    rope = RotaryEmbedding()
+    with pytest.raises(ValueError, match=r"`start_index` .*must be <= 2147483647 \(positions "
+                                         r"are int32\); got start_index=\d+ and a sequence "
+                                         r"of length 3"):
+        rope(x, start_index=start_index)
+    with pytest.raises(ValueError, match="non-negative"):
+        rope(x, start_index=-1)
+    # The last start that fits works; a tensor start_index stays unchecked (traced) and
+    # agrees with the Python int.
+    assert tuple(rope(x, start_index=INT32_MAX - 2).shape) == (1, 3, 2, 8)
+    tensor_start = ops.convert_to_tensor(37, dtype="int32")
+    if backend() == "jax":
+        import jax
+
+        traced = jax.jit(lambda x, s: rope(x, start_index=s))(x, tensor_start)
+    else:
+        traced = rope(x, start_index=tensor_start)
+    np.testing.assert_allclose(to_numpy(traced), to_numpy(rope(x, start_index=37)), atol=1e-6)
+    per_row = ops.convert_to_tensor([37], dtype="int32")
+    np.testing.assert_allclose(to_numpy(rope(x, start_index=per_row)),
+                               to_numpy(rope(x, start_index=37)), atol=1e-6)
+
+
+@pytest.mark.parametrize("layer", ["sinusoidal", "alibi", "relative"])
+def test_other_position_layers_refuse_start_index_past_int32(layer):
+    # The same int32 positions (`_positions`) and the same check as RotaryEmbedding.
+    x = np.zeros((1, 3, 4), "float32")
+    make = {"sinusoidal": SinusoidalPositionEncoding, "alibi": lambda: ALiBiBias(2),
+            "relative": lambda: RelativePositionBias(2)}[layer]
+    for start_index in (2**40, INT32_MAX - 1):
+        with pytest.raises(ValueError, match=r"`start_index` .*\(positions are int32\)"):
+            make()(x, start_index=start_index)
+    assert np.isfinite(to_numpy(make()(x, start_index=INT32_MAX - 2))).all()  # the last fits
