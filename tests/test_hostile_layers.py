@@ -149,3 +149,16 @@ def test_other_position_layers_refuse_start_index_past_int32(layer):
         with pytest.raises(ValueError, match=r"`start_index` .*\(positions are int32\)"):
             make()(x, start_index=start_index)
     assert np.isfinite(to_numpy(make()(x, start_index=INT32_MAX - 2))).all()  # the last fits
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_key_attends_without_a_warning(kernel):
+    # One key is valid attention (a one-token sequence): the reference kernel on torch and
+    # TensorFlow passed on Keras' "softmax over an axis of size 1" UserWarning.
+    import warnings
+
+    q, k, v = _qkv(t=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        out = dot_product_attention(q, k, v, kernel=kernel)
+    assert_close(to_numpy(out), v, atol=1e-6)  # the one key's value, whatever the score
