@@ -162,6 +162,22 @@ def test_predict_takes_one_image_size_after_another():
             2, 1 + (height // 8) * (width // 8), 32)
 
 
+def test_fit_and_evaluate_take_one_image_size_after_another():
+    """`fit`, `evaluate` and `train_on_batch` size after size, one channel (TensorFlow's
+    Keras traced the second size with unknown height and width, as for `predict`)."""
+    model = ViTClassifier(ViTBackbone(**{**TINY, "num_channels": 1}), num_classes=3)
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    y = np.array([0, 2])
+    for height, width in ((32, 32), (48, 24), (16, 16)):
+        x = images(2, height, width, channels=1)
+        assert np.isfinite(model.fit(x, y, verbose=0).history["loss"][0])
+        expected = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+            y, to_numpy(model(x)))
+        assert_close(model.evaluate(x, y, verbose=0), to_numpy(expected), atol=1e-5)
+        assert np.isfinite(model.train_on_batch(x, y))
+
+
 def test_classifier_pooling_matches_numpy():
     backbone = ViTBackbone(**TINY)
     x = images()

@@ -470,6 +470,18 @@ class FunctionalModel(keras.Model):
             finally:
                 self._jit_compile = keras_choice
 
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        with _exact_tracing(self._needs_static_shapes):  # (ViT's fit at a new image size)
+            return super().make_train_function(force)
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        with _exact_tracing(self._needs_static_shapes):
+            return super().make_test_function(force)
+
     # === Id checks (kzoo.inputs) ===
 
     def id_inputs(self):
