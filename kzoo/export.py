@@ -354,6 +354,16 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
         raise ValueError(
             f"format={format!r} writes a file ending in {suffix!r}; got filepath={filepath!r}."
         )
+    # (An existing file where a SavedModel directory goes failed deep inside TensorFlow's
+    # writer: a FailedPrecondition on JAX, another error per backend.)
+    if suffix is None and os.path.isfile(filepath):
+        raise ValueError(
+            f"format={format!r} writes a directory; filepath={filepath!r} is an existing file."
+        )
+    if suffix and os.path.isdir(filepath):
+        raise ValueError(
+            f"format={format!r} writes a file; filepath={filepath!r} is an existing directory."
+        )
     if not isinstance(verbose, bool):
         raise TypeError(f"`verbose` must be True or False; got verbose={verbose!r}.")
     if not model.built:

@@ -188,6 +188,17 @@ def test_bad_arguments(tmp_path):
     model = build_model("gpt")
     with pytest.raises(ValueError, match=r"ending in '\.onnx'.*filepath='.*model\.bin'"):
         model.export(str(tmp_path / "model.bin"), format="onnx")
+    # an existing file where a SavedModel's directory goes, a directory where a file goes
+    (tmp_path / "a_file").write_text("keep me")
+    (tmp_path / "a_dir.onnx").mkdir()
+    for format in FORMATS:
+        path, kind = ((tmp_path / "a_dir.onnx", "file") if format == "onnx"
+                      else (tmp_path / "a_file", "directory") if format == "tf_saved_model"
+                      else (None, None))
+        if path is not None:
+            with pytest.raises(ValueError, match=rf"writes a {kind}; filepath=.* is an existing"):
+                model.export(str(path), format=format)
+    assert (tmp_path / "a_file").read_text() == "keep me"
     with pytest.raises(ValueError, match=r"axis 'sequense'.*\['batch', 'sequence'\]"):
         model.export(str(tmp_path / "m.onnx"), format="onnx", shapes={"sequense": 8})
     with pytest.raises(ValueError, match=r"shapes\['sequence'\]` must be a positive int"):
