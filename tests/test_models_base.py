@@ -443,6 +443,13 @@ def test_left_out_padding_masks_mean_every_token_is_real(name):
     assert np.isfinite(model.evaluate(short, y, verbose=0))
 
 
+def _target_entry_points(model, x, y):
+    """Every way targets reach the loss, each as `run(targets)`."""
+    return (lambda t: model.fit(x, t, verbose=0), lambda t: model.evaluate(x, t, verbose=0),
+            lambda t: model.train_on_batch(x, t), lambda t: model.test_on_batch(x, t),
+            lambda t: model.fit(x, y, validation_data=(x, t), verbose=0))
+
+
 @pytest.mark.parametrize("name", ["bert_masked_lm", "bert_classifier", "gpt_causal_lm",
                                   "t5_seq2seq_lm", "vit_classifier"])
 def test_targets_of_another_shape_or_none_are_refused(name):
@@ -459,10 +466,7 @@ def test_targets_of_another_shape_or_none_are_refused(name):
     for bad in (longer, np.concatenate([y, y]), y[..., None] * np.ones(3, y.dtype)):
         pattern = (rf"`y` \(.*\) has shape {re.escape(str(bad.shape))}; the logits for these "
                    rf"inputs have shape {re.escape(str(logits))}, .* class ids of shape {wanted}")
-        for run in (lambda t: model.fit(x, t, verbose=0),
-                    lambda t: model.evaluate(x, t, verbose=0),
-                    lambda t: model.train_on_batch(x, t), lambda t: model.test_on_batch(x, t),
-                    lambda t: model.fit(x, y, validation_data=(x, t), verbose=0)):
+        for run in _target_entry_points(model, x, y):
             with pytest.raises(ValueError, match=pattern):
                 run(bad)
     for run in (lambda: model.fit(x, verbose=0), lambda: model.train_on_batch(x),
@@ -487,10 +491,7 @@ def test_class_id_targets_out_of_range_are_refused(name):
     for bad, shown in ((y + classes, str(int(y.reshape(-1)[0]) + classes)), (y * 0 - 1, "-1"),
                        (y + 0.5, str(float(y.reshape(-1)[0]) + 0.5))):
         pattern = rf"holds {re.escape(shown)} at index .*whole class ids in \[0, {classes}\)"
-        for run in (lambda t: model.fit(x, t, verbose=0),
-                    lambda t: model.evaluate(x, t, verbose=0),
-                    lambda t: model.train_on_batch(x, t), lambda t: model.test_on_batch(x, t),
-                    lambda t: model.fit(x, y, validation_data=(x, t), verbose=0)):
+        for run in _target_entry_points(model, x, y):
             with pytest.raises(ValueError, match=pattern):
                 run(bad)
     assert np.isfinite(model.train_on_batch(x, y.astype("float32")))  # whole floats: fine
