@@ -165,6 +165,32 @@ def stop_ids(stop_token_ids):
 # === Next-token selection (also usable on its own, eagerly) ===
 
 
+def _check_logits(logits):
+    """`logits` as a `(batch, vocab)` array or tensor, or a ValueError naming its shape.
+
+    A nested list (or anything else without a `.shape`) is converted with NumPy first. Only
+    the static rank is read: no host round-trip inside a compiled decode loop."""
+    if not hasattr(logits, "shape"):
+        try:
+            logits = np.asarray(logits, dtype="float32")
+        except (TypeError, ValueError) as error:  # ragged rows, strings, None
+            raise ValueError(
+                "`logits` must be a (batch, vocab) tensor, array or nested list of numbers; "
+                f"got {type(logits).__name__} {str(logits)[:80]}."
+            ) from error
+    try:
+        rank = len(logits.shape)
+    except (TypeError, ValueError):  # a TensorFlow graph tensor of unknown rank: not checked
+        return logits
+    if rank != 2:
+        hint = " (one row of shape (vocab,): pass `logits[None]`)" if rank == 1 else ""
+        raise ValueError(
+            f"`logits` must have shape (batch, vocab){hint}; got shape "
+            f"{tuple(logits.shape)}."
+        )
+    return logits
+
+
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     """Temperature-scaled logits with the tokens outside the top-k / top-p set masked.
 
@@ -178,7 +204,9 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     Masked entries are set to a very negative finite number (probability exactly 0).
 
     Args:
-        logits: `(batch, vocab)` floats (computed in float32).
+        logits: `(batch, vocab)` floats (computed in float32): a tensor, a NumPy array or
+            a nested list (converted). Any other rank raises `ValueError` (for one row of
+            shape `(vocab,)` pass `logits[None]`).
         temperature: positive number.
         top_k: None or a positive int (values above `vocab` keep everything).
         top_p: None or a number in (0, 1].
@@ -190,7 +218,9 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     >>> filter_logits(keras.ops.array([[1.0, 3.0, 2.0]]), top_k=2)   # [[-1e30, 3, 2]]
     """
     check_sampling_args("sample", temperature, top_k, top_p)
-    logits = ops.cast(logits, "float32")
+    # (a 1-D or 3-D `logits` failed deep inside top-k, or was silently filtered along
+    # its last axis, depending on the backend and the arguments)
+    logits = ops.cast(_check_logits(logits), "float32")
     if float(temperature) != 1.0:
         # Below 1e-30 the temperature is no longer a normal float32 (flushed to 0 by some
         # kernels) and only the largest logits keep any probability: it divides as 1e-30.
@@ -234,7 +264,8 @@ def select_next_token(
     top_p))` with `keras.random.categorical`.
 
     Args:
-        logits: `(batch, vocab)` (any float dtype; computed in float32).
+        logits: `(batch, vocab)` (any float dtype; computed in float32): a tensor, a NumPy
+            array or a nested list (converted). Any other rank raises `ValueError`.
         strategy: "greedy" or "sample".
         temperature: positive number dividing the logits before sampling.
         top_k: None or a positive int: sample among the `top_k` most likely tokens.
@@ -252,11 +283,7 @@ def select_next_token(
     >>> select_next_token(logits, strategy="sample", top_k=1, seed=0)   # [1, 0] too
     """
     check_sampling_args(strategy, temperature, top_k, top_p, strategies=("greedy", "sample"))
-    if len(logits.shape) != 2:
-        raise ValueError(
-            f"`logits` must have shape (batch, vocab); got shape {tuple(logits.shape)}."
-        )
-    logits = ops.cast(logits, "float32")
+    logits = ops.cast(_check_logits(logits), "float32")
     if strategy == "greedy":
         return ops.cast(ops.argmax(logits, axis=-1), "int32")
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -122,8 +122,14 @@ def _integer_array(name, value, ndim):
     if array.size == 0 and array.dtype.kind not in "iub":
         array = array.astype(np.int64)
     if array.dtype.kind == "f":
-        if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
-            raise ValueError(f"`{name}` must hold integers; got non-integer values in {name}.")
+        # Whole-valued floats (e.g. a float tensor of ids) are accepted as the integers they
+        # hold; the first few other values are named.
+        bad = array[~np.isfinite(array) | (array != np.round(array))]
+        if bad.size:
+            raise ValueError(
+                f"`{name}` must hold integers (floats only with whole values, such as 2.0); "
+                f"got {name} values {np.unique(bad)[:5].tolist()}."
+            )
     elif array.dtype.kind not in "iub":
         raise ValueError(f"`{name}` must hold integers; got dtype {array.dtype} for {name}.")
     if ndim == 2 and array.ndim == 1:
@@ -141,6 +147,12 @@ def _check_num_nodes(num_nodes):
 
 def _check_edge_index(num_nodes, edge_index):
     edge_index = np.asarray(edge_index)
+    if edge_index.dtype == np.bool_:
+        # (True / False were read as nodes 1 / 0: booleans are flags, never node ids)
+        raise ValueError(
+            "`edge_index` must hold integer node ids (floats only with whole values); got "
+            "a boolean array."
+        )
     if edge_index.size == 0:
         edge_index = edge_index.reshape(2, 0)
     edge_index = _integer_array("edge_index", edge_index, 2)
@@ -436,7 +448,9 @@ def shortest_paths(num_nodes, edge_index, max_dist=None):
 
     Args:
         num_nodes: number of nodes `n` (> 0).
-        edge_index: `(2, E)` integer array of edges.
+        edge_index: `(2, E)` integer array of edges; floats are accepted when they are
+            whole numbers (as everywhere in this module), other floats and booleans raise
+            `ValueError`.
         max_dist: optional positive int; pairs farther apart count as unreachable.
 
     Returns:

@@ -126,6 +126,29 @@ def _check_alpha(alpha, rank):
     return float(alpha)
 
 
+def _dims(layer):
+    """`(in, out)` of a Dense kernel, which give the shapes of its adapters `A (in, rank)`
+    and `B (rank, out)`. Read from the stored `_kernel` (`kernel` adds the adapters when
+    there are some: a computation); an int4 kernel is stored packed, and its input width is
+    read where Keras' `Dense.enable_lora` reads it."""
+    if layer.quantization_mode == "int4" and hasattr(layer, "_orig_input_dim"):
+        return int(layer._orig_input_dim), int(layer.units)
+    return int(layer._kernel.shape[0]), int(layer.units)
+
+
+def _check_rank_fits(rank, layers):
+    """Refuse a rank above `min(in, out)` of a targeted kernel: `A B` has rank at most
+    that, so the extra columns only cost memory (Keras' and PEFT's `enable_lora` accept any
+    rank; `enable_lora(10**6)` made adapters of a million columns)."""
+    smallest = min(layers, key=lambda layer: min(_dims(layer)))
+    limit = min(_dims(smallest))
+    if rank > limit:
+        raise ValueError(
+            f"`rank` must be at most min(in, out) = {limit} of the smallest targeted kernel "
+            f"({smallest.path}, {_dims(smallest)}); got rank={rank}."
+        )
+
+
 def lora_layers(model):
     """The Dense layers of `model` that carry adapters, in a stable order (by path)."""
     layers = [layer for layer in model._flatten_layers(include_self=False)
@@ -138,7 +161,8 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
 
     Args:
         model: a built kzoo backbone or task model.
-        rank: the adapters' rank (positive int).
+        rank: the adapters' rank (positive int, at most `min(in, out)` of every targeted
+            kernel).
         targets: names from `TARGETS` (see the module docstring); default the attention
             query and value projections, as in the LoRA paper.
         alpha: the scale numerator: the update is `(alpha / rank) A B` (None: `rank`,
@@ -148,9 +172,10 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
         The list of paths of the adapted layers.
 
     Raises:
-        ValueError: `rank` <= 0, an unknown target (the message lists them), a target
-            with no layer in this model, adapters already enabled, or a float8-quantized
-            layer (Keras has no LoRA there).
+        ValueError: `rank` <= 0 or larger than `min(in, out)` of a targeted kernel (a
+            product `A B` cannot have a larger rank), an unknown target (the message lists
+            them), a target with no layer in this model, adapters already enabled, or a
+            float8-quantized layer (Keras has no LoRA there).
 
     Example:
     >>> model.enable_lora(8, targets=("query", "key", "value", "output"), alpha=16)
@@ -180,6 +205,7 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
                 f"LoRA on a {layer.quantization_mode!r}-quantized layer ({layer.path}) is not "
                 "supported; use a float, int8 or int4 model."
             )
+    _check_rank_fits(rank, layers)
     unfrozen = [v for v in model.weights if v.trainable]
     for variable in unfrozen:
         variable.trainable = False
@@ -240,8 +266,9 @@ def load_lora_weights(model, path):
     stored rank, alpha and targets first if it has none.
 
     Raises:
-        ValueError: the file is unreadable, or its settings or layer paths differ from the
-            model's adapters.
+        ValueError: the file is unreadable, or its settings, layer paths or adapter shapes
+            (a model of another width) differ from the model's adapters. Everything is
+            checked before LoRA is enabled: a refused file leaves the model as it was.
 
     Example:
     >>> fresh = kzoo.presets.load("gpt_mini")
@@ -252,27 +279,50 @@ def load_lora_weights(model, path):
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
         settings = json.loads(str(arrays.pop("__settings__")))
-    except (OSError, ValueError, KeyError) as error:
+        rank, targets = int(settings["rank"]), check_targets(settings["targets"])
+        count = len([key for key in arrays if key.endswith("/path")])
+        stored = [str(arrays[f"{i}/path"]) for i in range(count)]
+        adapters = [{part: arrays[f"{i}/{part}"] for part in ("a", "b")}
+                    for i in range(count)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"The LoRA weights file {path!r} cannot be read: {error}") from error
-    if not lora_layers(model):
-        enable_lora(model, settings["rank"], settings["targets"], settings["alpha"])
     current = lora_settings(model)
-    if current != settings:
+    if current is not None and current != settings:
         raise ValueError(
             f"The LoRA weights in {path!r} were saved with {settings}; {model.name!r} has "
             f"adapters {current}."
         )
-    layers = {layer.path: layer for layer in lora_layers(model)}
-    count = len([key for key in arrays if key.endswith("/path")])
-    stored = [str(arrays[f"{i}/path"]) for i in range(count)]
+    if current is None:  # the layers `enable_lora` would adapt (it is called below)
+        found = target_layers(model)
+        layers = {layer.path: layer for t in targets for layer in found[t]}
+    else:
+        layers = {layer.path: layer for layer in lora_layers(model)}
     if sorted(stored) != sorted(layers):
         raise ValueError(
             f"The LoRA weights in {path!r} are for layers {sorted(stored)}; {model.name!r} "
             f"adapts {sorted(layers)}."
         )
+    # A file saved from a model of another width has the same layer paths: without this
+    # check Keras' `assign` failed on the first adapter, after LoRA had been enabled and the
+    # rest of the model frozen.
     for i, name in enumerate(stored):
-        layers[name].lora_kernel_a.assign(arrays[f"{i}/a"])
-        layers[name].lora_kernel_b.assign(arrays[f"{i}/b"])
+        d_in, d_out = _dims(layers[name])
+        expected = {"a": (d_in, rank), "b": (rank, d_out)}
+        for part in ("a", "b"):
+            shape = tuple(adapters[i][part].shape)
+            if shape != expected[part]:
+                raise ValueError(
+                    f"The LoRA weights in {path!r} do not fit {model.name!r}: layer {name} "
+                    f"has a kernel of shape {(d_in, d_out)}, so its rank-{rank} adapter "
+                    f"lora_kernel_{part} must have shape {expected[part]}; the file's has "
+                    f"shape {shape} (saved from a model of another width?)."
+                )
+    if current is None:
+        enable_lora(model, settings["rank"], settings["targets"], settings["alpha"])
+    layers = {layer.path: layer for layer in lora_layers(model)}
+    for i, name in enumerate(stored):
+        layers[name].lora_kernel_a.assign(adapters[i]["a"])
+        layers[name].lora_kernel_b.assign(adapters[i]["b"])
     return model
 
 

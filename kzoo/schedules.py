@@ -20,8 +20,10 @@ first update is computed, so the schedules evaluate their formula at `t = step +
 """
 
 import math
+import os
 
 import keras
+import numpy as np
 from keras import ops
 
 from kzoo.layers.utils import check_positive_float
@@ -47,10 +49,29 @@ def _check_unit_interval(name, value):
     return float(value)
 
 
+def _check_step(step):
+    """Refuse a `step` that is not a number or a numeric tensor. A string step (`"10"`)
+    was read as the number 10 on JAX and failed inside the cast on PyTorch and TensorFlow.
+    Only the (static) dtype is read: nothing is computed inside a compiled train step."""
+    dtype = step.dtype if hasattr(step, "dtype") else np.asarray(step).dtype
+    try:
+        name = keras.backend.standardize_dtype(dtype)
+    except ValueError:  # NumPy strings, objects (None) and the like
+        name = str(dtype)
+    if isinstance(step, (str, bytes)) or not name.startswith(("int", "uint", "float",
+                                                              "bfloat")):
+        raise TypeError(
+            "`step` must be a number or an integer or float tensor (the optimizer's "
+            f"`iterations`); got step={step!r:.80} of type {type(step).__name__} "
+            f"(dtype {name})."
+        )
+
+
 def _update_index(step):
     """The 1-based index `t = step + 1` of the update, as a float32 tensor. A negative
     `step` (before the first update: never an optimizer's), and a NaN one, count as step
     0, so no schedule answers NaN (`sqrt` of a negative) or a negative rate there."""
+    _check_step(step)
     step = ops.cast(step, "float32")
     return ops.where(step > 0.0, step, 0.0) + 1.0  # (NaN > 0 is False: step 0)
 
@@ -306,7 +327,9 @@ def plot_schedule(schedule, steps, path, title=None):
     Args:
         schedule: a `LearningRateSchedule` (or any callable taking an integer array).
         steps: positive int, how many optimizer steps to plot.
-        path: where to write the PNG.
+        path: the PNG file to write (a str, path-like or file object). An existing
+            directory is refused with a `ValueError` (no file name is made up: name the
+            file, e.g. `os.path.join(directory, "lr.png")`).
         title: optional title; defaults to the schedule's class name.
 
     Returns:
@@ -321,7 +344,12 @@ def plot_schedule(schedule, steps, path, title=None):
     ```
     """
     check_positive_int("steps", steps)
-    import numpy as np
+    # (checked before the schedule is evaluated: matplotlib's IsADirectoryError came last)
+    if isinstance(path, (str, bytes, os.PathLike)) and os.path.isdir(path):
+        raise ValueError(
+            f"`path` must be the PNG file to write; got path={os.fspath(path)!r}, an existing "
+            "directory (name a file in it, e.g. os.path.join(path, 'lr.png'))."
+        )
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

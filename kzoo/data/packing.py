@@ -28,6 +28,9 @@ import bisect
 import numpy as np
 
 LONG_DOCUMENTS = ("split", "truncate", "error")
+# Token ids (and `pad_id`) must fit the int32 rows `pack` returns: a negative id was packed
+# as is (an embedding lookup then fails or reads garbage) and one >= 2**31 wrapped around.
+_ID_LIMIT = 2 ** 31
 
 
 def _check_sequence_length(sequence_length):
@@ -41,7 +44,7 @@ def _check_sequence_length(sequence_length):
 
 
 def _as_documents(documents):
-    """Each document as a 1-D int64 array (non-integers refused)."""
+    """Each document as a 1-D int64 array (non-integers and ids outside [0, 2**31) refused)."""
     if isinstance(documents, np.ndarray) and documents.ndim == 2:
         documents = list(documents)
     if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
@@ -63,6 +66,12 @@ def _as_documents(documents):
                 f"`documents` must hold integer token ids; document {i} has dtype "
                 f"{array.dtype}."
             )
+        if array.size and (array.min() < 0 or array.max() >= _ID_LIMIT):
+            j = int(np.argmax((array < 0) | (array >= _ID_LIMIT)))
+            raise ValueError(
+                f"`documents` must hold token ids in [0, 2**31); document {i} has id "
+                f"{int(array[j])} at position {j}."
+            )
         out.append(array.astype(np.int64))
     return out
 
@@ -73,10 +82,10 @@ def pack(documents, sequence_length, *, pad_id=0, long_documents="split",
 
     Args:
         documents: a sequence of 1-D integer token id lists / arrays, one a document
-            (already with whatever `[CLS]`, `[SEP]`, end-of-text tokens the model needs).
-            Empty documents are skipped.
+            (already with whatever `[CLS]`, `[SEP]`, end-of-text tokens the model needs),
+            the ids in [0, 2**31) (int32). Empty documents are skipped.
         sequence_length: tokens a row.
-        pad_id: the token id of the padding slots.
+        pad_id: the token id of the padding slots, in [0, 2**31).
         long_documents: what to do with a document longer than `sequence_length`:
             "split" (default) cuts it into pieces of `sequence_length` tokens (and a shorter
             last piece), each packed as a document of its own; "truncate" keeps its first
@@ -93,8 +102,9 @@ def pack(documents, sequence_length, *, pad_id=0, long_documents="split",
 
     Raises:
         TypeError: `documents` is not a sequence of integer lists.
-        ValueError: a bad `sequence_length`, `long_documents` or `max_documents_per_row`,
-            or a long document with `long_documents="error"`.
+        ValueError: a bad `sequence_length`, `long_documents`, `max_documents_per_row` or
+            `pad_id`, a token id outside [0, 2**31), or a long document with
+            `long_documents="error"`.
 
     Example:
     >>> pack([[1, 2, 3], [4, 5], [6]], 4)["token_ids"]
@@ -115,8 +125,9 @@ def pack(documents, sequence_length, *, pad_id=0, long_documents="split",
             "`max_documents_per_row` must be None or a positive integer; got "
             f"max_documents_per_row={max_documents_per_row!r}."
         )
-    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
-        raise ValueError(f"`pad_id` must be an integer; got pad_id={pad_id!r}.")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) \
+            or not 0 <= pad_id < _ID_LIMIT:
+        raise ValueError(f"`pad_id` must be an integer in [0, 2**31); got pad_id={pad_id!r}.")
     pieces = []
     for i, doc in enumerate(_as_documents(documents)):
         if len(doc) > sequence_length:

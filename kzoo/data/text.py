@@ -180,10 +180,22 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids, skip_special=True):
-        """Ids -> `str`; invalid UTF-8 becomes U+FFFD; ids outside 0-259 raise ValueError."""
+        """Ids (a sequence or array of ints) -> `str`; invalid UTF-8 becomes U+FFFD; ids
+        outside 0-259, non-integer ids and text (a `str` or `bytes`) raise ValueError."""
+        # (a str became one string "id" and failed inside `ids.min()` with a NumPy ufunc
+        # error; `decode` takes what `encode` returns, never text)
+        if isinstance(ids, (str, bytes)):
+            raise ValueError(
+                f"`ids` must be a sequence of integer token ids in [0, {self.vocabulary_size});"
+                f" got a {type(ids).__name__}, {ids[:40]!r} (`encode` turns text into ids)."
+            )
         ids = np.asarray(ids).reshape(-1)
-        if ids.size and (not np.issubdtype(ids.dtype, np.integer)
-                         or ids.min() < 0 or ids.max() >= self.vocabulary_size):
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"`ids` must be a sequence of integer token ids in [0, {self.vocabulary_size});"
+                f" got an array of dtype {ids.dtype}."
+            )
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocabulary_size):
             raise ValueError(
                 f"`ids` must be integers in [0, {self.vocabulary_size}); got values from "
                 f"{ids.min()!r} to {ids.max()!r}."

@@ -23,6 +23,7 @@ import numpy as np
 import kzoo.data
 import kzoo.presets
 from training import data as D
+from training.cli import _positive_int
 from training.loop import set_seed
 from training.recipes import _text
 
@@ -48,8 +49,13 @@ VALIDATION_WINDOWS = 128
 def add_arguments(parser):
     _text.add_text_arguments(parser, seq_len=128)
     _text.add_document_arguments(parser)
-    parser.add_argument("--sample-tokens", type=int, default=200,
-                        help="tokens to generate for the printed sample (default 200)")
+    # A positive integer, like --steps: the sample is part of every run's report and
+    # metrics.json (and the demo's word share is measured on it), so 0 cannot mean "no
+    # sample". 0 silently generated one token; a negative value shrank the model's positions
+    # below --seq-len (a traceback once training had started).
+    parser.add_argument("--sample-tokens", type=_positive_int("--sample-tokens"), default=200,
+                        help="tokens to generate for the printed sample, a positive integer "
+                             "(default 200)")
 
 
 def text_task(cfg):
