@@ -788,6 +788,12 @@ def test_causal_lm_stop_token_ids_errors():
             GPTCausalLM(backbone, stop_token_ids=bad)
     assert GPTCausalLM(backbone, stop_token_ids=7).stop_token_ids == (7,)
     assert GPTCausalLM(backbone).get_config()["stop_token_ids"] is None
+    # generate's own argument the same way (an id past the vocabulary never stops a row)
+    lm = GPTCausalLM(backbone)
+    for bad in ([50], 50, [3, 99]):
+        with pytest.raises(ValueError, match=r"stop_token_ids.*vocabulary_size=50"):
+            lm.generate([[1, 2]], max_new_tokens=2, stop_token_ids=bad)
+    assert len(lm.generate([[1, 2]], max_new_tokens=2, stop_token_ids=[49])[0]) >= 1
 
 
 def test_hf_gpt2_export_round_trip(tmp_path):

@@ -351,6 +351,9 @@ def test_generate_stop_tokens():
                 assert out[row] == free[row][: free[row].index(stop) + 1]
             else:
                 assert out[row] == free[row]
+    # an id past the vocabulary is refused, as by the constructor (it never stops a row)
+    with pytest.raises(ValueError, match=rf"stop_token_ids.*vocabulary_size={VOCAB}"):
+        lm.generate(enc, max_new_tokens=2, stop_token_ids=[VOCAB])
     # That the loop itself ends once every row has ended is checked in test_generation.py
     # (test_loop_ends_when_every_row_has_ended), where the steps can be counted.
 

@@ -835,8 +835,10 @@ class GPTCausalLM(FilledInputs, TaskModel):
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping)
-        stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids)
-                                    else stop_token_ids)
+        # (ids the vocabulary cannot produce are refused, as by the constructor: a row
+        # would never stop)
+        stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
+                                    check_stop_token_ids(stop_token_ids, self.backbone.vocabulary_size))
         rows, strings, single = self._prepare_prompts(prompts, padding_mask)
         lengths = np.array([len(r) for r in rows])
         prompt_len = int(lengths.max())
