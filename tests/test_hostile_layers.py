@@ -162,3 +162,18 @@ def test_one_key_attends_without_a_warning(kernel):
         warnings.simplefilter("error", UserWarning)
         out = dot_product_attention(q, k, v, kernel=kernel)
     assert_close(to_numpy(out), v, atol=1e-6)  # the one key's value, whatever the score
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_keys_and_values_of_another_float_dtype_run_in_the_querys(kernel):
+    # torch's kernels and JAX's fused kernel refused float32 keys/values beside float16
+    # queries, the other kernels ran them: every kernel now casts them to the query's dtype.
+    q, k, v = _qkv(t=3, h=2, d=4)
+    out = dot_product_attention(q.astype("float16"), k, v, kernel=kernel)
+    assert "float16" in str(out.dtype)
+    scores = np.einsum("bthd,bshd->bhts", q.astype("float16").astype("float32"),
+                       k.astype("float16").astype("float32")) / 2.0
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhts,bshd->bthd", weights, v.astype("float16").astype("float32"))
+    assert_close(to_numpy(out).astype("float32"), expected, atol=1e-2)

@@ -370,7 +370,8 @@ def dot_product_attention(
             (reference kernel; active only when `training` is true).
 
     Returns:
-        `(batch, q_len, heads, head_dim)` in the query's dtype (and the weights if asked).
+        `(batch, q_len, heads, head_dim)` in the query's dtype (and the weights if asked);
+        keys and values of another float dtype are cast to the query's first.
         Rows in which every key is masked give zeros, never NaN.
 
     Example:
@@ -387,6 +388,11 @@ def dot_product_attention(
         raise ValueError(
             f"`dropout_rate` must be a number in [0, 1); got dropout_rate={dropout_rate!r}.")
     mask, bias = _check_inputs(query, key, value, mask, bias, scale)
+    # Keys and values of another float dtype than the queries are cast to the queries'
+    # (the output's dtype): torch's kernels and JAX's fused one refused the mix, while the
+    # other kernels ran it.
+    key, value = (x if x.dtype == query.dtype else ops.cast(x, query.dtype)
+                  for x in (key, value))
     is_causal, dropout_rate = bool(is_causal), float(dropout_rate)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     dropout_active = bool(training) and dropout_rate > 0
