@@ -177,3 +177,24 @@ def test_keys_and_values_of_another_float_dtype_run_in_the_querys(kernel):
     weights /= weights.sum(-1, keepdims=True)
     expected = np.einsum("bhts,bshd->bthd", weights, v.astype("float16").astype("float32"))
     assert_close(to_numpy(out).astype("float32"), expected, atol=1e-2)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_symbolic_inputs_give_the_output_spec(kernel):
+    # On keras.Input (a functional model being built) torch's fused and chunked kernels
+    # failed on KerasTensors ("no attribute 'transpose'"); an unknown head_dim without a
+    # scale was a TypeError (JAX) or passed (torch). Now the spec on every backend, and the
+    # unknown head_dim refused by name.
+    import keras
+
+    q, k = keras.Input(shape=(3, 2, 4)), keras.Input(shape=(5, 1, 4))
+    out = dot_product_attention(q, k, k, kernel=kernel, is_causal=True)
+    assert isinstance(out, keras.KerasTensor) and tuple(out.shape) == (None, 3, 2, 4)
+    out, weights = dot_product_attention(q, k, k, return_weights=True)
+    assert tuple(weights.shape) == (None, 2, 3, 5)
+    unknown = keras.Input(shape=(3, 2, None))
+    with pytest.raises(ValueError, match=r"`head_dim` .* must be known .* pass `scale`"):
+        dot_product_attention(unknown, unknown, unknown, kernel=kernel)
+    if kernel != "chunked":  # (TensorFlow's chunked kernel needs a known head_dim)
+        assert tuple(dot_product_attention(unknown, unknown, unknown, scale=0.5,
+                                           kernel=kernel).shape) == (None, 3, 2, None)

@@ -380,6 +380,24 @@ def dot_product_attention(
     (2, 5, 4, 16)
     """
     _check_kernel_name(kernel)
+    shape = getattr(query, "shape", None)
+    if scale is None and shape is not None and len(shape) and shape[-1] is None:
+        raise ValueError(
+            "`head_dim` (the last axis of `query`) must be known when the call is traced to "
+            "give the default scale head_dim ** -0.5; got query with shape "
+            f"{tuple(shape)}. Trace with a static head_dim or pass `scale`."
+        )
+    if any(isinstance(x, keras.KerasTensor) for x in (query, key, value, mask, bias)):
+        # Symbolic inputs (a functional model being built): the output spec, traced through
+        # the backend (torch's kernels call torch functions, which take no KerasTensor).
+        from keras.src import backend as keras_backend
+
+        return keras_backend.compute_output_spec(
+            lambda q, k, v, m, b: dot_product_attention(
+                q, k, v, mask=m, bias=b, is_causal=is_causal, scale=scale, kernel=kernel,
+                return_weights=return_weights, dropout_rate=dropout_rate,
+                training=training, seed_generator=seed_generator),
+            query, key, value, mask, bias)
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     if not isinstance(is_causal, (bool, np.bool_)):
         raise ValueError(f"`is_causal` must be True or False; got is_causal={is_causal!r}.")
