@@ -694,11 +694,15 @@ def reference_attention(
     # (TensorFlow measured the same with JAX's heads-major products and keeps this formula.)
     scores, rows = _masked_scores(_grouped_scores(query, key), mask, bias, is_causal, scale,
                                   q_len, k_len)
-    with warnings.catch_warnings():
-        # One key (a one-token sequence, a first decoding step) is a valid attention: Keras
-        # warns that a softmax over an axis of size 1 "is likely not what you intended".
-        warnings.filterwarnings("ignore", message="You are using a softmax over axis",
-                                category=UserWarning)
+    if scores.shape[-1] == 1:
+        with warnings.catch_warnings():
+            # One key (a one-token sequence, a first decoding step) is a valid attention:
+            # Keras warns that a softmax over an axis of size 1 "is likely not what you
+            # intended".
+            warnings.filterwarnings("ignore", message="You are using a softmax over axis",
+                                    category=UserWarning)
+            weights = ops.softmax(scores, axis=-1)
+    else:
         weights = ops.softmax(scores, axis=-1)
     if rows is not None and (return_weights or dropout_rate > 0):
         weights = ops.where(rows, weights, 0.0)
