@@ -8,6 +8,7 @@ from keras import ops
 
 from kzoo.layers import dot_product_attention
 from kzoo.layers.position import ALiBiBias
+from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.position import RelativePositionBias
 from kzoo.layers.position import RotaryEmbedding
 from kzoo.layers.position import SinusoidalPositionEncoding
@@ -149,6 +150,49 @@ def test_other_position_layers_refuse_start_index_past_int32(layer):
         with pytest.raises(ValueError, match=r"`start_index` .*\(positions are int32\)"):
             make()(x, start_index=start_index)
     assert np.isfinite(to_numpy(make()(x, start_index=INT32_MAX - 2))).all()  # the last fits
+
+
+
+@pytest.mark.parametrize("layer", ["rotary", "sinusoidal", "alibi", "relative"])
+def test_numpy_scalar_start_index_is_checked_as_a_python_int(layer):
+    # Keras makes a tensor of a NumPy call argument before `call`, so an np.int64 past int32
+    # skipped the check above and its positions wrapped round (a 0-d array too).
+    rng = np.random.default_rng(0)
+    if layer == "rotary":
+        x, make = rng.normal(size=(1, 3, 2, 8)).astype("float32"), RotaryEmbedding
+    else:
+        x = rng.normal(size=(1, 3, 4)).astype("float32")
+        make = {"sinusoidal": SinusoidalPositionEncoding, "alibi": lambda: ALiBiBias(2),
+                "relative": lambda: RelativePositionBias(2)}[layer]
+    for start_index in (np.int64(INT32_MAX - 1), np.array(2**40), np.uint64(2**63)):
+        with pytest.raises(ValueError, match=r"`start_index` .*\(positions are int32\)"):
+            make()(x, start_index=start_index)
+    for start_index in (np.int64(-1), np.float32(2.0), np.array(2.5), np.bool_(True)):
+        with pytest.raises(ValueError, match="`start_index` must be a non-negative integer"):
+            make()(x, start_index=start_index)
+    if layer in ("alibi", "relative"):  # (query, key, start_index) given by position: Keras
+        # takes only tensors there, and asks for the keyword, as it does for a Python int
+        with pytest.raises(ValueError, match="should be passed as a keyword argument"):
+            make()(x, x, np.int64(INT32_MAX))
+    # A NumPy integer that fits gives what the same Python int gives.
+    one = make()  # (the relative bias's table is drawn at random: one layer for both)
+    for start_index in (np.int32(5), np.array(5, dtype="int64")):
+        np.testing.assert_allclose(to_numpy(one(x, start_index=start_index)),
+                                   to_numpy(one(x, start_index=5)), atol=1e-6)
+
+
+
+def test_learned_positions_refuse_a_numpy_start_index_past_the_table():
+    # Before: np.int64(10) into a table of 8 rows gave rows 5-7 in silence on torch and JAX
+    # (the slice clamped), a Slice error deep in TensorFlow; a Python 10 was refused by name.
+    x = np.zeros((1, 3, 4), "float32")
+    layer = PositionEmbedding(8)
+    for start_index in (10, np.int64(10), np.array(6)):
+        with pytest.raises(ValueError, match=r"start_index \+ sequence length must be <= "
+                                             r"sequence_length=8; got start_index=(10|6)"):
+            layer(x, start_index=start_index)
+    table = to_numpy(layer.embeddings)
+    np.testing.assert_allclose(to_numpy(layer(x, start_index=np.int64(5)))[0], table[5:8])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

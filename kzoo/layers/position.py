@@ -100,6 +100,32 @@ def _positions(length, start_index, dtype="int32"):
     return ops.cast(positions, dtype)
 
 
+def _host_scalar(value):
+    """A NumPy scalar (`np.int64(5)`, a 0-d array) as the Python value it holds; anything else
+    as it is. Keras turns NumPy call arguments into tensors before `call`, which would skip
+    `_check_start_index`'s checks of a host value (an `np.int64` past int32 wrapped round)."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    return value
+
+
+class _StartIndexLayer(keras.layers.Layer):
+    """A position layer whose `call` takes `start_index`: a NumPy scalar given there is read
+    as the Python value it holds before Keras makes a tensor of it (`_host_scalar`), so that
+    it is checked as a Python int is."""
+
+    # index of `start_index` among `call`'s positional arguments
+    _START_INDEX_ARG = 1
+
+    def __call__(self, *args, **kwargs):
+        if "start_index" in kwargs:
+            kwargs["start_index"] = _host_scalar(kwargs["start_index"])
+        elif len(args) > self._START_INDEX_ARG:
+            args = list(args)
+            args[self._START_INDEX_ARG] = _host_scalar(args[self._START_INDEX_ARG])
+        return super().__call__(*args, **kwargs)
+
+
 class _Shape:
     """Adapter so `check_rank` can validate a shape tuple in `build`."""
 
@@ -115,7 +141,7 @@ def _is_float_dtype(dtype):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class SinusoidalPositionEncoding(keras.layers.Layer):
+class SinusoidalPositionEncoding(_StartIndexLayer):
     """Fixed sinusoidal position encoding (Vaswani et al., 2017, "Attention Is All You Need").
 
     For position `pos` and feature index `j` (with `i = j // 2`):
@@ -196,7 +222,7 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class PositionEmbedding(keras.layers.Layer):
+class PositionEmbedding(_StartIndexLayer):
     """Learned absolute position embedding (as in BERT and GPT-2).
 
     Holds a trainable table `embeddings` of shape `(sequence_length, dim)`, with `dim`
@@ -321,7 +347,7 @@ def rope_inverse_frequencies(max_wavelength, head_dim):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class RotaryEmbedding(keras.layers.Layer):
+class RotaryEmbedding(_StartIndexLayer):
     """Rotary position embedding, RoPE (Su et al., 2021, "RoFormer").
 
     Feature pairs `(x1, x2)` of each head are rotated by the angle
@@ -471,7 +497,7 @@ def alibi_slopes(num_heads):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class ALiBiBias(keras.layers.Layer):
+class ALiBiBias(_StartIndexLayer):
     """Attention with Linear Biases, ALiBi (Press et al., 2022, "Train Short, Test Long").
 
     Query `i` sits at position `start_index + i` and key `j` at position `j`. The additive
@@ -507,6 +533,8 @@ class ALiBiBias(keras.layers.Layer):
     alibi.slopes()                             # [0.5, 0.25, ..., 0.00390625]
     ```
     """
+
+    _START_INDEX_ARG = 2  # (query, key, start_index)
 
     def __init__(self, num_heads, bidirectional=False, **kwargs):
         super().__init__(**kwargs)
@@ -621,7 +649,7 @@ def relative_position_bucket(relative_position, bidirectional=True, num_buckets=
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class RelativePositionBias(keras.layers.Layer):
+class RelativePositionBias(_StartIndexLayer):
     """T5 relative position bias (Raffel et al., 2020, "Exploring the Limits of Transfer
     Learning with a Unified Text-to-Text Transformer").
 
@@ -655,6 +683,8 @@ class RelativePositionBias(keras.layers.Layer):
     bias = bias_layer(x)        # (1, 8, 10, 10); bias_layer.embeddings.shape == (32, 8)
     ```
     """
+
+    _START_INDEX_ARG = 2  # (query, key, start_index)
 
     def __init__(
         self,
