@@ -137,6 +137,12 @@ def config_from_hf(hf, source="config.json"):
         raise ValueError(
             "Unsupported tie_encoder_decoder=True (encoder and decoder sharing weights)."
         )
+    if hf.get("pruned_heads"):
+        # (was loaded as if no head were pruned)
+        raise ValueError(
+            f"Unsupported pruned_heads={hf['pruned_heads']!r}: kzoo's T5 attention has "
+            "num_heads heads in every layer."
+        )
     num_layers = hf.get("num_layers", 6)
     num_decoder_layers = hf.get("num_decoder_layers")
     config = {
