@@ -218,6 +218,40 @@ def test_equals_dense_formula_forward_and_gradients(data, name, causal):
         assert_close(got, want, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window, block_size", [(4096, None), (N, None), (5, 64)])
+def test_sliding_window_on_a_sequence_shorter_than_a_block(data, monkeypatch, causal, window,
+                                                           block_size):
+    # Blocks of `window` rows padded a short sequence to the whole window (Mistral's 4,096:
+    # 6 s for 16 tokens on torch's CPU). A window no shorter than the sequence hides no key
+    # (plain attention, never the blocked path); a block longer than it is cut to its length.
+    import kzoo.layers.sparse_attention as sparse
+
+    q, k, v, pad, cot = data
+    blocks = []
+    local_setup = sparse._local_setup
+
+    def recorded(query, key, value, mask, window_, block, causal_):
+        blocks.append(block)
+        return local_setup(query, key, value, mask, window_, block, causal_)
+
+    monkeypatch.setattr(sparse, "_local_setup", recorded)
+    full = _band(window, causal)[None, None] & pad[:, None, None, :]
+
+    def ref(q_, k_, v_):
+        return kernels.reference_attention(q_, k_, v_, mask=full)
+
+    def sliding(q_, k_, v_):
+        return sliding_window_attention(q_, k_, v_, window, causal=causal, mask=pad,
+                                        block_size=block_size)
+
+    assert_close(run(sliding, [q, k, v]), run(ref, [q, k, v]), atol=1e-5)
+    for got, want in zip(grads(sliding, [q, k, v], cot), grads(ref, [q, k, v], cot)):
+        assert_close(got, want, atol=1e-5)
+    assert set(blocks) == (set() if window >= N else {N})
+
+
 def test_fully_padded_rows_are_zero_not_nan(data):
     q, k, v, _, _ = data
     pad = np.zeros((B, N), bool)
