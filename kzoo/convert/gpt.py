@@ -22,9 +22,10 @@ projections are `nn.Linear` weights `(out, in)`, transposed to Keras kernels. Ho
 `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
 `num_key_value_heads`, `hidden_act`, `max_position_embeddings`, `rms_norm_eps`, `rope_theta`,
 `attention_bias` / `mlp_bias` (equal), `tie_word_embeddings`, `num_local_experts`,
-`num_experts_per_tok`; rejected: `rope_scaling`, a `head_dim` other than
-hidden_size / num_attention_heads, a `sliding_window` shorter than `max_position_embeddings`,
-`attention_bias != mlp_bias`.
+`num_experts_per_tok`, `sliding_window` (Mistral and Mixtral, whatever its size: rotary models
+run on sequences longer than `max_position_embeddings`, where a window that long still
+bites; LLaMA's attention ignores the field, and so does kzoo); rejected: `rope_scaling`, a
+`head_dim` other than hidden_size / num_attention_heads, `attention_bias != mlp_bias`.
 
 Example:
 >>> lm = kzoo.presets.load("/path/to/gpt2")             # a save_pretrained directory
@@ -277,7 +278,9 @@ def _modern_config_from_hf(hf_config, source):
             f"{model_type} config: pretraining_tp={cfg['pretraining_tp']} only splits the "
             "matrix products; the result is the same.", stacklevel=2,
         )
-    window, positions = cfg.get("sliding_window"), cfg["max_position_embeddings"]
+    # transformers' LLaMA ignores a `sliding_window` in its config.json (its mask is always
+    # the plain causal one); Mistral and Mixtral apply it.
+    window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None
     if window is not None and (
         isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
@@ -286,8 +289,11 @@ def _modern_config_from_hf(hf_config, source):
             "positive integer."
         )
     # Query i sees keys j with 0 <= i - j < sliding_window (transformers'
-    # `sliding_window_overlay`): kzoo's causal sliding window of the same size.
-    sliding = window is not None and window < positions
+    # `sliding_window_overlay`): kzoo's causal sliding window of the same size. Kept even when
+    # it is no shorter than max_position_embeddings: a rotary model's forward pass takes longer
+    # sequences (max_sequence_length bounds `generate` only), and transformers applies the
+    # window there.
+    sliding = window is not None
     heads = cfg["num_attention_heads"]
     config = dict(
         vocabulary_size=cfg["vocab_size"],
