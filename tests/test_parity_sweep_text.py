@@ -59,7 +59,7 @@ def _settings(examples):
 # `activation_function` / `hidden_act` values the converters document as honoured (written
 # out here, not read back from the converters).
 HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "gelu_python", "relu",
-                  "silu", "swish", "quick_gelu", "tanh", "sigmoid", "linear")
+                  "silu", "swish", "quick_gelu", "tanh", "sigmoid", "linear", "gelu_accurate")
 EPSILONS = (1e-12, 1e-6, 1e-5, 1e-3, 1e-1)
 HEAD_DIMS = (4, 8, 16)
 
@@ -264,6 +264,20 @@ def test_llama_ignores_a_sliding_window_as_transformers_does(tmp_path):
     model = kzoo.presets.load(tmp_path)
     ids = np.random.default_rng(1).integers(0, 64, (2, 10)).astype("int32")
     _assert_decoder_matches(model, hf, ids, np.ones_like(ids), "llama with sliding_window=3")
+
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"type": "default"}])
+def test_llama_default_rope_scaling_loads_as_none(tmp_path, scaling):
+    """transformers' `rope_type` "default" is the plain rotary frequencies, as no
+    `rope_scaling`; kzoo refused it with the scalings it does not implement."""
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                  rope_scaling=scaling, rope_theta=500.0, initializer_range=0.2)
+    hf = _hf_modern(tmp_path, "llama", config, seed=0)
+    model = kzoo.presets.load(tmp_path)
+    ids = np.random.default_rng(2).integers(0, 64, (2, 12)).astype("int32")
+    _assert_decoder_matches(model, hf, ids, np.ones_like(ids), f"llama rope_scaling {scaling}")
 
 
 # === Greedy decoding (both decoder kinds) ===

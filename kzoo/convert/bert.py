@@ -53,6 +53,7 @@ HF_ACTIVATIONS = {
     "gelu_python": "gelu",
     "gelu_new": "gelu_new",
     "gelu_fast": "gelu_new",
+    "gelu_accurate": "gelu_new",  # (transformers' AccurateGELU: the same formula)
     "gelu_pytorch_tanh": "gelu_pytorch_tanh",
     "relu": "relu",
     "silu": "silu",

@@ -62,6 +62,7 @@ _ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
+    "gelu_accurate": "gelu_tanh",  # (transformers' AccurateGELU: the same formula)
     "gelu": "gelu",
     "gelu_python": "gelu",
     "relu": "relu",
@@ -256,10 +257,13 @@ def _modern_config_from_hf(hf_config, source):
             f"Unsupported {model_type} architecture {arch!r} (config field `architectures`); "
             f"kzoo reads {sorted(archs)}."
         )
-    if cfg.get("rope_scaling") is not None:
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None  # (transformers' name for no scaling: the plain rotary frequencies)
+    if scaling is not None:
         raise ValueError(
             f"{model_type} config field `rope_scaling`={cfg['rope_scaling']!r} is not "
-            "supported (only rope_scaling=None)."
+            "supported (only rope_scaling=None or rope_type \"default\")."
         )
     act = cfg["hidden_act"]
     if act not in _ACTIVATIONS:

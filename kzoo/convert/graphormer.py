@@ -66,6 +66,7 @@ _ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
+    "gelu_accurate": "gelu_tanh",  # (transformers' AccurateGELU: the same formula)
     "quick_gelu": "quick_gelu",
     "relu": "relu",
     "silu": "silu",

@@ -42,6 +42,7 @@ _ACTIVATIONS = {
     "gelu_python": "gelu",
     "gelu_new": "gelu_new",
     "gelu_fast": "gelu_new",  # (the tanh form with sqrt(2 / pi) as 0.7978845608)
+    "gelu_accurate": "gelu_new",  # (transformers' AccurateGELU: the same formula)
     "gelu_pytorch_tanh": "gelu_pytorch_tanh",
     "gelu_python_tanh": "gelu_tanh",
     "quick_gelu": "quick_gelu",
