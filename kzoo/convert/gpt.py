@@ -25,7 +25,8 @@ projections are `nn.Linear` weights `(out, in)`, transposed to Keras kernels. Ho
 `num_experts_per_tok`, `sliding_window` (Mistral and Mixtral, whatever its size: rotary models
 run on sequences longer than `max_position_embeddings`, where a window that long still
 bites; LLaMA's attention ignores the field, and so does kzoo), `rope_scaling` of `rope_type`
-"default" (no scaling); rejected: any other `rope_scaling`, a `head_dim` other than hidden_size / num_attention_heads, `attention_bias != mlp_bias`.
+"default" (no scaling); rejected: any other `rope_scaling`, a `head_dim` other than
+hidden_size / num_attention_heads, `attention_bias != mlp_bias`.
 
 Example:
 >>> lm = kzoo.presets.load("/path/to/gpt2")             # a save_pretrained directory
