@@ -46,6 +46,7 @@ import kzoo.presets
 from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
 from kzoo.models.vit import ViTBackbone, ViTClassifier
 from tests.harness import QUICKER_LOOP, assert_matches_transformers, hf_checkpoint
+from tests.test_t5 import _hf_kwargs as _t5_hf_kwargs
 
 ATOL = 1e-5
 BACKEND = keras.backend.backend()
@@ -227,13 +228,6 @@ def _t5_inputs(case, vocab):
         ids = rng.integers(2, vocab, mask.shape).astype("int32")
         out[f"{side}_token_ids"], out[f"{side}_padding_mask"] = ids, mask
     return out
-
-
-def _t5_hf_kwargs(inputs):
-    return dict(input_ids=inputs["encoder_token_ids"],
-                attention_mask=inputs["encoder_padding_mask"],
-                decoder_input_ids=inputs["decoder_token_ids"],
-                decoder_attention_mask=inputs["decoder_padding_mask"])
 
 
 def _check_t5_config(model, hf_config):
