@@ -46,6 +46,7 @@ import kzoo.presets
 from kzoo.models.t5 import T5Backbone, T5Seq2SeqLM
 from kzoo.models.vit import ViTBackbone, ViTClassifier
 from tests.harness import QUICKER_LOOP, assert_matches_transformers, hf_checkpoint
+from tests.test_t5 import _cut_at_stop
 from tests.test_t5 import _hf_kwargs as _t5_hf_kwargs
 
 ATOL = 1e-5
@@ -269,17 +270,6 @@ def test_t5_outputs_match_transformers(version, data):
             kzoo_select=lambda out, side=side: out[f"{side}_sequence_output"],
             select=lambda out, name=hf_name: getattr(out, name), atol=ATOL,
             label=f"{label} {side}")
-
-
-def _cut_at_stop(row, stop, pad_id=0):
-    """A transformers `generate` row (new tokens, padded after the stop) -> the tokens up to
-    and including the first `stop`, as kzoo returns them."""
-    row = [int(t) for t in row]
-    if stop not in row:
-        return row
-    end = row.index(stop) + 1
-    assert all(t == pad_id for t in row[end:]), row
-    return row[:end]
 
 
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
