@@ -128,18 +128,24 @@ def gpt2_configs(draw):
     )
 
 
-def _hf_gpt2(path, config, seed, lm_head=True):
+def _saved_hf_model(path, cls, config_cls, config, seed):
+    """`cls(config_cls(**config))` seeded, perturbed and saved to `path`. The eager attention
+    is transformers' reference path (its SDPA path ignores scale_attn_weights=False in
+    4.57)."""
     import torch
-    import transformers
 
     torch.manual_seed(seed)
-    cls = transformers.GPT2LMHeadModel if lm_head else transformers.GPT2Model
-    # The eager attention is transformers' reference path (its SDPA path ignores
-    # scale_attn_weights=False in 4.57).
-    model = cls(transformers.GPT2Config(**config, attn_implementation="eager")).eval()
+    model = cls(config_cls(**config, attn_implementation="eager")).eval()
     _perturb(model, seed)
     hf_checkpoint(path, model)
     return model
+
+
+def _hf_gpt2(path, config, seed, lm_head=True):
+    import transformers
+
+    cls = transformers.GPT2LMHeadModel if lm_head else transformers.GPT2Model
+    return _saved_hf_model(path, cls, transformers.GPT2Config, config, seed)
 
 
 @_settings(12)
@@ -208,17 +214,11 @@ def modern_configs(draw, model_type=None):
 
 
 def _hf_modern(path, model_type, config, seed, lm_head=True):
-    import torch
     import transformers
 
     name = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral"}[model_type]
     cls = getattr(transformers, f"{name}ForCausalLM" if lm_head else f"{name}Model")
-    cfg_cls = getattr(transformers, f"{name}Config")
-    torch.manual_seed(seed)
-    model = cls(cfg_cls(**config, attn_implementation="eager")).eval()
-    _perturb(model, seed)
-    hf_checkpoint(path, model)
-    return model
+    return _saved_hf_model(path, cls, getattr(transformers, f"{name}Config"), config, seed)
 
 
 @_settings(12)
