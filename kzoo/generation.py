@@ -96,9 +96,11 @@ def check_sampling_args(strategy, temperature, top_k, top_p, strategies=STRATEGI
         raise ValueError(
             f"`strategy` must be one of {list(strategies)}; got strategy={strategy!r}."
         )
-    if not _is_number(temperature) or not temperature > 0:
+    # (inf was accepted: logits / inf are all 0, a tie that top-k keeps whole, and
+    # -inf / inf is NaN)
+    if not _is_number(temperature) or not 0 < temperature < float("inf"):
         raise ValueError(
-            f"`temperature` must be a positive number; got temperature={temperature!r}."
+            f"`temperature` must be a positive finite number; got temperature={temperature!r}."
         )
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1
@@ -207,7 +209,7 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
         logits: `(batch, vocab)` floats (computed in float32): a tensor, a NumPy array or
             a nested list (converted). Any other rank raises `ValueError` (for one row of
             shape `(vocab,)` pass `logits[None]`).
-        temperature: positive number.
+        temperature: positive finite number.
         top_k: None or a positive int (values above `vocab` keep everything).
         top_p: None or a number in (0, 1].
 
@@ -233,6 +235,11 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
                               _MASKED)
         finite = ops.all(ops.isfinite(scaled), axis=-1, keepdims=True)
         logits = ops.where(finite, scaled, shifted)
+    # A row whose largest logit is at or below the mask value (-2 / 1e-30) would leave the
+    # masked tokens the most likely ones (top-k / top-p sampled only what they removed): it
+    # is shifted to a maximum of 0 first (the same probabilities).
+    top = ops.max(logits, axis=-1, keepdims=True)
+    logits = ops.where(top > _MASKED, logits, ops.maximum(logits - top, _MASKED))
     masked = ops.full_like(logits, _MASKED)
     vocab = logits.shape[-1]
     if top_k is not None and (vocab is None or top_k < vocab):
@@ -267,7 +274,7 @@ def select_next_token(
         logits: `(batch, vocab)` (any float dtype; computed in float32): a tensor, a NumPy
             array or a nested list (converted). Any other rank raises `ValueError`.
         strategy: "greedy" or "sample".
-        temperature: positive number dividing the logits before sampling.
+        temperature: positive finite number dividing the logits before sampling.
         top_k: None or a positive int: sample among the `top_k` most likely tokens.
         top_p: None or a number in (0, 1]: nucleus sampling.
         seed: a `keras.random.SeedGenerator` (advances at each call: use it for a sequence
@@ -489,7 +496,7 @@ class RandomSampler(Sampler):
     once per call (`keras.random` would read its seed on the host at every step).
 
     Args:
-        temperature: positive number dividing the logits.
+        temperature: positive finite number dividing the logits.
         top_k: None or a positive int: sample among the `top_k` most likely tokens.
         top_p: None or a number in (0, 1]: nucleus sampling.
 
