@@ -556,6 +556,20 @@ class RandomSampler(Sampler):
         return carry
 
 
+def _check_beam_args(length_penalty, early_stopping):
+    if not _is_number(length_penalty) or not np.isfinite(length_penalty):
+        raise ValueError(
+            f"`length_penalty` must be a finite number; got length_penalty="
+            f"{length_penalty!r}."
+        )
+    if not any(early_stopping is e or (isinstance(e, str) and early_stopping == e)
+               for e in EARLY_STOPPING):
+        raise ValueError(
+            f"`early_stopping` must be one of {list(EARLY_STOPPING)}; got "
+            f"early_stopping={early_stopping!r}."
+        )
+
+
 class BeamSampler(Sampler):
     """Beam search, reproducing Hugging Face transformers 4.57 (`_beam_search`) token for token.
 
@@ -599,17 +613,7 @@ class BeamSampler(Sampler):
 
     def __init__(self, num_beams=DEFAULT_NUM_BEAMS, length_penalty=1.0, early_stopping=False):
         check_positive_int("num_beams", num_beams)
-        if not _is_number(length_penalty) or not np.isfinite(length_penalty):
-            raise ValueError(
-                f"`length_penalty` must be a finite number; got length_penalty="
-                f"{length_penalty!r}."
-            )
-        if not any(early_stopping is e or (isinstance(e, str) and early_stopping == e)
-                   for e in EARLY_STOPPING):
-            raise ValueError(
-                f"`early_stopping` must be one of {list(EARLY_STOPPING)}; got "
-                f"early_stopping={early_stopping!r}."
-            )
+        _check_beam_args(length_penalty, early_stopping)
         self.num_beams = int(num_beams)
         self.length_penalty = float(length_penalty)
         self.early_stopping = early_stopping
@@ -741,6 +745,9 @@ def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num
     check_sampling_args(strategy, temperature, top_k, top_p)
     if num_beams is not None:
         check_positive_int("num_beams", num_beams)
+    # (checked for every strategy: a NaN length_penalty passed with sampling or greedy
+    # decoding was ignored in silence)
+    _check_beam_args(length_penalty, early_stopping)
     if strategy == "sample":
         if num_beams not in (None, 1):
             raise ValueError(

@@ -610,6 +610,11 @@ BAD_GENERATE_ARGUMENTS = [
     ("max_new_tokens", 2.0, dict(strategy="sample")),
     ("length_penalty", NAN, dict(strategy="beam")),
     ("early_stopping", "sometimes", dict(strategy="beam")),
+    # the beam arguments are checked with every strategy (they were ignored in silence)
+    ("length_penalty", NAN, dict(strategy="sample")),
+    ("length_penalty", "long", {}),
+    ("early_stopping", "sometimes", dict(strategy="sample")),
+    ("early_stopping", 1, {}),
     ("stop_token_ids", [1.5], dict(strategy="sample")),
     ("stop_token_ids", -1, dict(strategy="sample")),
 ]
