@@ -639,7 +639,10 @@ def _gpt2_from_kzoo(backbone):
     _require("use_bias", backbone.use_bias, (True,), what)
     _require("tie_embeddings", backbone.tie_embeddings, (True,), what)
     head_dim = backbone.hidden_dim // backbone.num_heads
-    _require("attention_scale", backbone.attention_scale, (None, 1 / math.sqrt(head_dim)), what)
+    scale = backbone.attention_scale
+    if scale is not None and math.isclose(scale, 1 / math.sqrt(head_dim), rel_tol=1e-12):
+        scale = None  # e.g. head_dim ** -0.5, which can differ from 1 / sqrt in the last bit
+    _require("attention_scale", scale, (None, 1 / math.sqrt(head_dim)), what)
     _require_full_attention(backbone, what)
     return {key: getattr(backbone, key) for key in _GPT2_FIELDS}
 
@@ -829,6 +832,14 @@ def _vit_classifier_to_kzoo(config, source, backbone_config):
     pooling = config.get("pooling", "token")
     if pooling == "gap" and not backbone_config["use_class_token"]:
         pooling = "mean"  # no class token: both average the patch tokens
+    elif pooling == "token" and not backbone_config["use_class_token"]:
+        # (was refused by ViTClassifier's constructor, which suggested pooling='mean')
+        raise ValueError(
+            f"In {source}: ViTImageClassifier pooling='token' on a backbone with "
+            "use_class_token=False (keras-hub then classifies the first patch token) is not "
+            "supported by kzoo's ViTClassifier; allowed: pooling='token' with a class token, "
+            "or 'gap' without one."
+        )
     elif pooling != "token":
         raise ValueError(
             f"In {source}: ViTImageClassifier pooling={pooling!r} is not supported on a "
