@@ -212,6 +212,18 @@ def _check_text_config(backbone, hub_config):
             assert getattr(backbone, key) == hub_config[key], (key, hub_config)
 
 
+def _hub_round_trip(data, hub_backbone, task, head, tmp_path):
+    """`hub_backbone`, or `task(hub_backbone, **head)` when `task` is given, randomised, saved
+    with keras-hub's `save_to_preset` and loaded by kzoo: `(keras-hub model, kzoo model, kzoo
+    backbone)`."""
+    hub_model = hub_backbone if task is None else task(hub_backbone, preprocessor=None, **head)
+    _randomise(hub_model, data.draw(st.integers(0, 2**16), label="seed"))
+    path = _preset_dir(tmp_path)
+    hub_model.save_to_preset(path)
+    model = kzoo.presets.load(path)
+    return hub_model, model, (model if task is None else model.backbone)
+
+
 @sweep(8)
 @given(data=st.data())
 def test_keras_hub_bert_preset_matches_keras_hub(data, tmp_path):
@@ -219,19 +231,14 @@ def test_keras_hub_bert_preset_matches_keras_hub(data, tmp_path):
     config["num_segments"] = data.draw(_first_then(2, 1, 3), label="num_segments")
     classifier = data.draw(_first_then(True, False), label="BertTextClassifier")
     hub_backbone = keras_hub.models.BertBackbone(**config)
-    hub_model = hub_backbone
+    head = None
     if classifier:
         head = dict(num_classes=data.draw(_first_then(3, 1, 2, 5), label="num_classes"),
                     dropout=data.draw(_first_then(0.1, 0.0, 0.4), label="head dropout"),
                     activation=data.draw(_first_then(None, "linear"), label="activation"))
-        hub_model = keras_hub.models.BertTextClassifier(hub_backbone, preprocessor=None,
-                                                        **head)
-    _randomise(hub_model, data.draw(st.integers(0, 2**16), label="seed"))
-    path = _preset_dir(tmp_path)
-    hub_model.save_to_preset(path)
-
-    model = kzoo.presets.load(path)
-    backbone = model.backbone if classifier else model
+    hub_model, model, backbone = _hub_round_trip(
+        data, hub_backbone, keras_hub.models.BertTextClassifier if classifier else None, head,
+        tmp_path)
     assert isinstance(backbone, kzoo.models.bert.BertBackbone)
     assert (backbone.activation, backbone.layer_norm_epsilon) == ("gelu_tanh", 1e-12)
     _check_text_config(backbone, config)
@@ -253,15 +260,8 @@ def test_keras_hub_gpt2_preset_matches_keras_hub(data, tmp_path):
     config = data.draw(text_sizes(), label="GPT2Backbone config")
     causal_lm = data.draw(_first_then(True, False), label="GPT2CausalLM")
     hub_backbone = keras_hub.models.GPT2Backbone(**config)
-    hub_model = hub_backbone
-    if causal_lm:
-        hub_model = keras_hub.models.GPT2CausalLM(hub_backbone, preprocessor=None)
-    _randomise(hub_model, data.draw(st.integers(0, 2**16), label="seed"))
-    path = _preset_dir(tmp_path)
-    hub_model.save_to_preset(path)
-
-    model = kzoo.presets.load(path)
-    backbone = model.backbone if causal_lm else model
+    hub_model, model, backbone = _hub_round_trip(
+        data, hub_backbone, keras_hub.models.GPT2CausalLM if causal_lm else None, {}, tmp_path)
     assert isinstance(backbone, kzoo.models.gpt.GPTBackbone)
     assert (backbone.activation, backbone.layer_norm_epsilon, backbone.position,
             backbone.tie_embeddings) == ("gelu_tanh", 1e-5, "learned", True)
@@ -318,7 +318,7 @@ def test_keras_hub_vit_preset_matches_keras_hub(data, tmp_path):
     config = data.draw(vit_hub_configs(), label="ViTBackbone config")
     classifier = data.draw(_first_then(True, False), label="ViTImageClassifier")
     hub_backbone = keras_hub.models.ViTBackbone(**config)
-    hub_model = hub_backbone
+    head = None
     if classifier:
         # "token" reads the class token; without one keras-hub's "token" reads the first
         # patch, which kzoo refuses (test_keras_hub_presets_kzoo_refuses), and "gap" averages
@@ -327,14 +327,9 @@ def test_keras_hub_vit_preset_matches_keras_hub(data, tmp_path):
                     pooling="token" if config["use_class_token"] else "gap",
                     dropout=data.draw(_first_then(0.0, 0.3), label="head dropout"),
                     activation=data.draw(_first_then(None, "linear"), label="activation"))
-        hub_model = keras_hub.models.ViTImageClassifier(hub_backbone, preprocessor=None,
-                                                        **head)
-    _randomise(hub_model, data.draw(st.integers(0, 2**16), label="seed"))
-    path = _preset_dir(tmp_path)
-    hub_model.save_to_preset(path)
-
-    model = kzoo.presets.load(path)
-    backbone = model.backbone if classifier else model
+    hub_model, model, backbone = _hub_round_trip(
+        data, hub_backbone, keras_hub.models.ViTImageClassifier if classifier else None, head,
+        tmp_path)
     assert isinstance(backbone, kzoo.models.vit.ViTBackbone)
     height, width, channels = config["image_shape"]
     assert _pair(backbone.image_size) == (height, width)
