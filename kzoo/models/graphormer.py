@@ -753,11 +753,14 @@ class GraphormerBackbone(Backbone):
     def id_inputs(self):
         """The ids of every embedding table, checked at every entry point (`kzoo.inputs`):
         node features in `[0, num_atoms]`, degrees below `num_in_degree` / `num_out_degree`,
-        `spatial_pos` below `num_spatial`, edge features (`attn_edge_type`, `input_edges`)
-        in `[0, num_edges]`. Padding is id 0 everywhere, so there is no mask."""
+        `spatial_pos` below `num_spatial`, edge features (`attn_edge_type`, and
+        `input_edges` with `edge_type="multi_hop"`) in `[0, num_edges]`. Padding is id 0
+        everywhere, so there is no mask. A single-hop model never reads `input_edges`,
+        whose ids are `attn_edge_type`'s + 1: checking them refused batches whose largest
+        edge id is `num_edges`, which it and transformers' single-hop model run."""
         c = self.config
         pair = ("graph", "from node", "to node")
-        return (
+        ids = (
             IdInput("input_nodes", c.num_atoms + 1, "num_atoms + 1",
                     axes=("graph", "node", "feature")),
             IdInput("in_degree", c.num_in_degree, "num_in_degree", axes=("graph", "node")),
@@ -765,9 +768,11 @@ class GraphormerBackbone(Backbone):
             IdInput("spatial_pos", c.num_spatial, "num_spatial", axes=pair),
             IdInput("attn_edge_type", c.num_edges + 1, "num_edges + 1",
                     axes=pair + ("feature",)),
-            IdInput("input_edges", c.num_edges + 1, "num_edges + 1",
-                    axes=pair + ("hop", "feature")),
         )
+        if c.edge_type != "multi_hop":
+            return ids
+        return ids + (IdInput("input_edges", c.num_edges + 1, "num_edges + 1",
+                              axes=pair + ("hop", "feature")),)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
