@@ -87,8 +87,9 @@ def _graph(n, feature):
                                                                         "int64")}
 
 
-def _graphormer():
+def _graphormer(edge_type="multi_hop"):
     backbone = GraphormerBackbone(**GRAPHORMER_TABLES, num_edge_dis=4, multi_hop_max_dist=2,
+                                  edge_type=edge_type,
                                   num_layers=1, hidden_dim=8, intermediate_dim=8,
                                   num_heads=2, dropout=0.0, attention_dropout=0.0,
                                   activation_dropout=0.0)
@@ -106,11 +107,15 @@ def _graphormer():
 
 
 FAMILIES = {"gpt": _gpt, "bert": _bert, "t5": _t5, "graphormer": _graphormer}
+# A Graphormer reads one of its two edge inputs: `input_edges` (multi-hop, the one above) or
+# `attn_edge_type` (single-hop, this one); only the one it reads is checked.
+OTHER_MODELS = {"graphormer_single_hop": lambda: _graphormer("single_hop")}
 LOSSES = {
     "gpt": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     "bert": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     "t5": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     "graphormer": lambda: "mse",
+    "graphormer_single_hop": lambda: "mse",
 }
 # How a position reads in the message, by input (the axes of each array).
 AXES = {
@@ -128,7 +133,7 @@ _BUILT = {}
 def _family(name):
     """The family's (model, x, y, sizes), built once per test module and compiled."""
     if name not in _BUILT:
-        model, x, y, sizes = FAMILIES[name]()
+        model, x, y, sizes = {**FAMILIES, **OTHER_MODELS}[name]()
         model.compile(optimizer="sgd", loss=LOSSES[name]())
         _BUILT[name] = model, x, y, sizes
     return _BUILT[name]
@@ -153,7 +158,8 @@ BAD_CASES = [(family, key, kind) for family, build in
              (("gpt", ["token_ids"]), ("bert", ["token_ids", "segment_ids"]),
               ("t5", ["encoder_token_ids", "decoder_token_ids"]),
               ("graphormer", ["input_nodes", "in_degree", "out_degree", "spatial_pos",
-                              "attn_edge_type", "input_edges"]))
+                              "input_edges"]),
+              ("graphormer_single_hop", ["attn_edge_type"]))
              for key in build for kind in ("too_large", "negative")]
 
 
@@ -187,6 +193,20 @@ def test_out_of_range_id_is_refused_by_every_array_entry_point(family, key, kind
     # The messages name the entry point and the allowed range.
     with pytest.raises(ValueError, match=rf"fit's validation_data.*\[0, {sizes[key]}\)"):
         calls["fit validation_data"]()
+
+
+@pytest.mark.parametrize("family, unread", [("graphormer", "attn_edge_type"),
+                                             ("graphormer_single_hop", "input_edges")])
+def test_graphormer_edge_input_it_does_not_read_is_not_checked(family, unread):
+    """A multi-hop Graphormer reads `input_edges`, a single-hop one `attn_edge_type`, as
+    transformers' does: ids past the table in the other one are neither refused nor read
+    (each was refused: a single-hop batch whose largest edge id is `num_edges` has that id
+    + 1 in `input_edges`; a self-loop's features are only in `attn_edge_type`)."""
+    model, x, _, sizes = _family(family)
+    bad, _ = _bad(x, unread, sizes[unread] + 5)
+    np.testing.assert_array_equal(_outputs(model, bad), _outputs(model, x))
+    np.testing.assert_allclose(model.predict(bad, verbose=0), model.predict(x, verbose=0),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.spread

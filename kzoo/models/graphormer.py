@@ -751,13 +751,16 @@ class GraphormerBackbone(Backbone):
         self.head_transform = head_transform
 
     def id_inputs(self):
-        """The ids of every embedding table, checked at every entry point (`kzoo.inputs`):
-        node features in `[0, num_atoms]`, degrees below `num_in_degree` / `num_out_degree`,
-        `spatial_pos` below `num_spatial`, edge features (`attn_edge_type`, and
-        `input_edges` with `edge_type="multi_hop"`) in `[0, num_edges]`. Padding is id 0
-        everywhere, so there is no mask. A single-hop model never reads `input_edges`,
-        whose ids are `attn_edge_type`'s + 1: checking them refused batches whose largest
-        edge id is `num_edges`, which it and transformers' single-hop model run."""
+        """The ids of every embedding table the model reads, checked at every entry point
+        (`kzoo.inputs`): node features in `[0, num_atoms]`, degrees below `num_in_degree` /
+        `num_out_degree`, `spatial_pos` below `num_spatial`, and the edge features in
+        `[0, num_edges]`: `input_edges` (the edges along each shortest path) with
+        `edge_type="multi_hop"`, `attn_edge_type` (the direct edge) with "single_hop".
+        Padding is id 0 everywhere, so there is no mask. The edge input a model does not
+        read is not checked, as transformers' Graphormer does not read it: `input_edges`'
+        ids are `attn_edge_type`'s + 1, so checking both refused a single-hop batch whose
+        largest edge id is `num_edges`; and a self-loop's features appear only in
+        `attn_edge_type`, so a multi-hop model refused batches it runs."""
         c = self.config
         pair = ("graph", "from node", "to node")
         ids = (
@@ -766,13 +769,12 @@ class GraphormerBackbone(Backbone):
             IdInput("in_degree", c.num_in_degree, "num_in_degree", axes=("graph", "node")),
             IdInput("out_degree", c.num_out_degree, "num_out_degree", axes=("graph", "node")),
             IdInput("spatial_pos", c.num_spatial, "num_spatial", axes=pair),
-            IdInput("attn_edge_type", c.num_edges + 1, "num_edges + 1",
-                    axes=pair + ("feature",)),
         )
-        if c.edge_type != "multi_hop":
-            return ids
-        return ids + (IdInput("input_edges", c.num_edges + 1, "num_edges + 1",
-                              axes=pair + ("hop", "feature")),)
+        if c.edge_type == "multi_hop":
+            return ids + (IdInput("input_edges", c.num_edges + 1, "num_edges + 1",
+                                  axes=pair + ("hop", "feature")),)
+        return ids + (IdInput("attn_edge_type", c.num_edges + 1, "num_edges + 1",
+                              axes=pair + ("feature",)),)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
