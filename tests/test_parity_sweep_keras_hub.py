@@ -78,7 +78,7 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def sweep(examples, jax_examples=2):
+def sweep(examples, jax_examples=1):
     """Hypothesis settings of a sweep: `examples` cases on torch and TensorFlow,
     `jax_examples` on JAX (times KZOO_SWEEP_EXAMPLES), reproducible, no deadline. JAX
     compiles the initializers and eager ops of each new shape: a drawn model costs it ~5 s on
@@ -598,6 +598,9 @@ REFUSED_PRESETS = {
 }
 
 
+# The refusals read a preset's JSON and HDF5 files, the same code on every backend: each case
+# runs on one backend in the default suite (`spread`; on all three in `make test-all`).
+@pytest.mark.spread
 @pytest.mark.parametrize("case", list(REFUSED_PRESETS))
 def test_keras_hub_presets_kzoo_refuses(case, tmp_path):
     build, save_kwargs, edit, field = REFUSED_PRESETS[case]
@@ -656,6 +659,7 @@ REFUSED_SAVES = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", list(REFUSED_SAVES))
 @sweep(2, jax_examples=1)
 @given(data=st.data())
