@@ -631,6 +631,8 @@ HF_VARIANTS = {
     "relu_eps": dict(activation_function="relu", layer_norm_epsilon=1e-3, n_head=2),
     # (BERT's and ViT's converters took it; GPT-2's too now)
     "gelu_python": dict(activation_function="gelu_python"),
+    # (ViT's converter took it; the others too now)
+    "gelu_python_tanh": dict(activation_function="gelu_python_tanh"),
 }
 
 

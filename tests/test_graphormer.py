@@ -396,6 +396,7 @@ HF_CONFIGS = [
          activation_fn="relu", num_classes=1),
     dict(edge_type="single_hop", bias=False, apply_graphormer_init=True, multi_hop_max_dist=2),
     dict(multi_hop_max_dist=0, num_edge_dis=600, activation_fn="gelu_new"),
+    dict(activation_fn="gelu_python_tanh"),  # (refused before; ViT's converter took it)
 ]
 
 

@@ -55,6 +55,7 @@ HF_ACTIVATIONS = {
     "gelu_fast": "gelu_new",
     "gelu_accurate": "gelu_new",  # (transformers' AccurateGELU: the same formula)
     "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "gelu_python_tanh": "gelu_pytorch_tanh",  # (the same formula, written in Python)
     "relu": "relu",
     "silu": "silu",
     "swish": "swish",

@@ -62,6 +62,7 @@ MODERN_ARCHITECTURES = {
 _ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",  # (the same formula, written in Python)
     "gelu_fast": "gelu_tanh",
     "gelu_accurate": "gelu_tanh",  # (transformers' AccurateGELU: the same formula)
     "gelu": "gelu",

@@ -65,6 +65,7 @@ _ACTIVATIONS = {
     "gelu_python": "gelu",
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",  # (the same formula, written in Python)
     "gelu_fast": "gelu_tanh",
     "gelu_accurate": "gelu_tanh",  # (transformers' AccurateGELU: the same formula)
     "quick_gelu": "quick_gelu",
