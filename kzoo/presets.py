@@ -27,6 +27,7 @@ Example:
 import builtins
 import os
 import time
+import warnings
 import zipfile
 
 import keras
@@ -349,11 +350,13 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         raise ValueError(f"{marker!r} exists and overwrite=False.")
     if format == "keras_hub":
         registry.keras_hub_converter().save(model, directory)
+        _warn_training_settings_dropped(model, "keras-hub preset", written={})
         write_model_card(model, directory, format=format, metrics=metrics)
         return directory
     family = registry.for_model(model)
     if format == "hf":
         hf_config, state = family.to_hf(model)  # (first: a model it refuses leaves no folder)
+        _warn_training_settings_dropped(model, "Hugging Face checkpoint", written=hf_config)
         os.makedirs(directory, exist_ok=True)
         checkpoints.write_hf(directory, hf_config, state,
                              tokenizer=getattr(model, "tokenizer", None),
@@ -387,6 +390,27 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     checkpoints.write_json(config_path, meta, default=_json_default)
     write_model_card(model, directory, format=format, metrics=metrics)
     return directory
+
+
+# Settings used in training (a plain batch without dropout gives the same outputs with them or
+# without them) that the Hugging Face and keras-hub formats of some families have no field for, with
+# the value that means "off".
+_TRAINING_SETTINGS = {"layerdrop": 0.0, "packed_inputs": False}
+
+
+def _warn_training_settings_dropped(model, what, written):
+    """Warn, naming them, about the training settings of `model` that are on and that the
+    exported config (`written`, the keys it holds) does not carry: the exported model gives the
+    same outputs, but a run that trains it there goes without them."""
+    backbone = getattr(model, "backbone", model)
+    dropped = {name: getattr(backbone, name) for name, off in _TRAINING_SETTINGS.items()
+               if name not in written and getattr(backbone, name, off) != off}
+    if dropped:
+        settings = ", ".join(f"{name}={value!r}" for name, value in dropped.items())
+        warnings.warn(
+            f"The {what} has no field for {settings}, written without it (used in training; "
+            "a plain batch gives the same outputs): training the saved model there runs "
+            "without it.", stacklevel=3)
 
 
 MODEL_CARD = "README.md"

@@ -305,6 +305,52 @@ def test_sharded_hf_export_loads_in_transformers_and_kzoo(tmp_path):
                                atol=1e-6)
 
 
+def test_training_settings_the_format_lacks_are_warned_about(tmp_path):
+    """`layerdrop` and `packed_inputs` have no field in transformers' GPT-2 or keras-hub's:
+    saving warns, naming each, and the saved model computes kzoo's outputs on a plain batch.
+    Graphormer's Hugging Face config has `layerdrop`: no warning there, nor for a model with
+    both off."""
+    import warnings
+
+    import keras_hub
+    import torch
+    import transformers
+
+    import kzoo
+    from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+    from kzoo.models.graphormer import GraphormerBackbone, GraphormerPredictor
+    from tests.harness import assert_matches_transformers
+
+    keras.utils.set_random_seed(0)
+    model = GPTCausalLM(GPTBackbone(vocabulary_size=40, num_layers=2, num_heads=2,
+                                    hidden_dim=16, intermediate_dim=24, max_sequence_length=16,
+                                    dropout=0.0, layerdrop=0.5, packed_inputs=True))
+    x = model_inputs("gpt")
+    # One document a row: the document of each token is the padding mask.
+    packed = {**x, "document_ids": np.asarray(x["padding_mask"]).astype("int32")}
+    for format, what in (("hf", "Hugging Face checkpoint"), ("keras_hub", "keras-hub preset")):
+        with pytest.warns(UserWarning, match=rf"The {what} has no field for layerdrop=0\.5, "
+                                             r"packed_inputs=True"):
+            kzoo.presets.save(model, str(tmp_path / format), format=format)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    assert_matches_transformers(model, hf_model, packed, {"input_ids": x["token_ids"],
+                                                          "attention_mask": x["padding_mask"]})
+    hub_model = keras_hub.models.GPT2CausalLM.from_preset(str(tmp_path / "keras_hub"))
+    np.testing.assert_allclose(to_numpy(hub_model(x)), to_numpy(model(packed)), atol=1e-5)
+
+    graphormer = GraphormerPredictor(GraphormerBackbone(
+        num_layers=1, hidden_dim=16, intermediate_dim=24, num_heads=2, layerdrop=0.3),
+        num_classes=1)
+    for quiet, path in ((graphormer, "graphormer"), (hf_gpt(), "plain_hf")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kzoo.presets.save(quiet, str(tmp_path / path), format="hf")
+        assert not [w for w in caught if "has no field" in str(w.message)], path
+    with open(tmp_path / "graphormer" / "config.json") as f:
+        assert '"layerdrop": 0.3' in f.read()
+
+
 def test_save_refuses_bad_shard_arguments(tmp_path):
     import kzoo
 
