@@ -124,14 +124,40 @@ def spread_here(items, backend):
     return here
 
 
+# Marks of tests that run on torch alone by default (`slow` on JAX and TensorFlow; `make
+# test-all` runs them there too). `torch_path`: a path only PyTorch's loop takes (the compiled
+# decode step, CUDA graphs); on the other backends one unmarked test of its file checks that
+# the path is not taken, and the marked ones would only run the same loop twice. `sweep`: a
+# randomized parity sweep against transformers or keras-hub, whose converters and model code
+# are the same on every backend: a drawn model costs JAX seconds of compiling and torch a
+# tenth of one (each backend's numerics are checked against the same peers by the families'
+# own parity tests, which run on all three).
+TORCH_ONLY_MARKS = ("torch_path", "sweep")
+
+
+def slow_off_torch_items(items, backend):
+    """The items marked with one of `TORCH_ONLY_MARKS` that are `slow` on `backend`: all of
+    them on JAX and TensorFlow, none on torch."""
+    if backend == "torch":
+        return []
+    return [item for item in items
+            if any(item.get_closest_marker(mark) is not None for mark in TORCH_ONLY_MARKS)]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`spread` tests dealt to another backend get the `slow` mark (so `-m "not slow"`, the
-    default, leaves them out here), before pytest's own hook selects by mark; then the items
-    are put in `_order_heavy_first`'s order."""
+    default, leaves them out here), and so do `torch_path` and `sweep` tests on JAX and
+    TensorFlow, before
+    pytest's own hook selects by mark; then the items are put in `_order_heavy_first`'s
+    order."""
     backend = keras.backend.backend()
+    explicit = _explicit_test_ids(config)
+    if not explicit:
+        for item in slow_off_torch_items(items, backend):
+            item.add_marker(pytest.mark.slow)
     deal = os.environ.get("KZOO_SPREAD", "1") != "0"  # KZOO_SPREAD=0: every case here
-    if deal and backend in SPREAD_BACKENDS and not _explicit_test_ids(config):
+    if deal and backend in SPREAD_BACKENDS and not explicit:
         here = spread_here(items, backend)
         for item in items:
             if item.get_closest_marker("spread") is not None and item.nodeid not in here:

@@ -2,7 +2,9 @@
 the model's own full forward pass (the Keras layers) at each new position, left padding
 included; `generate` gives the eager loop's tokens with it (greedy, beam, sampling); models
 it cannot express, and a compiler that fails, decode eagerly; the "auto" policy compiles from
-a shape's second call. On JAX and TensorFlow it never applies (their loops compile whole).
+a shape's second call. On JAX and TensorFlow it never applies (their loops compile whole):
+there `test_models_it_cannot_express_decode_eagerly` checks by default that no step is
+planned; the others, marked `torch_path`, run there with `make test-all`.
 
 The suite runs with `KZOO_COMPILED_DECODE=0` (tests/conftest.py); these tests set it."""
 
@@ -58,6 +60,7 @@ def _no_grad():
     return contextlib.nullcontext()
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_compiled_step_logits_match_the_full_forward(monkeypatch, name):
     monkeypatch.setenv(compiled_decode.ENV, "1")
@@ -97,6 +100,7 @@ def test_compiled_step_logits_match_the_full_forward(monkeypatch, name):
                                            rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("strategy,kwargs", [("greedy", {}), ("beam", dict(num_beams=2)),
                                              ("sample", dict(top_k=5, seed=4))])
 def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
@@ -120,6 +124,7 @@ def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
     assert len(calls) == (9 if TORCH else 0)  # every step after the prefill's
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("name", ["sliding_window", "moe_top2_rotary"])
 def test_beam_search_on_rolling_caches_and_experts_gives_the_eager_tokens(monkeypatch, name):
     lm = _lm(**CONFIGS[name])  # (a rolling cache is one tensor a layer: reordered in place)
@@ -136,6 +141,7 @@ def test_beam_search_on_rolling_caches_and_experts_gives_the_eager_tokens(monkey
     assert len(calls) == (7 if TORCH else 0)  # every step after the prefill's
 
 
+@pytest.mark.torch_path
 def test_moe_capacity_drops_what_the_eager_step_drops(monkeypatch):
     """With a `capacity_factor` a decode step's rows compete for the experts (here 3 rows x
     top 2 of 2 experts, capacity 1 each: most assignments dropped): the compiled step keeps
@@ -178,6 +184,7 @@ def test_models_it_cannot_express_decode_eagerly(monkeypatch):
     assert (compiled_decode._plan(_lm()) is not None) == TORCH
 
 
+@pytest.mark.torch_path
 def test_a_compiler_that_fails_warns_and_decodes_eagerly(monkeypatch):
     lm = _lm()
     prompts = [[5, 6, 7, 8], [9, 10]]
@@ -199,6 +206,7 @@ def test_a_compiler_that_fails_warns_and_decodes_eagerly(monkeypatch):
     assert out == eager
 
 
+@pytest.mark.torch_path
 def test_auto_policy_compiles_from_a_shapes_second_call(monkeypatch):
     import functools
 
@@ -226,6 +234,7 @@ def _t5(**extra):
                                   intermediate_dim=24, key_value_dim=8, dropout=0.0, **extra))
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("extra", [dict(tie_embeddings=True),  # v1.0: tied head, ReLU
                                    # v1.1: untied head, tanh-GELU gated feed-forward
                                    dict(tie_embeddings=False, feedforward="gated-gelu")],
@@ -259,6 +268,7 @@ def test_t5_compiled_step_logits_match_the_full_forward(monkeypatch, extra):
                                        atol=1e-5)
 
 
+@pytest.mark.torch_path
 def test_t5_generate_gives_the_eager_tokens(monkeypatch):
     lm = _t5()
     prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], "int32")

@@ -12,8 +12,10 @@ fast decode path, the variable), and the fallbacks (a model that copies its stat
 that fails). The capture on a real GPU is checked by `benchmarks/gpu.py` (its decode worker
 compares the tokens with and without graphs).
 
-On JAX and TensorFlow the loop is compiled whole and never tries graphs: the same tests check
-there that no graph is made and the tokens are those of `KZOO_CUDA_GRAPHS=0`.
+On JAX and TensorFlow the loop is compiled whole and never tries graphs: there
+`test_where_graphs_are_tried` checks by default that they are not tried; the others, marked
+`torch_path`, check with `make test-all` that no graph is made and the tokens are those of
+`KZOO_CUDA_GRAPHS=0`.
 """
 
 import keras
@@ -87,6 +89,7 @@ STRATEGIES = [("greedy", {}), ("sample", dict(top_k=20, seed=3)), ("beam", dict(
 CASES = STRATEGIES if TORCH else STRATEGIES[:1]
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("style", ["gpt2", "llama"] if TORCH else ["gpt2"])
 @pytest.mark.parametrize("strategy,kwargs", CASES, ids=[s for s, _ in CASES])
 def test_gpt_tokens_equal_the_loop_without_graphs(stand_in, monkeypatch, style, strategy,
@@ -105,6 +108,7 @@ def test_gpt_tokens_equal_the_loop_without_graphs(stand_in, monkeypatch, style, 
     assert all(len(row) == 10 for row in graphed)
 
 
+@pytest.mark.torch_path
 def test_stop_tokens_and_early_end(stand_in, monkeypatch):
     lm = _gpt("gpt2", seed=2)
     prompts = [[5, 6, 7, 8], [9, 10], [11]]
@@ -117,6 +121,7 @@ def test_stop_tokens_and_early_end(stand_in, monkeypatch):
     assert graphed[0] == free[0][:free[0].index(stop) + 1]
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("strategy,kwargs", [STRATEGIES[0], STRATEGIES[2]][:1 + TORCH],
                          ids=["greedy", "beam"][:1 + TORCH])
 def test_t5_tokens_equal_the_loop_without_graphs(stand_in, monkeypatch, strategy, kwargs):
@@ -137,6 +142,7 @@ def test_t5_tokens_equal_the_loop_without_graphs(stand_in, monkeypatch, strategy
     assert graphed == _without_graphs(monkeypatch, run)
 
 
+@pytest.mark.torch_path
 def test_a_step_that_copies_its_state_is_not_graphed(stand_in, monkeypatch):
     lm = _gpt("gpt2")
     step = lm.generation_step
@@ -153,6 +159,7 @@ def test_a_step_that_copies_its_state_is_not_graphed(stand_in, monkeypatch):
                                                                       max_new_tokens=6))
 
 
+@pytest.mark.torch_path
 def test_a_failed_capture_warns_and_decodes_without_graphs(stand_in, monkeypatch):
     class Broken(ReplayedStep):
         def _capture(self, run):

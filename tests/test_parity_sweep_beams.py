@@ -37,6 +37,9 @@ drawn; every other example must match exactly.
 
 Examples are derandomized (the same every run); `KZOO_SWEEP_EXAMPLES=n` multiplies their number
 by n.
+
+The sweeps (mark `sweep`) run on torch by default and on JAX and TensorFlow too with
+`make test-all` (tests/conftest.py).
 """
 
 import contextlib
@@ -331,6 +334,7 @@ def _summary(rows, stops, options):
 # === GPT-2 ===
 
 
+@pytest.mark.sweep
 @_settings(6 if BACKEND == "tensorflow" else 16)
 @given(data=st.data())
 def test_gpt2_beam_search_sweep(data, tmp_path):
@@ -375,6 +379,7 @@ def test_gpt2_beam_search_sweep(data, tmp_path):
 # === T5 ===
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
 @sweep(T5_EXAMPLES)
 @given(data=st.data())

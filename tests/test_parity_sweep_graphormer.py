@@ -50,6 +50,9 @@ largest edge id is `num_edges` (those ids are one higher there); transformers ru
 
 Examples are derandomized (the same cases every run), fewer on JAX, which compiles every drawn
 model and shape.
+
+The sweeps (mark `sweep`) run on torch by default and on JAX and TensorFlow too with
+`make test-all` (tests/conftest.py).
 """
 
 import copy
@@ -299,6 +302,7 @@ def _assert_matches(model, hf, inputs, hf_inputs, label):
 # === The sweep ===
 
 
+@pytest.mark.sweep
 @sweep(EXAMPLES)
 @given(data=st.data())
 def test_graphormer_outputs_match_transformers(data):

@@ -36,6 +36,9 @@ a `ValueError` naming the field, writing nothing when saving.
 
 Examples are derandomized (the same cases every run); `KZOO_SWEEP_EXAMPLES=n` multiplies the
 number of examples of each sweep by n for a longer search.
+
+The sweeps (mark `sweep`) run on torch by default and on JAX and TensorFlow too with
+`make test-all` (tests/conftest.py).
 """
 
 import json
@@ -224,6 +227,7 @@ def _hub_round_trip(data, hub_backbone, task, head, tmp_path):
     return hub_model, model, (model if task is None else model.backbone)
 
 
+@pytest.mark.sweep
 @sweep(8)
 @given(data=st.data())
 def test_keras_hub_bert_preset_matches_keras_hub(data, tmp_path):
@@ -254,6 +258,7 @@ def test_keras_hub_bert_preset_matches_keras_hub(data, tmp_path):
     _assert_close(backbone(inputs), hub_backbone(inputs), label, mask=inputs["padding_mask"])
 
 
+@pytest.mark.sweep
 @sweep(8)
 @given(data=st.data())
 def test_keras_hub_gpt2_preset_matches_keras_hub(data, tmp_path):
@@ -312,6 +317,7 @@ def _pair(value):
     return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
 
 
+@pytest.mark.sweep
 @sweep(8)
 @given(data=st.data())
 def test_keras_hub_vit_preset_matches_keras_hub(data, tmp_path):
@@ -371,6 +377,7 @@ def _saved_as_keras_hub(model, tmp_path):
     return path
 
 
+@pytest.mark.sweep
 @sweep(6, jax_examples=1)
 @given(data=st.data())
 def test_kzoo_bert_saved_as_keras_hub_matches(data, tmp_path):
@@ -404,6 +411,7 @@ def test_kzoo_bert_saved_as_keras_hub_matches(data, tmp_path):
     _assert_close(backbone(inputs), hub_backbone(inputs), label, mask=inputs["padding_mask"])
 
 
+@pytest.mark.sweep
 @sweep(6, jax_examples=1)
 @given(data=st.data())
 def test_kzoo_gpt_saved_as_keras_hub_matches(data, tmp_path):
@@ -436,6 +444,7 @@ def test_kzoo_gpt_saved_as_keras_hub_matches(data, tmp_path):
     _assert_close(backbone(inputs), hub_backbone(inputs), label, mask=mask)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("head_dim", [2, 8])
 def test_kzoo_gpt_with_explicit_default_attention_scale_is_written(head_dim, tmp_path):
     """Found by the sweep: `attention_scale=head_dim ** -0.5` (kzoo's documented meaning of
@@ -452,6 +461,7 @@ def test_kzoo_gpt_with_explicit_default_attention_scale_is_written(head_dim, tmp
     _assert_close(model(inputs), hub_model(inputs), f"attention_scale={head_dim}**-0.5")
 
 
+@pytest.mark.sweep
 @sweep(6, jax_examples=1)
 @given(data=st.data())
 def test_kzoo_vit_saved_as_keras_hub_matches(data, tmp_path):

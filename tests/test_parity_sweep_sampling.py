@@ -36,6 +36,9 @@ comparison does not hinge on float rounding of the inputs.
 
 The examples are derandomized (the same cases every run); `KZOO_SWEEP_EXAMPLES=n` multiplies
 the number of examples by n for a longer search.
+
+The sweep of `filter_logits` (mark `sweep`) runs on torch by default and on JAX and TensorFlow
+too with `make test-all` (tests/conftest.py); the other tests run on every backend.
 """
 
 import math
@@ -280,6 +283,7 @@ TOP_PS = st.one_of(
 # === 1. The filtered distribution against transformers' warpers ===
 
 
+@pytest.mark.sweep
 @_settings(45)
 @given(data=st.data())
 def test_filtered_distribution_matches_transformers(data):
@@ -496,6 +500,7 @@ def _step_logits(lm, prompts, outputs):
             for b, (p, o) in enumerate(zip(prompts, outputs))]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", range(len(GPT_CASES)))
 def test_gpt_generate_samples_reproducibly_inside_transformers_support(case):
     options = GPT_CASES[case]

@@ -27,6 +27,9 @@ rounded; at the few settings where it is one ulp off and the exact value sits on
 edge, kzoo keeps the correctly rounded log's bucket (Mesh TensorFlow's, every backend's).
 
 Examples are derandomized: every run sees the same cases.
+
+The sweeps (mark `sweep`) run on torch by default and on JAX and TensorFlow too with
+`make test-all` (tests/conftest.py).
 """
 
 import json
@@ -245,6 +248,7 @@ def _check_t5_config(model, hf_config):
     assert backbone.feedforward == T5_FEEDFORWARDS[hf_config.feed_forward_proj]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("version", sorted(T5_VERSIONS))
 @sweep(EXAMPLES)
 @given(data=st.data())
@@ -272,6 +276,7 @@ def test_t5_outputs_match_transformers(version, data):
             label=f"{label} {side}")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
 @sweep(EXAMPLES // 2)
 @given(data=st.data())
@@ -506,6 +511,7 @@ def _vit_hf_model(path, case):
     return hf
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("architecture", ["ViTForImageClassification", "ViTModel",
                                           "ViTModel-no-pooler"])
 @sweep(EXAMPLES)

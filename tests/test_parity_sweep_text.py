@@ -28,6 +28,9 @@ Drawn option space:
 
 The examples are derandomized (the same cases every run); `KZOO_SWEEP_EXAMPLES=n` multiplies
 the number of examples of each test by n for a longer search.
+
+The sweeps (mark `sweep`) run on torch by default and on JAX and TensorFlow too with
+`make test-all` (tests/conftest.py).
 """
 
 import os
@@ -148,6 +151,7 @@ def _hf_gpt2(path, config, seed, lm_head=True):
     return _saved_hf_model(path, cls, transformers.GPT2Config, config, seed)
 
 
+@pytest.mark.sweep
 @_settings(12)
 @given(data=st.data())
 def test_gpt2_parity_sweep(data, tmp_path):
@@ -221,6 +225,7 @@ def _hf_modern(path, model_type, config, seed, lm_head=True):
     return _saved_hf_model(path, cls, getattr(transformers, f"{name}Config"), config, seed)
 
 
+@pytest.mark.sweep
 @_settings(12)
 @given(data=st.data())
 def test_llama_mistral_mixtral_parity_sweep(data, tmp_path):
@@ -317,6 +322,7 @@ def _hf_greedy(hf, prompts, max_new_tokens, eos):
     return rows
 
 
+@pytest.mark.sweep
 @_settings(8)
 @given(data=st.data())
 def test_greedy_generation_sweep(data, tmp_path):
@@ -390,6 +396,7 @@ _BERT_OUTPUTS = {
 }
 
 
+@pytest.mark.sweep
 @_settings(12)
 @given(data=st.data())
 def test_bert_parity_sweep(data, tmp_path):

@@ -1,11 +1,12 @@
 """The `spread` mark (tests/conftest.py): each case of a spread test runs on exactly one
-backend in the default suite, and all of them on every backend with `-m ""`."""
+backend in the default suite, and all of them on every backend with `-m ""`. The
+`torch_path` and `sweep` marks: on torch only, by default."""
 
 import collections
 
 import pytest
 
-from tests.conftest import SPREAD_BACKENDS, SPREAD_DEAL, spread_here
+from tests.conftest import SPREAD_BACKENDS, SPREAD_DEAL, slow_off_torch_items, spread_here
 
 
 class _Item:
@@ -51,3 +52,16 @@ def test_cases_of_a_function_are_dealt_in_turn_and_single_tests_spread_out():
 def test_slow_and_unmarked_cases_are_not_dealt(backend):
     here = spread_here(_items(), backend)
     assert not {"tests/test_a.py::test_many_slow[0]", "tests/test_a.py::test_plain[0]"} & here
+
+
+@pytest.mark.parametrize("backend", SPREAD_BACKENDS)
+def test_torch_path_and_sweep_tests_run_by_default_on_torch_only(backend):
+    items = [_Item("tests/test_c.py::test_step[0]", ("torch_path",)),
+             _Item("tests/test_c.py::test_step[1]", ("torch_path", "other")),
+             _Item("tests/test_c.py::test_sweep", ("sweep",)),
+             _Item("tests/test_c.py::test_not_taken", ())]
+    slow = {item.nodeid for item in slow_off_torch_items(items, backend)}
+    expected = set() if backend == "torch" else {"tests/test_c.py::test_step[0]",
+                                                 "tests/test_c.py::test_step[1]",
+                                                 "tests/test_c.py::test_sweep"}
+    assert slow == expected
