@@ -149,6 +149,7 @@ def test_backbone_and_mlm_match_numpy_reference():
     assert_close(to_numpy(mlm(inputs))[m], logits_ref[m], atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.spread
 def test_segment_ids_and_padding_mask_may_be_left_out_as_in_hugging_face():
     """Like transformers' BERT (token_type_ids zeros, attention_mask ones when not given):
     the ids alone give the NumPy reference of segment 0, every token real, through the

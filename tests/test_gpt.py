@@ -728,6 +728,7 @@ def test_hf_gpt2_greedy_generation(tmp_path):
         assert new[: len(expected)] == expected
 
 
+@pytest.mark.spread
 def test_hf_gpt2_generate_stops_where_transformers_does_by_default(tmp_path):
     """Without `stop_token_ids`, `generate` stops at the checkpoint's `eos_token_id` as
     transformers' `generate` does (generation_config.json before config.json), keeps it

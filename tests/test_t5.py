@@ -315,6 +315,7 @@ def test_generate_refuses_an_empty_input_as_gpt_does():
             lm.generate(prompts, max_new_tokens=2)
 
 
+@pytest.mark.spread
 def test_generate_refuses_a_cache_that_cannot_exist(monkeypatch):
     """`max_new_tokens` beyond int32 positions, or a self-attention cache larger than the
     machine's memory, is refused by name before anything is allocated (it was an overflow
@@ -632,6 +633,7 @@ def _cut_at_stop(row, stop, pad_id=0):
     return row[:end]
 
 
+@pytest.mark.spread
 def test_hf_generate_defaults_come_from_the_checkpoint(tmp_path):
     """A checkpoint whose decoder starts from 3, stops at 5 and pads with 2: `generate`
     with no arguments gives transformers' `generate` with none (the start, stop and pad ids
