@@ -126,12 +126,12 @@ def spread_here(items, backend):
 
 # Marks of tests that run on torch alone by default (`slow` on JAX and TensorFlow; `make
 # test-all` runs them there too). `torch_path`: a path only PyTorch's loop takes (the compiled
-# decode step, CUDA graphs); on the other backends one unmarked test of its file checks that
-# the path is not taken, and the marked ones would only run the same loop twice. `sweep`: a
-# randomized parity sweep against transformers or keras-hub, whose converters and model code
-# are the same on every backend: a drawn model costs JAX seconds of compiling and torch a
-# tenth of one (each backend's numerics are checked against the same peers by the families'
-# own parity tests, which run on all three).
+# decode step, CUDA graphs, the decode fast path's own forms); on the other backends one
+# unmarked test of its file checks that the path is not taken, and the marked ones would only
+# run the Keras calls other tests check. `sweep`: a randomized parity sweep against
+# transformers or keras-hub, whose converters and model code are the same on every backend: a
+# drawn model costs JAX seconds of compiling and torch a tenth of one (each backend's numerics
+# are checked against the same peers by the families' own parity tests, on all three).
 TORCH_ONLY_MARKS = ("torch_path", "sweep")
 
 

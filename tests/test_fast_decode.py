@@ -4,7 +4,11 @@ mixture-of-experts blocks, the block's own full pass), for every block configura
 families use; it only runs inside the decode loop, with autograd off, on torch; and
 `generate` returns the same tokens with it on and off.
 
-On JAX and TensorFlow `decode_block` is the Keras call and the same numbers are checked."""
+On JAX and TensorFlow `decode_block` is the Keras call: the tests of the loop's numbers (cached
+steps against NumPy, padding, the compiled loops' joined and transposed weights) run there too,
+and `test_fast_path_only_in_the_loop_without_autograd` checks that torch's path is not taken;
+the tests of torch's own forms (its products of a few rows, rotation, experts, training
+pass, where the path applies), marked `torch_path`, run there with `make test-all`."""
 
 import contextlib
 
@@ -243,6 +247,7 @@ def test_t5_v1_1_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypat
     assert (taken.count((71, 16)) >= 9) is TORCH, taken
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_weights_written_during_a_loop_are_seen(batch):
     """What the fast path joins or copies once per loop (the q/k/v kernel side by side, the
@@ -280,6 +285,7 @@ def test_weights_written_during_a_loop_are_seen(batch):
         assert np.abs(before - want).max() > 1e-2  # the weights did change the result
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_products_of_a_few_rows_equal_numpy(monkeypatch, use_bias):
     """A decode step's products of 2 to 4 rows (`_few_rows_product`: the transposed weight
@@ -741,6 +747,7 @@ def test_forward_in_inference_equals_the_numpy_block(name, monkeypatch):
     np.testing.assert_allclose(got[keep], expected[keep], atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.torch_path
 def test_forward_path_where_it_applies(monkeypatch):
     """Inside a model's call only (not for a block called on its own), not with a
     packed-document mask, not with KZOO_FAST_DECODE=0. In inference with autograd off, any
@@ -806,6 +813,7 @@ TRAIN_CONFIGS["gated_dropout"] = dict(norm_first=False, feedforward="gated",
                                       activation="silu", dropout=0.3, activation_dropout=0.4)
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("name", sorted(TRAIN_CONFIGS))
 @pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
 def test_training_gradients_equal_the_keras_layers(name, dtype, monkeypatch):
@@ -893,6 +901,7 @@ def _np_rotary(x, positions, base, scaling, interleaved):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
 def test_rotation_equals_numpy_and_the_layer(interleaved, scaling):
@@ -1003,6 +1012,7 @@ def _np_experts(x, router, w_in, w_out, b_in, b_out, top_k, capacity_factor, gat
     return out
 
 
+@pytest.mark.torch_path
 @pytest.mark.parametrize("rows, experts, top_k, capacity_factor, gated", [
     (3, 4, 1, None, True),    # 3 assignments < 4 experts: the chosen kernels gathered
     (4, 4, 2, None, True),    # every expert on every row, the chosen outputs picked
