@@ -350,7 +350,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         raise ValueError(f"{marker!r} exists and overwrite=False.")
     if format == "keras_hub":
         registry.keras_hub_converter().save(model, directory)
-        _warn_training_settings_dropped(model, "keras-hub preset", written={})
+        _warn_training_settings_dropped(model, "keras-hub preset", written=())
         write_model_card(model, directory, format=format, metrics=metrics)
         return directory
     family = registry.for_model(model)
@@ -393,8 +393,8 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
 
 
 # Settings used in training (a plain batch without dropout gives the same outputs with them or
-# without them) that the Hugging Face and keras-hub formats of some families have no field for, with
-# the value that means "off".
+# without them) that the Hugging Face and keras-hub formats of some families have no field
+# for, with the value that means "off".
 _TRAINING_SETTINGS = {"layerdrop": 0.0, "packed_inputs": False}
 
 
