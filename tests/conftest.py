@@ -148,9 +148,8 @@ def slow_off_torch_items(items, backend):
 def pytest_collection_modifyitems(config, items):
     """`spread` tests dealt to another backend get the `slow` mark (so `-m "not slow"`, the
     default, leaves them out here), and so do `torch_path` and `sweep` tests on JAX and
-    TensorFlow, before
-    pytest's own hook selects by mark; then the items are put in `_order_heavy_first`'s
-    order."""
+    TensorFlow, before pytest's own hook selects by mark; then the items are put in
+    `_order_heavy_first`'s order."""
     backend = keras.backend.backend()
     explicit = _explicit_test_ids(config)
     if not explicit:
