@@ -22,8 +22,9 @@ reductions and sample weights), faster on torch:
   steps: 5,590 -> 5,829 tokens/s), and a tied output projection writes the logits into
   memory kept from one step to the next (`tied_logits_into`).
 - JAX: the same pair of passes as a `jax.custom_vjp` (see `_jax_cross_entropy`).
-- TensorFlow: inside a graph (`fit`, `train_on_batch`), the same pair of passes, each an
-  XLA-compiled function (see `_tf_cross_entropy`); called eagerly, Keras' op.
+- TensorFlow: inside a graph (`fit`, `train_on_batch`), the loss and `softmax - one_hot`
+  in the forward pass, from the same exponentials, and a scaling in the backward pass (see
+  `_tf_cross_entropy`); called eagerly, Keras' op.
 
 Example:
 >>> lm.compile(optimizer="adamw")                      # TokenCrossentropy by default
@@ -350,40 +351,30 @@ def _in_tf_graph():
 
 def _tf_cross_entropy():
     """The TensorFlow `TokenCrossentropy` inside a graph (a `fit` / `train_on_batch` step),
-    made once: `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses, with the
-    forward pass (log-sum-exp minus the target's logit) and the backward pass
-    (`(softmax - one_hot) * g`) each one XLA-compiled function, whatever the step around
-    them runs as. Keras' loss calls TensorFlow's `SparseSoftmaxCrossEntropyWithLogits`
-    kernel, which computes the softmax gradient in the forward pass with Eigen (several
-    vocabulary-sized passes), and its gradient multiplies that by the incoming gradient in
-    another. Measured on the 2-core CPU at 2048 x 8192 float32 logits, loss and gradient in a
-    graph: 81-115 ms the kernel, 48-56 ms these two functions; GPT training at 8 x 256 tokens
-    (8 interleaved rounds in one process) 3,203 -> 3,686 tokens/s. The forward pass keeps the
-    logits for the backward pass where the kernel kept its gradient (the same size); a step
-    after the first adds no more memory than before (17 vs 34 MiB above the resident set),
-    but the first XLA compilation in a process raises its resident set (~50 MiB for XLA's
-    compiler; see docs/PERFORMANCE.md).
+    made once: `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses.
+
+    The forward pass computes the loss (log-sum-exp minus the target's logit) and, from the
+    same exponentials, the gradient with respect to the logits, `softmax - one_hot`, into
+    the exponentials' own buffer (a scaled copy, then one scattered subtraction at the
+    targets); the backward pass scales it by the incoming gradient. The graph then keeps
+    that one logits-sized tensor for the backward pass, and nothing holds the logits.
+    Keras' loss calls TensorFlow's `SparseSoftmaxCrossEntropyWithLogits` kernel, which
+    computes the same gradient with Eigen in several vocabulary-sized passes. Measured on the
+    2-core CPU at 2048 x 8192 float32 logits, loss and gradient in a graph: 82-89 ms the
+    kernel, 53-61 ms this function. An earlier form ran the two passes as XLA-compiled
+    functions (37-43 ms alone), but in a GPT training step at 8 x 256 tokens it was no faster
+    (interleaved in one process, five runs: 1,102-1,204 ms a step against 1,090-1,271 ms for
+    this one, within 6% of each other run by run and in both directions) and XLA's compiler,
+    started by the first step, raised the step's peak memory (fresh processes: 704-825 MiB
+    above the resident set, this function 583-649, Keras' kernel 573-578).
 
     A target outside `[0, vocab)` stops the step with an `InvalidArgumentError` naming it (a
     graph assertion; the kernel raised too, on CPU); a step compiled whole with XLA
     (`jit_compile=True`) drops assertions, and there such a target's loss is NaN. Eager
-    calls keep Keras' op (no XLA compilation for each new shape)."""
+    calls keep Keras' op."""
     if _TF_FUNCTION:
         return _TF_FUNCTION[0]
     import tensorflow as tf
-
-    @tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
-    def forward(logits, labels):
-        valid = (labels >= 0) & (labels < tf.shape(logits)[-1])
-        top = tf.reduce_max(logits, axis=-1)
-        lse = tf.math.log(tf.reduce_sum(tf.exp(logits - top[:, None]), axis=-1)) + top
-        picked = tf.gather(logits, tf.where(valid, labels, 0), axis=1, batch_dims=1)
-        return tf.where(valid, lse - picked, float("nan")), lse
-
-    @tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
-    def backward(logits, lse, labels, g):
-        one_hot = tf.one_hot(labels, tf.shape(logits)[-1], dtype=logits.dtype)
-        return (tf.exp(logits - lse[:, None]) - one_hot) * g[:, None]
 
     def cross_entropy(logits, labels):
         vocab = logits.shape[-1] if logits.shape[-1] is not None else tf.shape(logits)[-1]
@@ -398,12 +389,21 @@ def _tf_cross_entropy():
 
         @tf.custom_gradient
         def loss(z):
-            losses, lse = forward(z, labels)
+            valid = (labels >= 0) & (labels < tf.shape(z)[-1])
+            index = tf.where(valid, labels, 0)
+            top = tf.reduce_max(z, axis=-1, keepdims=True)
+            exps = tf.exp(z - top)
+            total = tf.reduce_sum(exps, axis=-1)
+            lse = tf.math.log(total) + top[:, 0]
+            picked = tf.gather(z, index, axis=1, batch_dims=1)
+            at_targets = tf.stack([tf.range(tf.shape(index)[0]), index], axis=1)
+            softmax_minus_one_hot = tf.tensor_scatter_nd_sub(
+                exps * (1.0 / total)[:, None], at_targets, tf.cast(valid, z.dtype))
 
             def grad(g):
-                return backward(z, lse, labels, g)
+                return softmax_minus_one_hot * g[:, None]
 
-            return losses, grad
+            return tf.where(valid, lse - picked, float("nan")), grad
 
         with tf.control_dependencies(checks):
             return loss(tf.identity(logits))
