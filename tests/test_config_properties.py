@@ -443,8 +443,6 @@ def cross_field_invalid(family, field, config):
         height = size if isinstance(size, int) else size[0]
         return _not_dividing(height, 2)
     if family == "graphormer":
-        if field == "multi_hop_max_dist" and c["edge_type"] == "multi_hop":
-            return st.integers(c["num_edge_dis"] + 1, 1000)
         if field == "num_frozen_layers":
             return st.integers(c["num_layers"] + 1, 100)
     return None

@@ -158,7 +158,6 @@ INVALID = [
     ("graphormer", dict(num_edge_dis=0), "num_edge_dis", 0),
     ("graphormer", dict(edge_type="two_hop"), "edge_type", "two_hop"),
     ("graphormer", dict(multi_hop_max_dist=-1), "multi_hop_max_dist", -1),
-    ("graphormer", dict(num_edge_dis=3), "multi_hop_max_dist", 5),
     ("graphormer", dict(num_layers=0), "num_layers", 0),
     ("graphormer", dict(num_heads=5), "num_heads", 5),
     ("graphormer", dict(dropout=1.5), "dropout", 1.5),

@@ -307,7 +307,6 @@ def test_preset_directory_roundtrip(tmp_path):
     ("num_heads", 5),  # does not divide hidden_dim=16
     ("edge_type", "two_hop"),
     ("multi_hop_max_dist", -1),
-    ("num_edge_dis", 3),  # fewer hop matrices than multi_hop_max_dist=5
     ("dropout", 1.5),
     ("activation_dropout", -0.1),
     ("activation", "swiglu"),

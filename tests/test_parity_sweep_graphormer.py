@@ -433,6 +433,30 @@ def test_single_hop_model_does_not_check_input_edges(tmp_path):
             model.predict_on_batch(_numpy(batch))
 
 
+def test_more_hops_than_hop_matrices(tmp_path):
+    """`multi_hop_max_dist` (5) may exceed `num_edge_dis` (2): transformers runs batches whose
+    paths have at most 2 hops, and so does kzoo, with the same output. A path of 3 hops has no
+    hop matrix: transformers fails in a matrix product, kzoo names `num_edge_dis`."""
+    def path_graph(n):
+        edges = np.array([[i for i in range(n - 1)] + [i + 1 for i in range(n - 1)],
+                          [i + 1 for i in range(n - 1)] + [i for i in range(n - 1)]])
+        return {"num_nodes": n, "y": [0.0], "edge_index": edges,
+                "edge_attr": np.arange(1, edges.shape[1] + 1)[:, None] % 4 + 1}
+    short = _collate([path_graph(3), path_graph(2)], 20)  # at most 2 hops
+    long = _collate([path_graph(4), path_graph(2)], 20)  # 3 hops
+    assert short["input_edges"].shape[3] == 2 and long["input_edges"].shape[3] == 3
+    config = dict(SMALL_CONFIG, num_edge_dis=2, multi_hop_max_dist=5, num_spatial=8)
+    hf = _hf_model(str(tmp_path), config, CLASSIFIER, seed=7, legacy_config=False)
+    model = kzoo.presets.load(str(tmp_path))
+    assert (model.backbone.config.num_edge_dis,
+            model.backbone.config.multi_hop_max_dist) == (2, 5)
+    _assert_matches(model, hf, _numpy(short), short, "2 hops, 2 hop matrices")
+    with pytest.raises(RuntimeError), torch.no_grad():
+        hf(**long)
+    with pytest.raises(ValueError, match=r"3 hops .*num_edge_dis=2"):
+        model.predict_on_batch(_numpy(long))
+
+
 # === Refused options ===
 
 TINY = dict(num_hidden_layers=2, embedding_dim=16, ffn_embedding_dim=24, num_attention_heads=4,
@@ -458,8 +482,6 @@ REFUSED = [
     ({"architectures": ["GraphormerForNodeClassification"]}, "architectures"),
     # values kzoo's GraphormerConfig rejects, named by their config.json key
     ({"num_attention_heads": 3}, "num_attention_heads"),  # does not divide 16
-    # more hops than num_edge_dis=8 (transformers runs it on batches of <= 8 hops only)
-    ({"multi_hop_max_dist": 9}, "multi_hop_max_dist"),
     ({"multi_hop_max_dist": 2.5}, "multi_hop_max_dist"),
     ({"num_trans_layers_to_freeze": 3}, "num_trans_layers_to_freeze"),  # 2 layers
     ({"dropout": 1.5}, "dropout"),

@@ -318,9 +318,13 @@ class GraphormerAttentionBias(keras.layers.Layer):
         edges = _lookup_reduce(self.edge_embeddings, input_edges, True, dtype, mean=True)
         num_hops = edges.shape[3] if edges.shape[3] is not None else ops.shape(edges)[3]
         if isinstance(num_hops, int) and num_hops > self.num_edge_dis:
+            cut = (f"after the cut at multi_hop_max_dist={self.multi_hop_max_dist}"
+                   if self.multi_hop_max_dist else "multi_hop_max_dist=0: no cut")
             raise ValueError(
-                f"`input_edges` has {num_hops} hops but the model has only num_edge_dis="
-                f"{self.num_edge_dis} hop matrices; set multi_hop_max_dist <= num_edge_dis."
+                f"`input_edges` has {num_hops} hops ({cut}) but the model has only num_edge_dis="
+                f"{self.num_edge_dis} hop matrices; batch the graphs with "
+                f"kzoo.graphs.batch(..., multi_hop_max_dist=k) for some k <= "
+                f"{self.num_edge_dis}, or use a model with more."
             )
         weights = ops.cast(self.edge_distance_weights, dtype)[:num_hops]
         edges = ops.einsum("bijdh,dhk->bijk", edges, weights)
@@ -449,8 +453,9 @@ class GraphormerConfig(FamilyConfig):
 
     Its fields are `GraphormerBackbone`'s arguments (see there for their meaning), with the
     same defaults (transformers' `GraphormerConfig`). Rules between fields: `num_heads`
-    divides `hidden_dim`; with `edge_type="multi_hop"`, `multi_hop_max_dist` is at most
-    `num_edge_dis`; `num_frozen_layers` is at most `num_layers`.
+    divides `hidden_dim`; `num_frozen_layers` is at most `num_layers`. `multi_hop_max_dist`
+    may exceed `num_edge_dis` (transformers allows it too); the model then refuses, by name,
+    batches whose `input_edges` have more than `num_edge_dis` hops.
 
     Example:
     >>> config = GraphormerConfig(num_layers=2, hidden_dim=32, intermediate_dim=32,
@@ -492,10 +497,9 @@ class GraphormerConfig(FamilyConfig):
                      "num_spatial", "num_edge_dis"):
             check(name, check_positive_int)
         check("edge_type", check_choice, EDGE_TYPES)
+        # `multi_hop_max_dist` may exceed `num_edge_dis`, as in transformers: a batch runs
+        # as long as its paths have at most `num_edge_dis` hops (checked at call time).
         check("multi_hop_max_dist", check_non_negative_int)
-        if self.edge_type == "multi_hop":
-            # One hop matrix per hop.
-            check("multi_hop_max_dist", check_at_most, "num_edge_dis", self.num_edge_dis)
         for name in ("num_layers", "hidden_dim", "intermediate_dim", "num_heads"):
             check(name, check_positive_int)
         check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
@@ -540,8 +544,8 @@ class GraphormerBackbone(Backbone):
         num_edge_dis: per-hop matrices of the multi-hop edge encoding.
         edge_type: "multi_hop" (edge features along the shortest path) or "single_hop"
             (features of the direct edge, `attn_edge_type`).
-        multi_hop_max_dist: hops used by the multi-hop encoding (0 = all; at most
-            `num_edge_dis`).
+        multi_hop_max_dist: hops used by the multi-hop encoding (0 = all). A batch may
+            have at most `num_edge_dis` hops after this cut.
         num_layers, hidden_dim, intermediate_dim, num_heads: encoder sizes.
         dropout: dropout on the embeddings and after each attention/feed-forward sub-layer.
         attention_dropout: dropout on attention probabilities.
