@@ -6,6 +6,7 @@ damaged or half-written checkpoint must be skipped; a NaN loss must stop the run
 clear error and save nothing.
 """
 
+import argparse
 import csv
 import json
 import os
@@ -89,6 +90,16 @@ def test_help_lists_every_recipe():
     text = build_parser().format_help()
     for name in RECIPES:
         assert name in text
+
+
+def test_recipe_help_prints_percent_signs_once():
+    # A recipe's docstring is its --help description, printed as written ("the last 10%").
+    subparsers = next(a for a in build_parser()._actions
+                      if isinstance(a, argparse._SubParsersAction))
+    for name in RECIPES:
+        text = subparsers.choices[name].format_help()
+        assert "%%" not in text, name
+    assert "10% is held out" in subparsers.choices["gpt_text"].format_help()
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -227,8 +227,9 @@ def build_parser():
                                 title="recipes", help="one of: " + ", ".join(RECIPES))
     for name in RECIPES:
         module = recipe_module(name)
+        # (argparse %-formats a `help` string but prints a description as it is)
         recipe_parser = sub.add_parser(name, help=module.HELP.replace("%", "%%"),
-                                       description=module.__doc__.replace("%", "%%"),
+                                       description=module.__doc__,
                                        formatter_class=argparse.RawDescriptionHelpFormatter)
         _common_arguments(recipe_parser, module.DEFAULTS)
         module.add_arguments(recipe_parser)
