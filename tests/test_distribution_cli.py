@@ -296,3 +296,34 @@ def test_parser_refuses_bad_values(capsys):
             build_parser().parse_args(["gpt_text", *argv])
         err = capsys.readouterr().err
         assert words in err, (argv, err)
+
+
+@pytest.mark.parametrize("mode", ["data", "model", "mirrored", "ddp"])
+def test_validation_data_may_be_an_x_y_pair_as_fit_takes_it(mode):
+    # vit_digits and graphormer_freesolv hand the plan (x, y) without sample weights; JAX's
+    # off-mesh validation unpacked three values (and --strategy mirrored took the batch size
+    # for the weights). The validation loss is checked against NumPy's mean squared error.
+    from training.distributed import Plan
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 3)).astype("float32")
+    y = rng.normal(size=(6, 1)).astype("float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    kernel, bias = (keras.ops.convert_to_numpy(v) for v in model.layers[0].weights)
+    expected = float(np.mean((x @ kernel + bias - y) ** 2))
+
+    plan = Plan(mode=mode)
+    given = plan.validation((x, y), 4)
+    if mode in ("data", "model"):  # JAX: evaluated by a callback at every epoch end
+        assert given is None
+        callback = plan.callbacks([])[0]
+        callback.set_model(model)
+        logs = {}
+        callback.on_epoch_end(0, logs)
+        np.testing.assert_allclose(logs["val_loss"], expected, rtol=1e-5)
+    else:
+        assert len(given) == 3 and given[2] is None
+        results = model.evaluate(*given[:2], sample_weight=given[2], verbose=0,
+                                 return_dict=True)
+        np.testing.assert_allclose(results["loss"], expected, rtol=1e-5)

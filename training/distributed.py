@@ -168,6 +168,7 @@ class Plan:
         over the batch axis, and a validation set need not be a multiple of it."""
         if data is None:
             return None
+        data = (tuple(data) + (None, None))[:3]  # (x, y) or (x, y, sample_weight), as `fit`
         if self.mode in ("data", "model"):
             self._validation = (data, batch_size)
             return None
