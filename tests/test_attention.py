@@ -710,6 +710,16 @@ def test_override_setter_and_environment(monkeypatch):
         set_attention_kernel(None)
     monkeypatch.setenv("KZOO_ATTENTION_KERNEL", "reference")
     assert attention_kernel(q, k) == "reference"
+    monkeypatch.delenv("KZOO_ATTENTION_KERNEL")
+    automatic = attention_kernel(q, k)
+    forced = "chunked" if automatic != "chunked" else "reference"
+    monkeypatch.setenv("KZOO_ATTENTION_KERNEL", forced)
+    try:  # "auto" in code wins over the environment; None gives the environment back
+        set_attention_kernel("auto")
+        assert attention_kernel(q, k) == automatic
+    finally:
+        set_attention_kernel(None)
+    assert attention_kernel(q, k) == forced
     monkeypatch.setenv("KZOO_ATTENTION_KERNEL", "bogus")
     with pytest.raises(ValueError, match="KZOO_ATTENTION_KERNEL"):
         attention_kernel(q, k)

@@ -96,15 +96,17 @@ def _backend_kernels():
 
 
 def set_attention_kernel(kernel):
-    """Force every `kernel="auto"` call to use `kernel` (None restores automatic choice).
+    """Force every `kernel="auto"` call to use `kernel`. "auto" restores the automatic choice
+    whatever `KZOO_ATTENTION_KERNEL` says; None restores the default (the environment
+    variable if it is set, else the automatic choice).
 
     Example:
     >>> kzoo.layers.set_attention_kernel("reference")   # debug with the plain formula
-    >>> kzoo.layers.set_attention_kernel(None)
+    >>> kzoo.layers.set_attention_kernel("auto")
     """
-    if kernel is not None and kernel not in KERNELS[1:]:
+    if kernel is not None and kernel not in KERNELS:
         raise ValueError(
-            f"`kernel` must be one of {list(KERNELS[1:])} or None; got kernel={kernel!r}."
+            f"`kernel` must be one of {list(KERNELS)} or None; got kernel={kernel!r}."
         )
     _OVERRIDE["kernel"] = kernel
 
@@ -112,7 +114,7 @@ def set_attention_kernel(kernel):
 def get_attention_kernel_override():
     """The forced kernel (from `set_attention_kernel` or `KZOO_ATTENTION_KERNEL`), or None."""
     if _OVERRIDE["kernel"] is not None:
-        return _OVERRIDE["kernel"]
+        return None if _OVERRIDE["kernel"] == "auto" else _OVERRIDE["kernel"]
     env = os.environ.get("KZOO_ATTENTION_KERNEL", "").strip().lower()
     if not env or env == "auto":
         return None
