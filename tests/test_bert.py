@@ -770,3 +770,30 @@ def test_mask_positions_refused_with_a_clear_error(positions, fragment):
         with pytest.raises(ValueError, match="mask_positions") as info:
             run({**inputs, "mask_positions": positions})
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("attention,options", [
+    ("sliding_window", {"window": 3}),
+    ("linear", None),
+    ("longformer", {"window": 3, "global_tokens": 1}),  # (no global projections)
+])
+def test_hf_export_refuses_attention_bert_lacks(attention, options, tmp_path):
+    """Found by the parity audit: `save(format="hf")` wrote a BERT with an efficient attention
+    as a plain `BertModel` checkpoint, which transformers loads and runs with full attention
+    (max |diff| 2.6e-4 on a sliding window of 2, more with larger weights). It must refuse."""
+    import transformers
+
+    backbone = tiny_backbone(attention=attention, attention_options=options)
+    with pytest.raises(ValueError, match=rf"attention='{attention}'.*allowed: attention='full'"):
+        kzoo.presets.save(BertMaskedLM(backbone), str(tmp_path / "refused"), format="hf")
+    assert not os.path.exists(tmp_path / "refused")
+    # The same model with full attention is written and matches transformers.
+    full = BertMaskedLM(tiny_backbone())
+    kzoo.presets.save(full, str(tmp_path / "full"), format="hf")
+    hf = transformers.BertForMaskedLM.from_pretrained(str(tmp_path / "full")).eval()
+    ids = rng(0).integers(0, TINY["vocabulary_size"], (2, 9)).astype("int32")
+    inputs = {"token_ids": ids, "segment_ids": np.zeros_like(ids),
+              "padding_mask": np.ones_like(ids)}
+    assert_matches_transformers(full, hf, inputs, dict(input_ids=ids,
+                                                       token_type_ids=inputs["segment_ids"],
+                                                       attention_mask=inputs["padding_mask"]))

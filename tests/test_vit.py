@@ -550,3 +550,24 @@ def test_hf_errors(tmp_path):
     no_cls = ViTBackbone(**TINY, use_class_token=False)
     with pytest.raises(ValueError, match="use_class_token"):
         kzoo.presets.save(no_cls, str(tmp_path / "nocls"), format="hf")
+
+
+@pytest.mark.parametrize("attention,options", [
+    ("sliding_window", {"window": 2}),
+    ("linear", None),
+])
+def test_hf_export_refuses_attention_vit_lacks(attention, options, tmp_path):
+    """Found by the parity audit: `save(format="hf")` wrote a ViT with an efficient attention
+    as a plain `ViTModel` checkpoint, which transformers loads and runs with full attention
+    (max |diff| 2.9 on the last hidden state). It must refuse."""
+    import transformers
+
+    backbone = ViTBackbone(**TINY, attention=attention, attention_options=options)
+    with pytest.raises(ValueError, match=rf"attention='{attention}'.*allowed: attention='full'"):
+        kzoo.presets.save(backbone, str(tmp_path / "refused"), format="hf")
+    assert not (tmp_path / "refused").exists()
+    # The same model with full attention is written and matches transformers.
+    full = ViTBackbone(**TINY)
+    kzoo.presets.save(full, str(tmp_path / "full"), format="hf")
+    reloaded = transformers.ViTModel.from_pretrained(str(tmp_path / "full")).eval()
+    assert_vit_matches("full attention exported", full, reloaded, images(2, seed=5))

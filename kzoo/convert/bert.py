@@ -10,6 +10,10 @@ the masked-LM head, exactly as transformers does when such a checkpoint is loade
 `BertForSequenceClassification`), and `to_hf` of a masked-LM model writes no pooler weights.
 A checkpoint that has a pooler (e.g. `google-bert/bert-base-uncased`) gets it loaded.
 
+`to_hf` refuses (`ValueError`) a model whose `attention` is not "full" (BertModel's
+attention is full softmax attention; Longformer models go through
+`kzoo.convert.longformer`).
+
 Example:
 >>> model = kzoo.presets.load("/path/to/bert-base-uncased")        # BertForMaskedLM
 >>> kzoo.presets.save(model, "/tmp/bert_out", format="hf")           # transformers reads it
@@ -289,6 +293,14 @@ def _np(variable):
 def to_hf(model):
     """`(hf_config, state)` of the transformers model matching `model` (see module doc)."""
     backbone, task = _split(model)
+    if backbone.attention != "full":
+        # (BertModel's attention is full softmax attention: a sliding window, sparse or
+        # linear attention written as BERT would load and compute something else in silence)
+        raise ValueError(
+            f"attention={backbone.attention!r} has no Hugging Face BERT equivalent: "
+            "BertModel's self-attention is full (allowed: attention='full'; "
+            "attention='longformer' with global_projections=True is written as Longformer)."
+        )
     if backbone.activation not in KZOO_TO_HF_ACTIVATIONS:
         raise ValueError(
             f"activation={backbone.activation!r} has no Hugging Face `hidden_act` equivalent; "

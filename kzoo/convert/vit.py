@@ -17,8 +17,10 @@ Config fields:
 - refused (`ValueError`): an unknown `hidden_act`, non-empty `pruned_heads`, an
   architecture other than `ViTModel` / `ViTForImageClassification`.
 
-Exporting a backbone writes a `ViTModel` checkpoint without pooler weights: transformers
-initialises the pooler randomly and warns; `last_hidden_state` is exact.
+Exporting refuses (`ValueError`) a model whose `attention` is not "full" (ViTModel's
+attention is full softmax attention). Exporting a backbone writes a `ViTModel` checkpoint
+without pooler weights: transformers initialises the pooler randomly and warns;
+`last_hidden_state` is exact.
 
 Example:
 >>> model = kzoo.presets.load("/path/to/google-vit-base-patch16-224")
@@ -230,6 +232,13 @@ def to_hf(model):
         raise ValueError(
             "transformers' ViT always has a class token; cannot export a backbone with "
             "use_class_token=False."
+        )
+    if backbone.attention != "full":
+        # (ViTModel's attention is full softmax attention: another kind written as ViT would
+        # load and compute something else in silence)
+        raise ValueError(
+            f"attention={backbone.attention!r} has no Hugging Face ViT equivalent: ViTModel's "
+            "self-attention is full (allowed: attention='full')."
         )
     if classifier is not None and classifier.pooling != "token":
         raise ValueError(
