@@ -988,6 +988,40 @@ def test_hf_llama_greedy_generation_left_padding(tmp_path):
     assert len({tuple(o) for o in ours}) == 3
 
 
+@pytest.mark.parametrize("model_type, overrides, num_beams", [
+    ("llama", {}, 1),
+    ("llama", {}, 3),
+    ("mistral", {"sliding_window": 4}, 1),
+    ("mixtral", {"sliding_window": None}, 1),
+])
+def test_hf_rotary_generation_past_max_position_embeddings(model_type, overrides, num_beams,
+                                                           tmp_path):
+    """Found by the parity audit: `generate` refused a prompt plus max_new_tokens longer than
+    max_position_embeddings for the rotary models too ("exceeds max_sequence_length"), where
+    transformers' LLaMA / Mistral / Mixtral generate on (rotary positions have no table)."""
+    import torch
+
+    hf = _hf_modern(tmp_path, model_type, max_position_embeddings=8, initializer_range=0.3,
+                    eos_token_id=None, bos_token_id=None, pad_token_id=0, **overrides)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40, 11, 3], [11, 64, 3, 8]]
+    ids = np.zeros((2, 9), "int64")
+    mask = np.zeros((2, 9), "int64")
+    for row, prompt in enumerate(prompts):
+        ids[row, 9 - len(prompt):] = prompt
+        mask[row, 9 - len(prompt):] = 1
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                          num_beams=num_beams, max_new_tokens=12, pad_token_id=0)
+    expected = out[:, 9:].tolist()
+    ours = model.generate(prompts, max_new_tokens=12, num_beams=num_beams,
+                          stop_token_ids=None, compile=QUICKER_LOOP)
+    assert ours == expected
+    # GPT-2's learned positions still bound it.
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        shared_lm("gpt2").generate([[1] * 20], max_new_tokens=10)
+
+
 @pytest.mark.parametrize("model_type, field, value", [
     ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
     ("llama", "head_dim", 32),

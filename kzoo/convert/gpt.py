@@ -296,9 +296,8 @@ def _modern_config_from_hf(hf_config, source):
         )
     # Query i sees keys j with 0 <= i - j < sliding_window (transformers'
     # `sliding_window_overlay`): kzoo's causal sliding window of the same size. Kept even when
-    # it is no shorter than max_position_embeddings: a rotary model's forward pass takes longer
-    # sequences (max_sequence_length bounds `generate` only), and transformers applies the
-    # window there.
+    # it is no shorter than max_position_embeddings: a rotary model's forward pass and
+    # `generate` take longer sequences, and transformers applies the window there.
     sliding = window is not None
     heads = cfg["num_attention_heads"]
     config = dict(

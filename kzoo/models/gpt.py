@@ -211,8 +211,10 @@ class GPTBackbone(FilledInputs, Backbone):
         num_heads: query heads (must divide `hidden_dim`).
         hidden_dim: width of the hidden states.
         intermediate_dim: width of the feed-forward (per expert for MoE).
-        max_sequence_length: number of learned positions; for rotary models, the longest
-            sequence `generate` accepts.
+        max_sequence_length: number of learned positions (the longest sequence, prompt and
+            new tokens, that `generate` accepts); for rotary models, which have no position
+            table, a nominal length (Hugging Face's `max_position_embeddings`) that neither
+            the forward pass nor `generate` is bounded by.
         dropout: dropout on the embeddings, after every sub-layer and on the attention
             probabilities.
         layer_norm_epsilon: epsilon of every norm.
@@ -843,7 +845,9 @@ class GPTCausalLM(FilledInputs, TaskModel):
         lengths = np.array([len(r) for r in rows])
         prompt_len = int(lengths.max())
         limit = self.backbone.max_sequence_length
-        if prompt_len + max_new_tokens > limit:
+        # (learned positions only: a rotary model has no position table and continues past
+        # max_sequence_length, as transformers' LLaMA / Mistral / Mixtral `generate` do)
+        if self.backbone.position_embedding is not None and prompt_len + max_new_tokens > limit:
             raise ValueError(
                 f"The longest prompt ({prompt_len} tokens) plus max_new_tokens="
                 f"{max_new_tokens} exceeds max_sequence_length={limit} of the model."
