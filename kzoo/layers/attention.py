@@ -8,6 +8,7 @@ from kzoo.layers.kernels import (
     _grouped_output,
     dot_product_attention,
     reference_attention,
+    uniform_empty_rows as _uniform_empty_rows,
 )
 from kzoo.layers import efficient_attention as efficient
 from kzoo.layers import fast_decode
@@ -105,6 +106,10 @@ class MultiHeadAttention(keras.layers.Layer):
             (replaces the `global_tokens` option; Hugging Face's `global_attention_mask`).
             Under `jax.jit` / `tf.function` its count of global tokens is not known, so the
             kernel reserves a slot for every position (see `efficient_attention`).
+        uniform_empty_rows: full attention only: a query row whose every key is masked
+            attends uniformly to all the keys (the mean of the values), as transformers'
+            encoders and cross-attentions compute it (`kzoo.layers.kernels.
+            uniform_empty_rows`); False (default): such a row gives zeros.
 
     Returns:
         `output`, followed by the weights if asked, followed by the updated cache if a
@@ -325,6 +330,7 @@ class MultiHeadAttention(keras.layers.Layer):
         position_index=None,
         return_attention_weights=False,
         global_attention_mask=None,
+        uniform_empty_rows=False,
         training=None,
     ):
         cross = value is not None
@@ -401,6 +407,13 @@ class MultiHeadAttention(keras.layers.Layer):
             out, weights = result
         else:
             out, weights = result, None
+        if uniform_empty_rows and mask is not None:
+            # (transformers' encoders and cross-attentions: see `uniform_empty_rows`)
+            out = _uniform_empty_rows(out, mask, v)
+            if weights is not None:
+                empty = ops.logical_not(ops.any(mask, axis=-1, keepdims=True))
+                uniform = ops.cast(1.0 / ops.cast(ops.shape(k)[1], "float32"), weights.dtype)
+                weights = ops.where(empty, uniform, weights)
         return self._finish(out, weights, q_len, return_attention_weights, cache, new_cache)
 
     def _finish(self, out, weights, q_len, return_attention_weights, cache, new_cache):

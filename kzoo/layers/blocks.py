@@ -572,6 +572,8 @@ class TransformerBlock(keras.layers.Layer):
             cache_index=cache_index,
             global_attention_mask=global_attention_mask,
             position_index=position_index,
+            # (a non-causal block's fully masked rows: transformers' uniform attention)
+            uniform_empty_rows=not self.causal,
             training=training,
         )
         if cache is not None:
@@ -592,6 +594,7 @@ class TransformerBlock(keras.layers.Layer):
                 attention_mask=encoder_padding_mask,
                 attention_bias=cross_attention_bias,
                 cache=cross_cache,
+                uniform_empty_rows=True,
                 training=training,
             )
             if cross_cache is not None:

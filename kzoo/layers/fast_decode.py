@@ -273,7 +273,7 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
     sub-layer (about 0.2 ms each on this CPU; a GPT/BERT block has a dozen). With
     `output_positions`, the rows the Keras call would compute (see `TransformerBlock`)."""
     from kzoo.layers.blocks import _mask_rows
-    from kzoo.layers.kernels import dot_product_attention
+    from kzoo.layers.kernels import dot_product_attention, uniform_empty_rows
     from kzoo.layers.masks import normalize_mask
     from kzoo.layers.utils import gather_rows
 
@@ -304,6 +304,8 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
             q, k, v, mask=mask, bias=attention_bias,
             is_causal=causal, scale=layer.scale, kernel=layer.kernel,
             dropout_rate=layer.dropout, training=training, seed_generator=layer.seed_generator)
+        if not block.causal:  # (as the Keras call: `TransformerBlock._forward`)
+            out = uniform_empty_rows(out, mask, v)
         out = _dense(layer.output_dense, out.reshape(batch, q.shape[1], layer.num_heads * layer._head_dim))
         return _dropout(block.self_attention_dropout, out, training)
 
@@ -698,6 +700,10 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True, causal_
     else:
         out = kernels_torch.fused(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                   mask, bias, False, scale)
+        if cache_index is None:  # cross-attention: as the Keras call (`uniform_empty_rows`)
+            from kzoo.layers.kernels import uniform_empty_rows
+
+            out = uniform_empty_rows(out, mask, v.transpose(1, 2))
     out = _dense(layer.output_dense, out.reshape(batch, q_len, heads * head_dim))
     return out, cache
 

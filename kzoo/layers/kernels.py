@@ -671,6 +671,38 @@ def _rows_keys(x, a, e):
     return x
 
 
+def uniform_empty_rows(out, mask, value):
+    """`out` `(batch, q_len, heads, head_dim)` of an attention whose query rows without any
+    allowed key read the mean of all the values instead (every key weighted equally).
+
+    The kernels give such a row zeros. Hugging Face's encoders and cross-attentions (BERT,
+    eager or SDPA; T5's encoder and cross-attention) add the float32 minimum to the scores of
+    masked keys, which leaves every score of a fully masked row equal (the minimum absorbs
+    the scores and the position bias): the row attends uniformly to every key, padding
+    included. The non-causal attention of kzoo's blocks gives those rows the same output
+    (`TransformerBlock`, `kzoo.layers.fast_decode`); a causal one keeps zeros (transformers'
+    causal models give zeros there too with SDPA, their default).
+
+    `mask`: boolean, broadcasting to `(batch, heads, q_len, k_len)` (None: nothing to do);
+    `value`: `(batch, k_len, kv_heads, head_dim)` (grouped heads share their key/value
+    head's mean).
+    """
+    if mask is None:
+        return out
+    mask = ops.convert_to_tensor(mask)
+    if mask.dtype != "bool":
+        mask = ops.cast(mask, "bool")
+    while len(mask.shape) < 4:
+        mask = ops.expand_dims(mask, 0)
+    empty = ops.logical_not(ops.any(mask, axis=-1))  # (batch|1, heads|1, q_len|1)
+    rows = ops.transpose(ops.expand_dims(empty, -1), (0, 2, 1, 3))
+    mean = ops.mean(ops.cast(value, "float32"), axis=1, keepdims=True)  # (batch, 1, kv, d)
+    heads, kv_heads = out.shape[2], value.shape[2]
+    if heads != kv_heads:
+        mean = ops.repeat(mean, heads // kv_heads, axis=2)
+    return ops.where(rows, ops.cast(mean, out.dtype), out)
+
+
 def reference_attention(
     query, key, value, *, mask=None, bias=None, is_causal=False, scale=None,
     return_weights=False, dropout_rate=0.0, seed_generator=None,
