@@ -54,6 +54,22 @@ def test_non_float_inputs_are_refused_by_name(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_a_float_mask_is_refused_and_integer_masks_still_work(kernel):
+    # A float mask was cast to bool on every backend: an additive mask (0 = attend,
+    # -1e9 = not) was read the other way round, a silently wrong output.
+    q, k, v = _qkv()
+    allowed = np.tril(np.ones((5, 5), bool))[None, None]
+    for mask in (np.where(allowed, 0.0, -1e9), allowed.astype("float32")):
+        with pytest.raises(ValueError, match=r"`mask` must be boolean .*float.*`bias`"):
+            dot_product_attention(q, k, v, mask=mask.astype("float32"), kernel=kernel)
+    want = dot_product_attention(q, k, v, mask=allowed, kernel=kernel)
+    assert_close(dot_product_attention(q, k, v, mask=allowed.astype("int32"), kernel=kernel),
+                 want)
+    assert_close(dot_product_attention(q, k, v, bias=np.where(allowed, 0.0, -1e9).astype(
+        "float32"), kernel=kernel), want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_zero_heads_are_refused_by_name(kernel):
     # No key/value heads was a ZeroDivisionError (`heads % kv_heads`); no query heads an
     # empty reshape error on torch, and an empty output from some kernels.

@@ -327,6 +327,14 @@ def _check_inputs(query, key, value, mask, bias, scale):
     if mask is not None:
         mask = ops.convert_to_tensor(mask)
         mask = _check_broadcast("mask", mask, target)
+        # (a float mask was cast to bool: an additive mask, 0 where a key may be attended
+        # and -inf / -1e9 where not, was silently read the other way round)
+        if "float" in keras.backend.standardize_dtype(mask.dtype):
+            raise ValueError(
+                "`mask` must be boolean (True = may attend) or integer 0 / 1; got mask with "
+                f"dtype {keras.backend.standardize_dtype(mask.dtype)}. An additive mask "
+                "(0 to attend, -inf or a large negative number not to) goes in `bias`."
+            )
         if mask.dtype != "bool":
             mask = ops.cast(mask, "bool")
     if bias is not None:
@@ -359,7 +367,8 @@ def dot_product_attention(
         query: `(batch, q_len, heads, head_dim)`.
         key, value: `(batch, k_len, kv_heads, head_dim)`; `heads % kv_heads == 0`
             (grouped-query / multi-query attention).
-        mask: boolean, True = may attend; any shape that broadcasts (NumPy-style) to
+        mask: boolean, True = may attend (or integer 0 / 1; a float mask is refused: an
+            additive mask goes in `bias`); any shape that broadcasts (NumPy-style) to
             `(batch, heads, q_len, k_len)`.
         bias: added to the scores before the softmax; broadcasts like `mask`.
         is_causal: causal masking, bottom-right aligned when `q_len < k_len` (query i sees keys
