@@ -662,11 +662,53 @@ def _as_item(index, graph, multi_hop_max_dist):
             raise ValueError(
                 f"graphs[{index}] looks preprocessed (it has `input_nodes`) but lacks {missing}."
             )
-        return graph
+        try:
+            return _check_item(graph)
+        except ValueError as error:
+            raise ValueError(f"graphs[{index}] (preprocessed): {error}") from None
     try:
         return preprocess(graph, multi_hop_max_dist=multi_hop_max_dist)
     except ValueError as error:
         raise ValueError(f"graphs[{index}]: {error}") from None
+
+
+def _check_item(item):
+    """A preprocessed graph (`preprocess`'s or transformers' `preprocess_item`'s dict) with
+    its tensors checked against one another, as int64 / float32 arrays.
+
+    (Such a dict was stacked as given: fractional ids were truncated to int64 in silence,
+    and a tensor of another node count failed in NumPy's broadcasting, naming no key.)"""
+    nodes = _integer_array("input_nodes", item["input_nodes"], 2)
+    n = nodes.shape[0]
+    if n == 0:
+        raise ValueError(
+            f"`input_nodes` must have one row per node (at least one); got shape {nodes.shape}.")
+    expected = {"attn_edge_type": (n, n, None), "spatial_pos": (n, n), "in_degree": (n,),
+                "out_degree": (n,), "input_edges": (n, n, None, None)}
+    checked = dict(item, input_nodes=nodes)
+    for key, shape in expected.items():
+        array = _integer_array(key, item[key], len(shape))
+        if any(want is not None and got != want for got, want in zip(array.shape, shape)):
+            raise ValueError(
+                f"`{key}` must have shape {tuple('?' if d is None else d for d in shape)} for "
+                f"a graph of {n} nodes (the rows of `input_nodes`); got {key} with shape "
+                f"{array.shape}."
+            )
+        checked[key] = array
+    try:
+        bias = np.asarray(item["attn_bias"])
+    except Exception as error:  # ragged lists and the like
+        raise ValueError(f"`attn_bias` must be a rectangular float array; got {error}") from None
+    if bias.dtype.kind not in "iuf":
+        raise ValueError(f"`attn_bias` must hold numbers; got dtype {bias.dtype}.")
+    if bias.shape != (n + 1, n + 1):
+        raise ValueError(
+            f"`attn_bias` must have shape {(n + 1, n + 1)} for a graph of {n} nodes (one "
+            f"row and column more for the graph token); got attn_bias with shape "
+            f"{bias.shape}."
+        )
+    checked["attn_bias"] = bias.astype(np.float32)
+    return checked
 
 
 def _check_graph_list(graphs):
@@ -690,7 +732,20 @@ def _stack_labels(items):
             "`graphs` must all have labels (`y` or `labels`) or none; graphs "
             f"{[i for i, h in enumerate(has) if not h][:10]} have none."
         )
-    labels = [np.asarray(item["labels"]) for item in items]
+    labels = []
+    for index, item in enumerate(items):
+        # (strings and dicts became a batch of str / object labels, ragged ones NumPy's
+        # "inhomogeneous shape" error, naming no graph)
+        try:
+            label = np.asarray(item["labels"])
+        except ValueError:
+            label = None
+        if label is None or label.dtype.kind not in "biuf":
+            raise ValueError(
+                f"graphs[{index}]: the labels (`y` or `labels`) must be a number or a "
+                f"rectangular array of numbers; got {item['labels']!r:.80}."
+            )
+        labels.append(label)
     labels = [label.reshape(1) if label.ndim == 0 else label for label in labels]
     shapes = [label.shape for label in labels]
     odd = [i for i, shape in enumerate(shapes) if shape != shapes[0]]
@@ -762,6 +817,11 @@ def batch(graphs, multi_hop_max_dist=5, spatial_pos_max=20, pad_to_nodes=None,
             f"got spatial_pos_max={spatial_pos_max!r}."
         )
     pad_to_nodes = _check_optional_positive_int("pad_to_nodes", pad_to_nodes)
+    if not isinstance(return_node_mask, (bool, np.bool_)):
+        raise ValueError(
+            f"`return_node_mask` must be True or False; got return_node_mask="
+            f"{return_node_mask!r}."
+        )
 
     items = [_as_item(index, graph, multi_hop_max_dist) for index, graph in enumerate(graphs)]
     sizes = [len(item["input_nodes"]) for item in items]
