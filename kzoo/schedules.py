@@ -26,6 +26,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.layers.utils import _is_real
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 
@@ -44,9 +45,37 @@ def _check_name(name):
 
 
 def _check_unit_interval(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+    # (NumPy floats other than float64, e.g. np.float32(0.1), were refused)
+    if not _is_real(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"`{name}` must be a number in [0, 1]; got {name}={value!r}.")
     return float(value)
+
+
+# The optimizer's step counter is an int64: longer phases are never reached (and larger
+# Python ints overflowed float() inside `__call__`, an OverflowError).
+_MAX_STEPS = 2**63 - 1
+_FLOAT32_MAX = float(np.finfo("float32").max)
+_FLOAT32_TINY = float(np.finfo("float32").tiny)
+
+
+def _check_steps(name, value, why=" (the optimizer's int64 step counter)"):
+    value = check_positive_int(name, value)
+    if value > _MAX_STEPS:
+        raise ValueError(
+            f"`{name}` must be a positive integer of at most 2**63 - 1{why}; got "
+            f"{name}={value!r}."
+        )
+    return value
+
+
+def _check_peak(peak, given):
+    """Refuse a peak learning rate that float32 (the schedules' dtype) cannot hold: it was
+    inf (every update then made the weights NaN) or 0 (no update at all), in silence."""
+    if not _FLOAT32_TINY <= peak <= _FLOAT32_MAX:
+        raise ValueError(
+            f"The peak learning rate must be a normal float32 number (in [{_FLOAT32_TINY:.4g}, "
+            f"{_FLOAT32_MAX:.4g}]); got a peak of {peak:.4g} from {given}."
+        )
 
 
 def _check_step(step):
@@ -134,15 +163,18 @@ class WarmupInverseSqrt(keras.optimizers.schedules.LearningRateSchedule):
                 f"peak_learning_rate={peak_learning_rate!r}."
             )
         if d_model is not None:
-            check_positive_int("d_model", d_model)
+            d_model = _check_steps("d_model", d_model, why="")
         if peak_learning_rate is not None:
             peak_learning_rate = check_positive_float("peak_learning_rate", peak_learning_rate)
-        check_positive_int("warmup_steps", warmup_steps)
+        warmup_steps = _check_steps("warmup_steps", warmup_steps)
         scale = check_positive_float("scale", scale)
         self.d_model = d_model
         self.peak_learning_rate = peak_learning_rate
         self.warmup_steps = warmup_steps
         self.scale = scale
+        form = (f"d_model={d_model!r}, warmup_steps={warmup_steps!r}" if d_model is not None
+                else f"peak_learning_rate={peak_learning_rate!r}")
+        _check_peak(self.peak, f"{form} and scale={scale!r}")
         self.name = _check_name(name)
 
     @property
@@ -174,9 +206,9 @@ class WarmupInverseSqrt(keras.optimizers.schedules.LearningRateSchedule):
 
 def _check_warmup_decay(peak_learning_rate, warmup_steps, decay_steps):
     peak_learning_rate = check_positive_float("peak_learning_rate", peak_learning_rate)
-    check_positive_int("warmup_steps", warmup_steps)
-    check_positive_int("decay_steps", decay_steps)
-    return peak_learning_rate
+    _check_peak(peak_learning_rate, f"peak_learning_rate={peak_learning_rate!r}")
+    return (peak_learning_rate, _check_steps("warmup_steps", warmup_steps),
+            _check_steps("decay_steps", decay_steps))
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -221,12 +253,9 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
         name=None,
     ):
         super().__init__()
-        peak_learning_rate = _check_warmup_decay(peak_learning_rate, warmup_steps, decay_steps)
-        if (
-            isinstance(end_learning_rate, bool)
-            or not isinstance(end_learning_rate, (int, float))
-            or not 0.0 <= end_learning_rate <= peak_learning_rate
-        ):
+        peak_learning_rate, warmup_steps, decay_steps = _check_warmup_decay(
+            peak_learning_rate, warmup_steps, decay_steps)
+        if not _is_real(end_learning_rate) or not 0.0 <= end_learning_rate <= peak_learning_rate:
             raise ValueError(
                 "`end_learning_rate` must be a number in [0, peak_learning_rate="
                 f"{peak_learning_rate}]; got end_learning_rate={end_learning_rate!r}."
@@ -290,7 +319,7 @@ class WarmupCosineDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, peak_learning_rate, warmup_steps, decay_steps, alpha=0.0, name=None):
         super().__init__()
-        self.peak_learning_rate = _check_warmup_decay(
+        self.peak_learning_rate, warmup_steps, decay_steps = _check_warmup_decay(
             peak_learning_rate, warmup_steps, decay_steps
         )
         self.warmup_steps = warmup_steps

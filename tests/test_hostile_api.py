@@ -55,3 +55,51 @@ def test_batch_return_node_mask_must_be_a_bool():
     with pytest.raises(ValueError, match=r"`return_node_mask` must be True or False; got "
                                          r"return_node_mask='no'"):
         graphs.batch([_GRAPH], return_node_mask="no")
+
+
+# === Learning-rate schedules ===
+
+from kzoo.schedules import WarmupCosineDecay, WarmupInverseSqrt, WarmupLinearDecay  # noqa: E402
+
+
+@pytest.mark.parametrize("make, given", [
+    (lambda: WarmupCosineDecay(1e39, 10, 10), "peak_learning_rate=1e+39"),
+    (lambda: WarmupLinearDecay(1e-39, 10, 10), "peak_learning_rate=1e-39"),
+    (lambda: WarmupInverseSqrt(peak_learning_rate=1e-3, scale=1e300), "scale=1e+300"),
+    (lambda: WarmupInverseSqrt(d_model=512, scale=1e300), "d_model=512, warmup_steps=4000"),
+])
+def test_a_peak_float32_cannot_hold_is_refused(make, given):
+    # The learning rate was inf (NaN weights after one update) or 0, in silence.
+    with pytest.raises(ValueError, match=r"peak learning rate must be a normal float32 .*"
+                                         + given.replace("+", r"\+")):
+        make()
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: WarmupInverseSqrt(d_model=10**400, warmup_steps=10), "d_model"),
+    (lambda: WarmupInverseSqrt(peak_learning_rate=1e-3, warmup_steps=2**63), "warmup_steps"),
+    (lambda: WarmupLinearDecay(1e-3, 10, 10**400), "decay_steps"),
+    (lambda: WarmupCosineDecay(1e-3, 2**64, 10), "warmup_steps"),
+])
+def test_counts_past_int64_are_refused_by_name(make, name):
+    # Were an OverflowError ("int too large to convert to float") at the first call.
+    with pytest.raises(ValueError, match=rf"`{name}` must be a positive integer of at most "
+                                         r"2\*\*63 - 1"):
+        make()
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+    import json
+
+    # np.float32 alpha / end_learning_rate were refused (np.float64 was accepted); NumPy
+    # integer counts were stored as given, so get_config was not JSON.
+    cosine = WarmupCosineDecay(np.float32(1e-3), np.int64(10), np.int32(20),
+                               alpha=np.float32(0.5))
+    linear = WarmupLinearDecay(1e-3, 10, 20, end_learning_rate=np.float32(1e-4))
+    paper = WarmupInverseSqrt(d_model=np.int64(512), warmup_steps=np.int64(10))
+    for schedule in (cosine, linear, paper):
+        config = json.loads(json.dumps(schedule.get_config()))
+        assert float(type(schedule).from_config(config)(5)) == pytest.approx(
+            float(schedule(5)))
+    assert cosine.alpha == 0.5 and type(cosine.warmup_steps) is int
+    assert type(paper.d_model) is int
