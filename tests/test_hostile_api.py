@@ -2,6 +2,8 @@
 and `test_hostile_layers.py`): a ValueError that names the argument, its value and what is
 allowed, instead of a silently wrong result or an error from deep inside NumPy / a backend."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -103,3 +105,45 @@ def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
             float(schedule(5)))
     assert cosine.alpha == 0.5 and type(cosine.warmup_steps) is int
     assert type(paper.d_model) is int
+
+
+# === fit / evaluate / train_on_batch: sample weights ===
+
+
+def _tiny_lm():
+    import kzoo
+
+    model = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                              intermediate_dim=32, max_sequence_length=16)
+    model.compile(optimizer="sgd")
+    return model
+
+
+@pytest.mark.spread
+def test_sample_weights_of_another_shape_or_not_finite_are_refused_by_name():
+    # Another shape failed inside the step with each backend's broadcasting error (torch a
+    # RuntimeError, TensorFlow an InvalidArgumentError; (batch, seq, 1) only on TensorFlow);
+    # a NaN or infinite weight made the loss NaN in silence.
+    model = _tiny_lm()
+    x = {"token_ids": np.ones((4, 6), "int32"), "padding_mask": np.ones((4, 6), "int32")}
+    y = np.ones((4, 6), "int32")
+    weights = model.get_weights()
+    for shape in ((4,), (4, 7), (4, 6, 2)):
+        with pytest.raises(ValueError, match=rf"`sample_weight` \(fit's sample_weight\) has "
+                                             rf"shape {re.escape(str(shape))}; .* shape "
+                                             r"\(4, 6\): give weights of that shape or "
+                                             r"\(4, 1\)"):
+            model.fit(x, y, sample_weight=np.ones(shape, "float32"), verbose=0)
+    with pytest.raises(ValueError, match=r"\(train_on_batch's sample_weight\) holds nan at "
+                                         r"index \(0, 0\); weights must be finite"):
+        model.train_on_batch(x, y, sample_weight=np.full((4, 6), np.nan, "float32"))
+    with pytest.raises(ValueError, match=r"\(fit's validation_data weights\) holds inf"):
+        model.fit(x, y, validation_data=(x, y, np.full((4, 6), np.inf)), verbose=0)
+    with pytest.raises(ValueError, match=r"\(evaluate's sample_weight\) has shape \(4, 5\)"):
+        model.evaluate(x, y, sample_weight=np.ones((4, 5)), verbose=0)
+    for got, want in zip(model.get_weights(), weights):  # nothing was trained
+        np.testing.assert_array_equal(got, want)
+    # The shapes that broadcast train, (batch, seq, 1) now on TensorFlow too.
+    for shape in ((4, 6), (4, 1), (4, 6, 1)):
+        loss = model.fit(x, y, sample_weight=np.ones(shape, "float32"), verbose=0)
+        assert np.isfinite(loss.history["loss"][-1])

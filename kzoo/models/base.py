@@ -580,6 +580,57 @@ class FunctionalModel(keras.Model):
             if method not in ("predict", "predict_on_batch"):
                 self._check_target_shape(x, y, source)
             input_checks.check_targets(y, classes, ignore, source)
+        if method in ("predict", "predict_on_batch"):
+            return
+        if arguments.get("sample_weight") is not None:
+            arguments["sample_weight"] = self._checked_sample_weight(
+                arguments.get("x"), arguments["sample_weight"], f"{method}'s sample_weight")
+        if isinstance(validation, tuple) and len(validation) == 3 and validation[2] is not None:
+            arguments["validation_data"] = validation[:2] + (self._checked_sample_weight(
+                validation[0], validation[2], f"{method}'s validation_data weights"),)
+
+    def _checked_sample_weight(self, x, weights, source):
+        """Array sample weights of a sparse cross-entropy: numbers, finite, of the targets'
+        shape (the logits' without the class axis), `(batch, 1)`-like shapes that broadcast
+        to it, or the targets' shape with a trailing 1 (squeezed here: TensorFlow's step
+        failed on it). Another shape failed inside the step with each backend's own
+        broadcasting error (torch a RuntimeError, TensorFlow an InvalidArgumentError), and a
+        NaN or infinite weight made the loss NaN in silence."""
+        arrays = isinstance(x, dict) and x and all(
+            input_checks._is_array_like(v) for v in x.values())
+        arrays = arrays or (not isinstance(x, dict) and input_checks._is_array_like(x))
+        if (not arrays or not input_checks._is_array_like(weights)
+                or input_checks.is_symbolic(weights)
+                or any(input_checks.is_symbolic(v)
+                       for v in (x.values() if isinstance(x, dict) else [x]))):
+            return weights
+        host = input_checks.to_host(weights) if not isinstance(weights, (list, tuple)) \
+            else np.asarray(weights)
+        if host.dtype == bool or not np.issubdtype(host.dtype, np.number):
+            raise ValueError(
+                f"`sample_weight` ({source}) must hold numbers; got dtype {host.dtype}.")
+        if not np.isfinite(host).all():
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(host))[0])
+            raise ValueError(
+                f"`sample_weight` ({source}) holds {host[where].item()!r} at index {where}; "
+                "weights must be finite numbers (a NaN or infinite weight makes the loss "
+                "NaN).")
+        logits = self._logits_shape(x)
+        if logits is None:
+            return weights
+        wanted = tuple(logits[:-1])
+        shape = tuple(host.shape)
+        if shape == wanted + (1,):
+            return np.squeeze(host, -1)
+        broadcasts = (len(shape) == len(wanted) and len(shape) > 0 and shape[0] == wanted[0]
+                      and all(s in (w, 1) for s, w in zip(shape[1:], wanted[1:])))
+        if not broadcasts:
+            per_row = (f" or {(wanted[0],) + (1,) * (len(wanted) - 1)} (one weight a row)"
+                       if len(wanted) > 1 else "")
+            raise ValueError(
+                f"`sample_weight` ({source}) has shape {shape}; the loss for these inputs has "
+                f"one value per target, shape {wanted}: give weights of that shape{per_row}.")
+        return weights
 
     def _check_target_shape(self, x, y, source):
         """Refuse `y=None` beside array inputs, and array targets whose shape is not the
