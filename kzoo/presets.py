@@ -35,6 +35,7 @@ import keras
 import kzoo
 import kzoo.quantize
 from kzoo import checkpoints, registry
+from kzoo.layers.utils import FieldError
 
 CONFIG_FILE = "kzoo_config.json"
 WEIGHTS_FILE = "model.weights.h5"
@@ -163,8 +164,16 @@ def _build(family, config, source_task, source_task_config, *, task, dtype, over
     overrides = _fold_attention_options(family, config, overrides)
     config_over, task_over = family.split_overrides(task, overrides)
     task_config = {**source_task_config, **task_over} if task == source_task else task_over
-    return family.build({**config, **config_over}, task=task, task_config=task_config,
-                        dtype=dtype, source=source)
+    try:
+        return family.build({**config, **config_over}, task=task, task_config=task_config,
+                            dtype=dtype, source=source)
+    except FieldError as e:
+        # A bad value read from a file (not one given as an override) names the file: the
+        # message named the field alone, as if the caller had passed it.
+        stored = {**config, **(source_task_config if task == source_task else {})}
+        if source is None or e.field is None or e.field in overrides or e.field not in stored:
+            raise
+        raise FieldError(f"{str(e).rstrip('.')} (read from {source!r}).", e.field) from None
 
 
 def _fold_attention_options(family, config, overrides):
@@ -337,6 +346,11 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         checkpoints.parse_size(max_shard_size)  # checked before anything is written
     if not isinstance(overwrite, bool):
         raise ValueError(f"`overwrite` must be True or False; got overwrite={overwrite!r}.")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(
+            "`directory` must be the path (a str or path-like) of the directory to write the "
+            f"checkpoint in; got directory={directory!r}."
+        )
     directory = os.fspath(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(
@@ -348,6 +362,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     marker = os.path.join(directory, CONFIG_FILE if format == "kzoo" else checkpoints.HF_CONFIG)
     if os.path.exists(marker) and not overwrite:
         raise ValueError(f"{marker!r} exists and overwrite=False.")
+    _check_writable_directory(directory)
     if format == "keras_hub":
         registry.keras_hub_converter().save(model, directory)
         _warn_training_settings_dropped(model, "keras-hub preset", written=())
@@ -390,6 +405,26 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     checkpoints.write_json(config_path, meta, default=_json_default)
     write_model_card(model, directory, format=format, metrics=metrics)
     return directory
+
+
+def _check_writable_directory(directory):
+    """Refuse, before anything is written, a `directory` that cannot be made or written in
+    (a path through a file, a read-only parent): it was an OSError (NotADirectoryError,
+    PermissionError) from `os.makedirs` or halfway through the save."""
+    parent = directory
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent.rstrip(os.sep))
+    parent = parent or os.curdir
+    why = None
+    if not os.path.isdir(parent):
+        why = f"{parent!r} is a file, not a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        why = f"{parent!r} is not writable"
+    if why:
+        raise ValueError(
+            f"`directory` must be a directory that can be made or written in; got "
+            f"directory={directory!r}: {why}."
+        )
 
 
 # Settings used in training (a plain batch without dropout gives the same outputs with them or

@@ -147,3 +147,46 @@ def test_sample_weights_of_another_shape_or_not_finite_are_refused_by_name():
     for shape in ((4, 6), (4, 1), (4, 6, 1)):
         loss = model.fit(x, y, sample_weight=np.ones(shape, "float32"), verbose=0)
         assert np.isfinite(loss.history["loss"][-1])
+
+
+# === presets.save / load ===
+
+
+def test_save_refuses_a_directory_that_is_not_a_path_or_cannot_be_made(tmp_path):
+    import kzoo
+
+    model = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                              intermediate_dim=32, max_sequence_length=16)
+    # Were os.fspath's TypeError naming no argument, and a NotADirectoryError from
+    # os.makedirs for a path through a file.
+    for directory in (None, 5):
+        with pytest.raises(ValueError, match=rf"`directory` must be the path .*got "
+                                             rf"directory={directory!r}\."):
+            kzoo.presets.save(model, directory)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"`directory` must be a directory that can be made "
+                                         r"or written in; .*file' is a file, not a directory"):
+        kzoo.presets.save(model, tmp_path / "file" / "sub" / "deeper")
+    assert kzoo.presets.save(model, tmp_path / "new" / "sub") == str(tmp_path / "new" / "sub")
+
+
+def test_a_bad_field_value_in_a_saved_config_names_the_file(tmp_path):
+    import json
+
+    import kzoo
+
+    model = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                              intermediate_dim=32, max_sequence_length=16)
+    kzoo.presets.save(model, tmp_path)
+    path = tmp_path / "kzoo_config.json"
+    meta = json.loads(path.read_text())
+    meta["config"]["num_layers"] = -1
+    path.write_text(json.dumps(meta))
+    # The message named the field alone, as if the caller had passed it ...
+    with pytest.raises(ValueError, match=r"`num_layers` must be a positive integer; got "
+                                         r"num_layers=-1 \(read from '.*kzoo_config\.json'\)"):
+        kzoo.presets.load(tmp_path)
+    # ... while an override is the caller's own (no file named), and fixes the stored value.
+    with pytest.raises(ValueError, match=r"got num_layers=0\.$"):
+        kzoo.presets.load(tmp_path, num_layers=0, weights=False)
+    assert kzoo.presets.load(tmp_path, num_layers=1).count_params() == model.count_params()
