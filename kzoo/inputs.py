@@ -377,6 +377,7 @@ def check_inputs(inputs, specs, source="model input"):
         values = {specs[0].key: inputs}
     else:
         return
+    batches = {}  # axis name -> (key, size) of the first input with that batch axis
     for spec in specs:
         if isinstance(spec, DocumentIdInput):
             check_document_ids(values, spec, source)
@@ -389,6 +390,12 @@ def check_inputs(inputs, specs, source="model input"):
             continue
         array = to_host(value)
         check_integer_dtype(array, spec.key, source)
+        # (a row of no tokens failed inside attention: JAX with a ZeroDivisionError from a
+        # reshape, torch and TensorFlow naming `query`)
+        if array.ndim >= 2 and spec.axes[1:2] == ("token",) and array.shape[1] == 0:
+            raise ValueError(
+                f"`{spec.key}` ({source}) has no tokens (shape {tuple(array.shape)}); every "
+                "row needs at least one token.")
         if spec.max_length is not None and array.ndim >= 2 and array.shape[1] > spec.max_length:
             raise ValueError(
                 f"`{spec.key}` ({source}) has {array.shape[1]} tokens a row; the model takes "
@@ -405,6 +412,15 @@ def check_inputs(inputs, specs, source="model input"):
                     f"the shape of `{spec.key}`, {tuple(array.shape)} (one entry a token)."
                 )
             check_mask_values(mask, spec.mask, source)
+        # (T5's encoder and decoder inputs of two batch sizes failed inside cross-attention,
+        # naming `query` and `key`)
+        if array.ndim >= 1:
+            first = batches.setdefault(spec.axes[0], (spec.key, array.shape[0]))
+            if first[1] != array.shape[0]:
+                raise ValueError(
+                    f"`{spec.key}` ({source}) has a batch of {array.shape[0]} and "
+                    f"`{first[0]}` a batch of {first[1]}; the inputs of one call must have "
+                    "the same batch size.")
         check_id_range(array, spec, mask, source)
 
 

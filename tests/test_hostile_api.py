@@ -190,3 +190,45 @@ def test_a_bad_field_value_in_a_saved_config_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"got num_layers=0\.$"):
         kzoo.presets.load(tmp_path, num_layers=0, weights=False)
     assert kzoo.presets.load(tmp_path, num_layers=1).count_params() == model.count_params()
+
+
+# === Model calls ===
+
+
+def _t5():
+    import kzoo
+
+    return kzoo.presets.load("t5_small", num_layers=1, num_decoder_layers=1, hidden_dim=16,
+                             num_heads=2, key_value_dim=8, intermediate_dim=32,
+                             vocabulary_size=50)
+
+
+def test_rows_of_no_tokens_are_refused_by_name():
+    import kzoo
+
+    # JAX failed with a ZeroDivisionError from a reshape inside MultiHeadAttention; torch
+    # and TensorFlow with attention's message about `query`.
+    gpt = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                            intermediate_dim=32, max_sequence_length=16)
+    empty = np.ones((2, 0), "int32")
+    with pytest.raises(ValueError, match=r"`token_ids` \(input of gpt_causal_lm\w*\) has no "
+                                         r"tokens \(shape \(2, 0\)\); every row needs at least"):
+        gpt({"token_ids": empty, "padding_mask": empty})
+    ids = np.ones((2, 3), "int32")
+    with pytest.raises(ValueError, match=r"`encoder_token_ids` .* has no tokens"):
+        _t5()({"encoder_token_ids": empty, "encoder_padding_mask": empty,
+               "decoder_token_ids": ids, "decoder_padding_mask": ids})
+    # An empty batch (rows of tokens, no rows) still gives an empty output.
+    assert tuple(gpt({"token_ids": ids[:0], "padding_mask": ids[:0]}).shape) == (0, 3, 260)
+
+
+def test_t5_encoder_and_decoder_inputs_of_two_batch_sizes_are_refused_by_name():
+    # Failed inside cross-attention, naming `query` and `key` (and on TensorFlow in a
+    # graph) rather than the inputs.
+    model = _t5()
+    enc, dec = np.ones((2, 5), "int32"), np.ones((1, 4), "int32")
+    with pytest.raises(ValueError, match=r"`decoder_token_ids` \(input of t5_seq2_seq_lm\w*\) "
+                                         r"has a batch of 1 and `encoder_token_ids` a batch "
+                                         r"of 2"):
+        model({"encoder_token_ids": enc, "encoder_padding_mask": enc,
+               "decoder_token_ids": dec, "decoder_padding_mask": dec})
