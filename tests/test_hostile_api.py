@@ -232,3 +232,37 @@ def test_t5_encoder_and_decoder_inputs_of_two_batch_sizes_are_refused_by_name():
                                          r"of 2"):
         model({"encoder_token_ids": enc, "encoder_padding_mask": enc,
                "decoder_token_ids": dec, "decoder_padding_mask": dec})
+
+
+# === Training CLI ===
+
+
+@pytest.mark.parametrize("flag, allowed", [("--learning-rate", r"\(0, inf\)"),
+                                           ("--weight-decay", r"\[0, inf\)")])
+def test_cli_refuses_an_infinite_learning_rate_or_weight_decay(flag, allowed, capsys):
+    from training.cli import build_parser
+
+    # inf passed the parser: a FieldError traceback from the schedule once the run had
+    # started (--learning-rate), NaN weights after the first update (--weight-decay).
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["gpt_text", flag, "inf"])
+    assert exit_info.value.code == 2
+    assert re.search(rf"{flag} must be in {allowed}; got 'inf'", capsys.readouterr().err)
+
+
+def test_cli_refuses_a_preset_directory_load_cannot_read(tmp_path, capsys):
+    from training.cli import main
+
+    # Was a ValueError traceback (exit 1) once the recipe had loaded its data.
+    (tmp_path / "empty").mkdir()
+    code = main(["gpt_text", "--steps", "1", "--preset", str(tmp_path / "empty"),
+                 "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert re.search(r"error: --preset '.*empty' is neither a kzoo preset directory",
+                     capsys.readouterr().err)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "kzoo_config.json").write_text("{not json")
+    assert main(["gpt_text", "--steps", "1", "--preset", str(tmp_path / "broken"),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert re.search(r"kzoo_config\.json.* not valid JSON", capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()  # nothing written

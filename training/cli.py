@@ -114,12 +114,15 @@ def _common_arguments(parser, defaults):
     parser.add_argument("--out", help="output directory (default: runs/<recipe>)")
     parser.add_argument("--seed", type=_non_negative_int("--seed"), default=0,
                         help="seed of the initialisation, data order, masking, dropout")
-    parser.add_argument("--learning-rate", type=_float("--learning-rate", 0, low_open=True),
+    # (inf passed the parser and failed in the schedule, a traceback)
+    parser.add_argument("--learning-rate", type=_float("--learning-rate", 0, float("inf"),
+                                                       low_open=True, high_open=True),
                         help="peak learning rate of the WarmupInverseSqrt schedule "
                              f"(default: {defaults.get('learning_rate', 1e-3)})")
     parser.add_argument("--warmup-steps", type=_positive_int("--warmup-steps"),
                         help=f"warmup steps (default: {defaults.get('warmup_steps', 100)})")
-    parser.add_argument("--weight-decay", type=_float("--weight-decay", 0),
+    parser.add_argument("--weight-decay", type=_float("--weight-decay", 0, float("inf"),
+                                                      high_open=True),
                         help="AdamW weight decay")
     parser.add_argument("--clipnorm", type=_float("--clipnorm", 0),
                         help="clip gradients to this global norm (0: no clipping; default 1)")
@@ -282,16 +285,37 @@ def config_from_args(args):
     )
 
 
+def _check_preset_directory(path):
+    """A `--preset` path is a directory `kzoo.presets.load` reads (its kzoo config checked),
+    or `ValueError` naming it: any other directory, or a damaged config, was a traceback
+    once the recipe had started (its data loaded)."""
+    import kzoo.presets
+    from kzoo import checkpoints, registry
+
+    if not os.path.isdir(path):
+        raise ValueError(f"--preset {path!r} is neither a preset name nor a directory.")
+    if os.path.isfile(os.path.join(path, kzoo.presets.CONFIG_FILE)):
+        kzoo.presets._read_saved_config(path)  # (its errors name the file)
+        return
+    if checkpoints.is_hf_dir(path) or registry.keras_hub_converter().is_preset(path):
+        return
+    raise ValueError(
+        f"--preset {path!r} is neither a kzoo preset directory (no "
+        f"{kzoo.presets.CONFIG_FILE}), a Hugging Face checkpoint nor a keras-hub preset.")
+
+
 def check_model_arguments(module, cfg):
     """`--preset` and `--override` checked before any work (data, tokenizer, compiling):
     a preset of another family than the recipe trains, an override name the family does
     not have, or a bad value (`num_layers=abc`) raise `ValueError` naming it. A path given
-    as `--preset` (a saved directory) is checked when the recipe loads it."""
+    as `--preset` must be a directory that `kzoo.presets.load` reads (its family and
+    overrides are checked when the recipe loads it)."""
     import kzoo.presets
     from kzoo import registry
 
     if cfg.preset not in kzoo.presets.list():
         if os.path.sep in cfg.preset or os.path.exists(cfg.preset):
+            _check_preset_directory(cfg.preset)
             return
         kzoo.presets.info(cfg.preset)  # an unknown name: the error lists the known ones
     spec = kzoo.presets.info(cfg.preset)
