@@ -258,3 +258,22 @@ def test_symbolic_inputs_give_the_output_spec(kernel):
     if kernel != "chunked":  # (TensorFlow's chunked kernel needs a known head_dim)
         assert tuple(dot_product_attention(unknown, unknown, unknown, scale=0.5,
                                            kernel=kernel).shape) == (None, 3, 2, None)
+
+
+# === MultiHeadAttention ===
+
+
+def test_multi_head_attention_refuses_an_additive_float_mask():
+    # A float attention_mask was cast to bool: an additive mask (0 = attend, -1e9 = not)
+    # was read the other way round, in silence. 0 / 1 floats (a padding mask given as
+    # floats) still work, as the booleans they hold.
+    from kzoo.layers import MultiHeadAttention
+
+    mha = MultiHeadAttention(num_heads=2, head_dim=4)
+    x = np.random.default_rng(0).normal(size=(1, 3, 8)).astype("float32")
+    allowed = np.tril(np.ones((3, 3), bool))[None]
+    want = to_numpy(mha(x, attention_mask=allowed))
+    assert_close(to_numpy(mha(x, attention_mask=allowed.astype("float32"))), want)
+    with pytest.raises(ValueError, match=r"`attention_mask` must be boolean .* got "
+                                         r"-1000000000\.0 .*goes in `attention_bias`"):
+        mha(x, attention_mask=np.where(allowed, 0.0, -1e9).astype("float32"))

@@ -1,6 +1,7 @@
 """Multi-head attention: self/cross, grouped-query, rotary, additive bias and a KV cache."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from kzoo.layers.kernels import (
@@ -28,6 +29,27 @@ from kzoo.layers.utils import (
 def _optional_initializer(initializer):
     """None (use the layer's default) or the serialised initialiser."""
     return None if initializer is None else serialize_initializer(initializer)
+
+
+def _check_float_mask(mask):
+    """A float `attention_mask` holds 0 / 1 only (checked when its values are concrete): it
+    is cast to bool, so an additive mask (0 = attend, -1e9 / -inf = not) was read the other
+    way round, in silence."""
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None or "float" not in keras.backend.standardize_dtype(dtype):
+        return
+    from kzoo.inputs import is_symbolic, to_host
+
+    if is_symbolic(mask):
+        return
+    values = np.asarray(to_host(mask))
+    bad = values[(values != 0) & (values != 1)]
+    if bad.size:
+        raise ValueError(
+            "`attention_mask` must be boolean (True = may attend) or hold only 0 / 1; got "
+            f"{bad.reshape(-1)[0].item()!r} (dtype {values.dtype}). An additive mask (0 to "
+            "attend, -inf or a large negative number not to) goes in `attention_bias`."
+        )
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -338,6 +360,7 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(
                 f"`query` must have rank 3 (batch, seq, dim); got shape {tuple(query.shape)}."
             )
+        _check_float_mask(attention_mask)
         joined = None
         if cache is not None and cache_index is not None and not cross and self.attention == "full":
             joined = fast_decode.hoisted_qkv(self, query)  # (a compiled decode loop)
