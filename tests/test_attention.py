@@ -1030,3 +1030,46 @@ def test_bias_gradient_against_numpy(bias_shape):
     padded = (1,) * (4 - len(bias_shape)) + bias_shape  # (the axes the bias broadcast over)
     expected = ds.sum(axis=tuple(i for i, n in enumerate(padded) if n == 1), keepdims=True)
     assert_close(grad, expected.reshape(bias_shape), atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["padding", "per_query", "none_empty", "grouped"])
+def test_uniform_empty_rows_against_numpy(form):
+    """`kernels.uniform_empty_rows`: a query row with no allowed key reads the mean of all the
+    values of its key/value head, every other row keeps the attention output (a NumPy loop
+    over rows). The "none_empty" mask leaves every row a key: on torch's CPU path the output
+    is returned as is (no `where`, no mean), here it must still equal the input exactly."""
+    from kzoo.layers.kernels import uniform_empty_rows
+
+    r = np.random.default_rng(3)
+    b, t, s, h, d = 3, 4, 5, 4, 8
+    kv = 2 if form == "grouped" else h
+    out = r.normal(size=(b, t, h, d)).astype("float32")
+    value = r.normal(size=(b, s, kv, d)).astype("float32")
+    if form in ("padding", "grouped"):
+        mask = np.ones((b, 1, 1, s), bool)  # (a padding mask as `normalize_mask` gives it)
+        mask[1] = False  # a whole row of padding
+        mask[2, ..., 3:] = False
+        full = np.broadcast_to(mask, (b, h, t, s))
+    elif form == "per_query":
+        mask = r.random((b, 1, t, s)) > 0.5
+        mask[0, 0, 2] = False
+        mask[2, 0, 0] = False
+        mask[1, 0, 1] = True
+        full = np.broadcast_to(mask, (b, h, t, s))
+    else:
+        mask = np.ones((b, 1, 1, s), bool)
+        mask[0, ..., 4] = False
+        full = np.broadcast_to(mask, (b, h, t, s))
+    expected = out.copy()
+    for i in range(b):
+        for j in range(t):
+            for head in range(h):
+                if not full[i, head, j].any():
+                    expected[i, j, head] = value[i, :, head // (h // kv)].mean(0)
+    if form == "padding":
+        assert not np.array_equal(expected, out)  # (the case has empty rows)
+    got = uniform_empty_rows(ops.convert_to_tensor(out), ops.convert_to_tensor(mask),
+                             ops.convert_to_tensor(value))
+    assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    if form == "none_empty":
+        np.testing.assert_array_equal(to_numpy(got), out)

@@ -272,6 +272,7 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
     (`dot_product_attention` with the layer's `kernel`), without the Keras layer call of each
     sub-layer (about 0.2 ms each on this CPU; a GPT/BERT block has a dozen). With
     `output_positions`, the rows the Keras call would compute (see `TransformerBlock`)."""
+    from kzoo.layers import kernels_torch
     from kzoo.layers.blocks import _mask_rows
     from kzoo.layers.kernels import dot_product_attention
     from kzoo.layers.masks import normalize_mask
@@ -305,7 +306,7 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
             is_causal=causal, scale=layer.scale, kernel=layer.kernel,
             dropout_rate=layer.dropout, training=training, seed_generator=layer.seed_generator)
         if not block.causal:  # (as the Keras call: `TransformerBlock._forward`)
-            out = _uniform_empty_rows(out, mask, v)
+            out = kernels_torch.uniform_empty_rows(out, mask, v)
         out = _dense(layer.output_dense, out.reshape(batch, q.shape[1], layer.num_heads * layer._head_dim))
         return _dropout(block.self_attention_dropout, out, training)
 
@@ -701,29 +702,9 @@ def _attention(layer, x, *, mask, bias, cache, cache_index, causal=True, causal_
         out = kernels_torch.fused(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                   mask, bias, False, scale)
         if cache_index is None:  # cross-attention: as the Keras call (`uniform_empty_rows`)
-            out = _uniform_empty_rows(out, mask, v.transpose(1, 2))
+            out = kernels_torch.uniform_empty_rows(out, mask, v.transpose(1, 2))
     out = _dense(layer.output_dense, out.reshape(batch, q_len, heads * head_dim))
     return out, cache
-
-
-def _uniform_empty_rows(out, mask, value):
-    """`kzoo.layers.kernels.uniform_empty_rows` in torch ops: the same values without Keras'
-    dispatch of each op (five of them a layer, at every decode step of a T5 cross-attention:
-    T5's greedy decode was 5% slower through the Keras ops). `out` `(batch, q_len, heads,
-    head_dim)`; `mask` boolean, broadcasting to `(batch, heads, q_len, k_len)`, or None;
-    `value` `(batch, k_len, kv_heads, head_dim)`."""
-    import torch
-
-    if mask is None:
-        return out
-    mask = mask if mask.dtype == torch.bool else mask.bool()
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    empty = torch.logical_not(mask.any(-1)).unsqueeze(-1).transpose(1, 2)  # (b, q, h, 1)
-    mean = value.float().mean(1, keepdim=True)  # (batch, 1, kv_heads, head_dim)
-    if out.shape[2] != value.shape[2]:  # (grouped heads share their key/value head's mean)
-        mean = mean.repeat_interleave(out.shape[2] // value.shape[2], dim=2)
-    return torch.where(empty, mean.to(out.dtype), out)
 
 
 def _window_step(layer, x, mask, cache, k_cache, v_cache, cache_index, scale):

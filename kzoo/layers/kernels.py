@@ -698,6 +698,9 @@ def uniform_empty_rows(out, mask, value):
     """
     if mask is None:
         return out
+    module = _backend_kernels()
+    if module is not None and hasattr(module, "uniform_empty_rows"):
+        return module.uniform_empty_rows(out, mask, value)  # (torch: its own ops)
     mask = ops.convert_to_tensor(mask)
     if mask.dtype != "bool":
         mask = ops.cast(mask, "bool")
