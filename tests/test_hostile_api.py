@@ -266,3 +266,23 @@ def test_cli_refuses_a_preset_directory_load_cannot_read(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 2
     assert re.search(r"kzoo_config\.json.* not valid JSON", capsys.readouterr().err)
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_cli_refuses_a_preset_whose_weights_are_truncated(tmp_path, capsys):
+    import kzoo.presets
+    from training.cli import main
+
+    # Was a ValueError traceback (exit 1) after the recipe had loaded its data and built
+    # the model.
+    model = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                              intermediate_dim=32, vocabulary_size=64)
+    directory = tmp_path / "saved"
+    kzoo.presets.save(model, str(directory))
+    weights = directory / kzoo.presets.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code = main(["gpt_text", "--steps", "1", "--preset", str(directory),
+                 "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert re.search(r"error: --preset '.*saved': the weights file '.*model\.weights\.h5' "
+                     r"cannot be read \(truncated or not HDF5\)", capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()

@@ -295,7 +295,16 @@ def _check_preset_directory(path):
     if not os.path.isdir(path):
         raise ValueError(f"--preset {path!r} is neither a preset name nor a directory.")
     if os.path.isfile(os.path.join(path, kzoo.presets.CONFIG_FILE)):
-        kzoo.presets._read_saved_config(path)  # (its errors name the file)
+        weights = kzoo.presets._read_saved_config(path)[4]  # (its errors name the file)
+        if weights.endswith(".h5"):
+            import h5py
+
+            try:  # (HDF5 checks the file's stored length when it opens: a truncated copy)
+                h5py.File(weights, "r").close()
+            except OSError as error:
+                raise ValueError(
+                    f"--preset {path!r}: the weights file {weights!r} cannot be read "
+                    f"(truncated or not HDF5): {error}") from None
         return
     if checkpoints.is_hf_dir(path) or registry.keras_hub_converter().is_preset(path):
         return
