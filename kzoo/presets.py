@@ -26,6 +26,7 @@ Example:
 
 import builtins
 import os
+import tempfile
 import time
 import warnings
 import zipfile
@@ -420,6 +421,12 @@ def _check_writable_directory(directory):
         why = f"{parent!r} is a file, not a directory"
     elif not os.access(parent, os.W_OK | os.X_OK):
         why = f"{parent!r} is not writable"
+    else:  # (os.access says yes to root everywhere, and knows no read-only file system)
+        try:
+            with tempfile.TemporaryFile(dir=parent):
+                pass
+        except OSError as error:
+            why = f"{parent!r} is not writable ({error.strerror or error})"
     if why:
         raise ValueError(
             f"`directory` must be a directory that can be made or written in; got "

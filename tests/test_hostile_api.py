@@ -168,6 +168,11 @@ def test_save_refuses_a_directory_that_is_not_a_path_or_cannot_be_made(tmp_path)
                                          r"or written in; .*file' is a file, not a directory"):
         kzoo.presets.save(model, tmp_path / "file" / "sub" / "deeper")
     assert kzoo.presets.save(model, tmp_path / "new" / "sub") == str(tmp_path / "new" / "sub")
+    # A directory no file can be made in, whoever runs the test (os.access says yes to root):
+    # was a FileNotFoundError from os.makedirs.
+    with pytest.raises(ValueError, match=r"`directory` must be a directory that can be made "
+                                         r"or written in; .*'/proc/self' is not writable"):
+        kzoo.presets.save(model, "/proc/self/kzoo_out")
 
 
 def test_a_bad_field_value_in_a_saved_config_names_the_file(tmp_path):
