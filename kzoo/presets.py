@@ -408,7 +408,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     return directory
 
 
-def _check_writable_directory(directory):
+def _check_writable_directory(directory, name="directory"):
     """Refuse, before anything is written, a `directory` that cannot be made or written in
     (a path through a file, a read-only parent): it was an OSError (NotADirectoryError,
     PermissionError) from `os.makedirs` or halfway through the save."""
@@ -428,9 +428,10 @@ def _check_writable_directory(directory):
         except OSError as error:
             why = f"{parent!r} is not writable ({error.strerror or error})"
     if why:
+        shown = f"`{name}`" if name.isidentifier() else name
         raise ValueError(
-            f"`directory` must be a directory that can be made or written in; got "
-            f"directory={directory!r}: {why}."
+            f"{shown} must be a directory that can be made or written in; got "
+            f"{name}={directory!r}: {why}."
         )
 
 

@@ -291,3 +291,13 @@ def test_cli_refuses_a_preset_whose_weights_are_truncated(tmp_path, capsys):
     assert re.search(r"error: --preset '.*saved': the weights file '.*model\.weights\.h5' "
                      r"cannot be read \(truncated or not HDF5\)", capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_an_out_directory_no_file_can_be_made_in(tmp_path, capsys):
+    from training.cli import main
+
+    # Was a FileNotFoundError traceback from os.makedirs.
+    assert main(["gpt_text", "--steps", "1", "--out", "/proc/self/kzoo_out"]) == 2
+    assert re.search(r"error: --out must be a directory that can be made or written in; got "
+                     r"--out='/proc/self/kzoo_out': '/proc/self' is not writable",
+                     capsys.readouterr().err)

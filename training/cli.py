@@ -365,6 +365,9 @@ def main(argv=None):
         cfg = config_from_args(args)
         if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
             raise ValueError(f"--out {cfg.out!r} exists and is not a directory.")
+        import kzoo.presets
+
+        kzoo.presets._check_writable_directory(cfg.out, "--out")  # (before the data loads)
         if hasattr(module, "check_options"):
             module.check_options(cfg.options)
         check_model_arguments(module, cfg)
