@@ -137,5 +137,9 @@ def test_errors_name_the_option(tmp_path):
     taken.write_text("x")
     with pytest.raises(ValueError, match=r"`--out` .*a_file' exists and is not a directory"):
         main([source, "--ids", "1,2", "--out", str(taken)])
+    # (was a FileNotFoundError from os.makedirs after the maps were computed)
+    with pytest.raises(ValueError, match=r"--out must be a directory that can be made or "
+                                         r"written in; .*'/proc/self' is not writable"):
+        main([source, "--ids", "1,2", "--out", "/proc/self/kzoo_maps"])
     with pytest.raises(SystemExit):  # argparse: --out is required
         main([source, "--ids", "1,2"])

@@ -166,6 +166,8 @@ def main(argv=None):
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"`--out` {args.out!r} exists and is not a directory.")
     import kzoo
+
+    kzoo.presets._check_writable_directory(args.out, "--out")  # (before the model loads)
     from kzoo.interpret import (attention_entropy, attention_maps, attention_rollout,
                                 head_view_html, plot_attention, plot_rollout)
 
