@@ -271,6 +271,25 @@ def test_llama_ignores_a_sliding_window_as_transformers_does(tmp_path):
     _assert_decoder_matches(model, hf, ids, np.ones_like(ids), "llama with sliding_window=3")
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "mixtral"])
+@pytest.mark.parametrize("biases", [dict(attention_bias=True),
+                                    dict(attention_bias=True, mlp_bias=True)])
+def test_mistral_mixtral_ignore_bias_fields_as_transformers_does(tmp_path, model_type, biases):
+    """transformers' Mistral and Mixtral have no biases whatever `attention_bias` / `mlp_bias`
+    their config.json carries; kzoo read them as LLaMA's and refused the checkpoint (one
+    field: "must be equal"; both: missing bias weights)."""
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                  initializer_range=0.2, **biases)
+    if model_type == "mixtral":
+        config.update(num_local_experts=3, num_experts_per_tok=2)
+    hf = _hf_modern(tmp_path, model_type, config, seed=0)
+    model = kzoo.presets.load(tmp_path)
+    assert not model.backbone.use_bias
+    ids = np.random.default_rng(3).integers(0, 64, (2, 10)).astype("int32")
+    _assert_decoder_matches(model, hf, ids, np.ones_like(ids), f"{model_type} with {biases}")
+
+
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"type": "default"}])
 def test_llama_default_rope_scaling_loads_as_none(tmp_path, scaling):

@@ -21,7 +21,8 @@ with a top-k sparse mixture of SwiGLU experts). `config_from_hf` / `load_weights
 projections are `nn.Linear` weights `(out, in)`, transposed to Keras kernels. Honoured:
 `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
 `num_key_value_heads`, `hidden_act`, `max_position_embeddings`, `rms_norm_eps`, `rope_theta`,
-`attention_bias` / `mlp_bias` (equal), `tie_word_embeddings`, `num_local_experts`,
+`attention_bias` / `mlp_bias` (equal; LLaMA only: Mistral and Mixtral have no biases and
+ignore them, as transformers does), `tie_word_embeddings`, `num_local_experts`,
 `num_experts_per_tok`, `sliding_window` (Mistral and Mixtral, whatever its size: rotary models
 run on sequences longer than `max_position_embeddings`, where a window that long still
 bites; LLaMA's attention ignores the field, and so does kzoo), `rope_scaling` of `rope_type`
@@ -273,8 +274,10 @@ def _modern_config_from_hf(hf_config, source):
             f"{model_type} config field `hidden_act`={act!r} is not supported; kzoo reads "
             f"{sorted(_ACTIVATIONS)}."
         )
-    bias = bool(cfg.get("attention_bias", False))
-    if bias != bool(cfg.get("mlp_bias", False)):
+    # transformers' Mistral and Mixtral have no biases whatever their config.json says (their
+    # layers never read `attention_bias` / `mlp_bias`); LLaMA's follow the two fields.
+    bias = bool(cfg.get("attention_bias", False)) if model_type == "llama" else False
+    if model_type == "llama" and bias != bool(cfg.get("mlp_bias", False)):
         raise ValueError(
             f"{model_type} config: `attention_bias`={cfg.get('attention_bias')} and "
             f"`mlp_bias`={cfg.get('mlp_bias')} must be equal (kzoo has one use_bias)."
