@@ -458,6 +458,14 @@ def _tiny_gpt2(**overrides):
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides}))
 
 
+def _pruned_gpt2():
+    """A tiny GPT-2 with one head of its first layer pruned (transformers writes
+    `pruned_heads` to config.json and prunes them again on load)."""
+    model = _tiny_gpt2()
+    model.prune_heads({0: [0]})
+    return model
+
+
 def _tiny_modern(model_type, **overrides):
     import transformers
 
@@ -486,6 +494,7 @@ UNSUPPORTED = {
         "scale_attn_by_inverse_layer_idx"),
     "gpt2 add_cross_attention": (lambda: _tiny_gpt2(add_cross_attention=True),
                                  "add_cross_attention"),
+    "gpt2 pruned_heads": (_pruned_gpt2, "pruned_heads"),
     "gpt2 gelu_10": (lambda: _tiny_gpt2(activation_function="gelu_10"),
                      "activation_function"),
     "gpt2 mish": (lambda: _tiny_gpt2(activation_function="mish"), "activation_function"),

@@ -11,7 +11,8 @@ Every field of `GPT2Config` that changes the computation is honoured or rejected
 `n_embd`, `n_layer`, `n_head`, `n_inner` (None -> 4 * n_embd), `n_positions`,
 `activation_function`, `layer_norm_epsilon`, `tie_word_embeddings`, `scale_attn_weights`
 (False -> attention scale 1.0) are honoured; `scale_attn_by_inverse_layer_idx`,
-`reorder_and_upcast_attn` and `add_cross_attention` raise `ValueError`.
+`reorder_and_upcast_attn`, `add_cross_attention` and a non-empty `pruned_heads` raise
+`ValueError`.
 
 The modern configurations of the same backbone are LLaMA and Mixtral: `model_type="llama"`
 (`LlamaForCausalLM` / `LlamaModel`: RMSNorm, rotary "rotate-half" positions, SwiGLU, grouped-
@@ -168,6 +169,13 @@ def config_from_hf(hf_config, source="config.json"):
                 f"GPT-2 config field `{field}`={cfg[field]!r} is not supported by kzoo "
                 f"(only {field}=False)."
             )
+    if cfg.get("pruned_heads"):
+        # (transformers prunes them on load, shrinking `c_attn` and `c_proj`: kzoo stopped at a
+        # shape mismatch that did not name the field)
+        raise ValueError(
+            f"GPT-2 config field `pruned_heads`={cfg['pruned_heads']!r} is not supported by "
+            "kzoo (only pruned_heads={}: every layer has n_head heads)."
+        )
     act = cfg["activation_function"]
     if act not in _ACTIVATIONS:
         raise ValueError(
