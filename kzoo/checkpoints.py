@@ -139,13 +139,26 @@ def is_hf_dir(path):
 
 
 def read_hf_config(path):
-    """The `config.json` of a Hugging Face checkpoint directory, as a dict."""
+    """The `config.json` of a Hugging Face checkpoint directory, as a dict.
+
+    A quantized checkpoint (a `quantization_config`: GPTQ, AWQ, bitsandbytes, FP8, ...) raises
+    `ValueError`: transformers computes with its quantized weights (packed integers or float8
+    with scales), which kzoo does not read."""
     config_path = file_in(path, HF_CONFIG, "Hugging Face config")
     config = read_json(config_path, "Hugging Face config")
     if not isinstance(config.get("model_type"), str):
         raise ValueError(
             f"{config_path!r} has no string `model_type`; got "
             f"model_type={config.get('model_type')!r}."
+        )
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{config_path!r} is a quantized checkpoint (quantization_config with "
+            f"quant_method={method!r}); kzoo reads only unquantized checkpoints (no "
+            "quantization_config). Load a float checkpoint (or dequantize it with transformers "
+            "and save_pretrained), then quantize with kzoo.quantize if needed."
         )
     return config
 

@@ -307,6 +307,23 @@ def test_damaged_hf_config_names_the_file(tmp_path, content, problem):
     assert str(tmp_path / "hf" / "config.json") in str(err.value)
 
 
+def test_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
+    """transformers computes a checkpoint with a `quantization_config` from its quantized
+    weights; kzoo read the config as a float one (its float tensors, if any, silently;
+    GPTQ's `qweight` / `scales` ended in a missing-weights error that named no field)."""
+    _hf_gpt(tmp_path / "hf")
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config_path.write_text(json.dumps(config))
+    for load in (lambda: kzoo.presets.load(tmp_path / "hf"),
+                 lambda: kzoo.presets.load("gpt_mini", **SMALL["gpt_mini"],
+                                           weights=tmp_path / "hf")):
+        with pytest.raises(ValueError, match="quantization_config.*'gptq'") as err:
+            load()
+        assert str(config_path) in str(err.value)
+
+
 def test_hf_checkpoint_weights_problems_name_the_file(tmp_path):
     from safetensors.numpy import load_file, save_file
 
