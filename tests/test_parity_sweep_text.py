@@ -291,6 +291,27 @@ def test_mistral_mixtral_ignore_bias_fields_as_transformers_does(tmp_path, model
 
 
 
+@pytest.mark.parametrize("model_type, field, match", [
+    ("llama", "attention_dropout", "attention_dropout=0.1 is kzoo's one dropout rate"),
+    ("mistral", "attention_dropout", "attention_dropout=0.1 is kzoo's one dropout rate"),
+    ("mixtral", "router_jitter_noise", "router_jitter_noise=0.1 is not implemented"),
+])
+def test_training_only_fields_warn_and_match_in_inference(tmp_path, model_type, field, match):
+    """transformers' LLaMA / Mistral / Mixtral drop only the attention probabilities and
+    Mixtral jitters its router in training; kzoo loaded both fields in silence (its dropout
+    rate drops the embeddings and sub-layer outputs too; it has no router jitter)."""
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                  initializer_range=0.2, **{field: 0.1})
+    if model_type == "mixtral":
+        config.update(num_local_experts=3, num_experts_per_tok=2)
+    hf = _hf_modern(tmp_path, model_type, config, seed=0)
+    with pytest.warns(UserWarning, match=match):
+        model = kzoo.presets.load(tmp_path)
+    ids = np.random.default_rng(4).integers(0, 64, (2, 10)).astype("int32")
+    _assert_decoder_matches(model, hf, ids, np.ones_like(ids), f"{model_type} {field}=0.1")
+
+
 @pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"type": "default"}])
 def test_llama_default_rope_scaling_loads_as_none(tmp_path, scaling):
     """transformers' `rope_type` "default" is the plain rotary frequencies, as no

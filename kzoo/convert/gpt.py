@@ -27,7 +27,9 @@ ignore them, as transformers does), `tie_word_embeddings`, `num_local_experts`,
 `num_experts_per_tok`, `sliding_window` (Mistral and Mixtral, whatever its size: rotary models
 run on sequences longer than `max_position_embeddings`, where a window that long still
 bites; LLaMA's attention ignores the field, and so does kzoo), `rope_scaling` of `rope_type`
-"default" (no scaling); rejected: any other `rope_scaling`, a `head_dim` other than
+"default" (no scaling); warned about (training only): `attention_dropout` > 0 (kzoo's one
+`dropout` also drops embeddings and sub-layer outputs), Mixtral's `router_jitter_noise` > 0
+(not implemented); rejected: any other `rope_scaling`, a `head_dim` other than
 hidden_size / num_attention_heads, `attention_bias != mlp_bias`.
 
 Example:
@@ -294,6 +296,22 @@ def _modern_config_from_hf(hf_config, source):
         warnings.warn(
             f"{model_type} config: pretraining_tp={cfg['pretraining_tp']} only splits the "
             "matrix products; the result is the same.", stacklevel=2,
+        )
+    # Training-only differences, said as GPT-2's dropouts are.
+    attention_dropout = cfg.get("attention_dropout") or 0.0
+    if attention_dropout:
+        warnings.warn(
+            f"{model_type} config: attention_dropout={attention_dropout} is kzoo's one dropout "
+            "rate, which also drops the embeddings and every sub-layer's output (transformers' "
+            f"{model_type} drops the attention probabilities only). Inference is unaffected.",
+            stacklevel=2,
+        )
+    if model_type == "mixtral" and cfg.get("router_jitter_noise"):
+        warnings.warn(
+            f"mixtral config: router_jitter_noise={cfg['router_jitter_noise']} is not "
+            "implemented by kzoo (transformers multiplies the router's input by uniform noise "
+            "in training). Inference is unaffected.",
+            stacklevel=2,
         )
     # transformers' LLaMA ignores a `sliding_window` in its config.json (its mask is always
     # the plain causal one); Mistral and Mixtral apply it.
