@@ -814,6 +814,22 @@ def test_hf_gpt2_export_round_trip(tmp_path):
     np.testing.assert_array_equal(_hf_forward(again, ids, mask)[real], expected[real])
 
 
+@pytest.mark.parametrize("kind", ["modern", "moe"])
+def test_rotary_export_warns_that_only_attention_dropout_is_written(kind, tmp_path):
+    """transformers' LLaMA / Mixtral have only `attention_dropout`: kzoo's dropout (also on the
+    embeddings and sub-layer outputs) was written there in silence. The outputs agree."""
+    import transformers
+
+    lm = tiny_lm(kind, dropout=0.1, initializer_range=0.1)
+    with pytest.warns(UserWarning, match=r"dropout=0\.1 is written as attention_dropout"):
+        kzoo.presets.save(lm, tmp_path, format="hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager").eval()
+    assert hf.config.attention_dropout == 0.1
+    ids, mask = _right_padded(vocab=VOCAB, lengths=(10, 6), width=10)
+    _assert_gpt_matches(lm, hf, ids, mask, f"{kind} with dropout 0.1 -> transformers")
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_kzoo_model_exports_to_transformers(tie, tmp_path):
     import transformers

@@ -659,6 +659,14 @@ def _modern_to_hf(backbone, task):
             "This rotary GPT configuration has no Hugging Face equivalent (LLaMA / Mixtral): "
             + ", ".join(problems) + "."
         )
+    if backbone.dropout:
+        # (a training setting: a plain batch gives the same outputs)
+        warnings.warn(
+            f"transformers' LLaMA / Mistral / Mixtral drop only the attention probabilities: "
+            f"dropout={backbone.dropout} is written as attention_dropout, without the dropout "
+            "of the embeddings and sub-layer outputs (training the saved model there runs "
+            "without them).", stacklevel=3,
+        )
     act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh"}.get(
         backbone.activation, _HF_ACTIVATIONS[backbone.activation])
     model_type = "mixtral" if moe else ("mistral" if sliding else "llama")
