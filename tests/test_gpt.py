@@ -653,6 +653,31 @@ def test_hf_gpt2_untied_head_refuses_a_tied_model(tmp_path):
         kzoo.presets.load(tmp_path, tie_embeddings=True)
 
 
+def test_hf_gpt2_tied_config_with_a_stored_head_is_refused_saying_what_transformers_does(
+        tmp_path):
+    """config.json ties the head (tie_word_embeddings=True) but the file stores another
+    `lm_head.weight`: transformers drops the stored head (checked here: its logits stay those
+    of the tied model); kzoo refuses, and the message says so (it said only "load with
+    tie_embeddings=False", which gives outputs that differ from transformers')."""
+    import safetensors.numpy
+    import transformers
+
+    hf = _hf_gpt2(tmp_path)
+    (path,) = list(tmp_path.glob("*.safetensors"))
+    state = safetensors.numpy.load_file(str(path))
+    state["lm_head.weight"] = state["transformer.wte.weight" if "transformer.wte.weight" in
+                                    state else "wte.weight"] + 1.0
+    safetensors.numpy.save_file(state, str(path), metadata={"format": "pt"})
+    ids, mask = _right_padded()
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(
+        tmp_path, attn_implementation="eager").eval()
+    np.testing.assert_allclose(_hf_forward(reloaded, ids, mask), _hf_forward(hf, ids, mask),
+                               atol=1e-6)
+    with pytest.raises(ValueError, match=r"If it has True, transformers drops the stored head "
+                                         r"and uses the embedding"):
+        kzoo.presets.load(tmp_path)
+
+
 def test_hf_gpt2_backbone_parity(tmp_path):
     hf = _hf_gpt2(tmp_path, lm_head=False)
     model = kzoo.presets.load(tmp_path)

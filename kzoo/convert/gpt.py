@@ -391,7 +391,12 @@ def _check_tied_head(weights, embedding_name):
     if embedding is not None and not np.array_equal(np.asarray(embedding, head.dtype), head):
         raise ValueError(
             f"The checkpoint's `lm_head.weight` differs from `{embedding_name}` but the model "
-            "ties them (tie_word_embeddings=True); load with tie_embeddings=False."
+            "ties them (tie_embeddings=True). If its config.json has tie_word_embeddings=False, "
+            "load with tie_embeddings=False. If it has True, transformers drops the stored head "
+            "and uses the embedding; kzoo does not drop a tensor in silence: remove "
+            "`lm_head.weight` from the checkpoint to load what transformers loads, or load with "
+            "tie_embeddings=False to use the stored head (the outputs then differ from "
+            "transformers')."
         )
 
 
