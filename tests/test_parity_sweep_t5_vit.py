@@ -113,6 +113,12 @@ T5_FEEDFORWARDS = {
     "gated-gelu_new": "gated-gelu",
     "gated-silu": "gated-silu",
     "gated-swish": "gated-silu",
+    # transformers' other names of the tanh / exact GELU
+    "gelu_pytorch_tanh": "gelu_new",
+    "gelu_fast": "gelu_new",
+    "gelu_python": "gelu",
+    "gated-gelu_pytorch_tanh": "gated-gelu",
+    "gated-gelu_fast": "gated-gelu",
 }
 
 
@@ -133,7 +139,8 @@ T5_VERSIONS = {
     "v1_0": (("relu",), True),
     "v1_1": (("gated-gelu",), False),
     "other": (("gated-silu", "gelu", "gelu_new", "gated-relu", "gated-gelu_new", "silu",
-               "swish", "gated-swish"), True),
+               "swish", "gated-swish", "gelu_pytorch_tanh", "gelu_fast", "gelu_python",
+               "gated-gelu_pytorch_tanh", "gated-gelu_fast"), True),
 }
 
 
@@ -321,7 +328,7 @@ T5_TINY = dict(vocab_size=64, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_deco
         ("T5ForConditionalGeneration", {"feed_forward_proj": "tanh"}, {}, "feed_forward_proj"),
         ("T5ForConditionalGeneration", {"feed_forward_proj": "quick_gelu"}, {},
          "feed_forward_proj"),
-        ("T5ForConditionalGeneration", {"feed_forward_proj": "gated-gelu_pytorch_tanh"}, {},
+        ("T5ForConditionalGeneration", {"feed_forward_proj": "gated-gelu_python"}, {},
          "feed_forward_proj"),
         ("T5Model", {"feed_forward_proj": "relu6"}, {}, "feed_forward_proj"),
         # an explicit exact-GELU gate (dense_act_fn overrides feed_forward_proj)

@@ -608,6 +608,17 @@ def test_hf_logits_match_transformers(version, tmp_path):
     _assert_t5_matches(model, hf, inputs, f"T5 {version} logits")
 
 
+@pytest.mark.parametrize("proj", ["gelu_pytorch_tanh", "gelu_fast", "gelu_python",
+                                  "gated-gelu_pytorch_tanh", "gated-gelu_fast"])
+def test_hf_other_gelu_names_match_transformers(proj, tmp_path):
+    """transformers' other names of the tanh GELU (and "gelu_python", the exact one) in
+    `feed_forward_proj`: were refused, now read as kzoo's tanh / exact GELU feed-forwards."""
+    hf = _hf_model(tmp_path, "v1_0", feed_forward_proj=proj)
+    model = kzoo.presets.load(tmp_path)
+    inputs = _batch(enc_len=12, dec_len=9, enc_real=(12, 7), dec_real=(9, 5))
+    _assert_t5_matches(model, hf, inputs, f"T5 {proj} logits")
+
+
 def test_hf_backbone_matches_t5model(tmp_path):
     hf = _hf_model(tmp_path, "v1_1", architecture="T5Model", seed=1)
     backbone = kzoo.presets.load(tmp_path)

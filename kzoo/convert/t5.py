@@ -49,11 +49,18 @@ IGNORED_WEIGHTS = (
 _FEEDFORWARD_FROM_HF = {
     (False, "relu"): "relu",
     (False, "gelu"): "gelu",
+    (False, "gelu_python"): "gelu",
     (False, "gelu_new"): "gelu_new",
+    # (transformers' other names of the tanh GELU: the same formula, "gelu_fast" with its
+    # factors grouped otherwise, within float32 rounding)
+    (False, "gelu_pytorch_tanh"): "gelu_new",
+    (False, "gelu_fast"): "gelu_new",
     (False, "silu"): "silu",
     (False, "swish"): "silu",
     (True, "relu"): "gated-relu",
     (True, "gelu_new"): "gated-gelu",
+    (True, "gelu_pytorch_tanh"): "gated-gelu",
+    (True, "gelu_fast"): "gated-gelu",
     (True, "silu"): "gated-silu",
     (True, "swish"): "gated-silu",
 }
@@ -87,7 +94,8 @@ def _feedforward(hf):
         raise ValueError(
             f"Unsupported T5 feed-forward: feed_forward_proj={proj!r} with "
             f"is_gated_act={gated!r} and dense_act_fn={act!r}. Supported (gating-activation): "
-            f"{supported} (gated GELU only in its tanh form 'gelu_new', as 'gated-gelu')."
+            f"{supported} (a gated GELU only in its tanh form: gelu_new, gelu_pytorch_tanh, "
+            "gelu_fast)."
         )
     return _FEEDFORWARD_FROM_HF[key]
 
