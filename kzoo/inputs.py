@@ -600,6 +600,37 @@ def integer_rows(rows, name):
     return out
 
 
+def prompt_rows(prompts, name="prompts"):
+    """A list / tuple of token id rows (lists, tuples or 1-D arrays, any lengths) -> a list of
+    lists of Python ints; None when `prompts` is not such a list (an array, one flat list).
+
+    A row that is not 1-D, or rows mixed with single ids, is refused by name (were NumPy's
+    "inhomogeneous shape" error, or, for T5, a nested row flattened in silence)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return None
+    is_row = [isinstance(p, (list, tuple)) or (isinstance(p, np.ndarray) and p.ndim >= 1)
+              for p in prompts]
+    if not any(is_row):
+        return None
+    rows = []
+    for i, (row, ok) in enumerate(zip(prompts, is_row)):
+        if not ok:
+            raise ValueError(
+                f"`{name}` mixes token id lists and single values: prompt {i} is {row!r} (of "
+                f"type {type(row).__name__}); give a list of token id lists (one a prompt), or "
+                "one flat list of ids for a single prompt."
+            )
+        if isinstance(row, np.ndarray):
+            if row.ndim != 1:
+                raise ValueError(
+                    f"`{name}` must hold 1-D token id rows; prompt {i} is an array of shape "
+                    f"{row.shape}."
+                )
+            row = list(row)
+        rows.append(row)
+    return integer_rows(rows, name)
+
+
 def check_token_ids(ids, vocabulary_size, mask=None):
     """Raise `ValueError` naming the first id outside `[0, vocabulary_size)` and its position.
 

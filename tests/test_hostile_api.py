@@ -301,3 +301,39 @@ def test_cli_refuses_an_out_directory_no_file_can_be_made_in(tmp_path, capsys):
     assert re.search(r"error: --out must be a directory that can be made or written in; got "
                      r"--out='/proc/self/kzoo_out': '/proc/self' is not writable",
                      capsys.readouterr().err)
+
+
+# === generate: prompts as a list of rows ===
+
+
+def _gpt():
+    import kzoo
+
+    return kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                             intermediate_dim=32, max_sequence_length=16)
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_generate_prompt_rows_that_are_not_1d_or_mixed_are_refused(family):
+    model = _gpt() if family == "gpt" else _t5()
+    # GPT and T5 both failed with NumPy's "inhomogeneous shape" error for rows mixed with
+    # single ids (and T5 for a ragged nested row); T5 flattened a nested row or a 2-D array
+    # row into one prompt in silence.
+    with pytest.raises(ValueError, match=r"`prompts` mixes token id lists and single values: "
+                                         r"prompt 1 is 3 \(of type int\)"):
+        model.generate([[1, 2], 3], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"`prompts` must hold 1-D token id rows; prompt 0 is "
+                                         r"an array of shape \(2, 2\)"):
+        model.generate([np.ones((2, 2), "int32")], max_new_tokens=1)
+    for nested in ([[[1, 2]]], [[[1], [2, 3]]]):
+        with pytest.raises(ValueError, match=r"`prompts` must hold integer token ids; got "
+                                             r"\[1.*\] \(of type list\) at prompt 0, token 0"):
+            model.generate(nested, max_new_tokens=1)
+    # Rows given as 1-D arrays of any lengths are rows, as lists are (GPT failed in NumPy
+    # for ragged ones).
+    rows = [np.array([5, 6, 7]), np.array([8, 9], "int64")]
+    got = model.generate(rows, max_new_tokens=2, stop_token_ids=None)
+    assert got == model.generate([[5, 6, 7], [8, 9]], max_new_tokens=2, stop_token_ids=None)
+    with pytest.raises(ValueError, match=r"`prompts` must hold integer token ids; got "
+                                         r"np\.float64\(1\.5\) \(of type float64\)"):
+        model.generate([np.array([1.5, 2.0])], max_new_tokens=1)

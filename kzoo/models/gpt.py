@@ -732,15 +732,13 @@ class GPTCausalLM(FilledInputs, TaskModel):
             rows = [_encode(tokenizer, p) for p in prompts]
             generation.check_token_ids(rows, self.backbone.vocabulary_size)
             return rows, True, single
-        if isinstance(prompts, (list, tuple)) and all(
-            isinstance(p, (list, tuple)) for p in prompts
-        ):
+        rows = generation.prompt_rows(prompts, "prompts")
+        if rows is not None:
             if padding_mask is not None:
                 raise ValueError(
                     "`padding_mask` is only used with an array of prompts; lists of token "
                     "id lists carry their own lengths."
                 )
-            rows = generation.integer_rows(prompts, "prompts")
             generation.check_token_ids(rows, self.backbone.vocabulary_size)
         else:
             ids = generation.integer_array(prompts, "prompts")

@@ -781,18 +781,13 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
                 )
             ids = generation.integer_array(prompts["encoder_token_ids"], "encoder_token_ids")
             mask = prompts.get("encoder_padding_mask", padding_mask)
-        elif isinstance(prompts, (list, tuple)) and prompts and all(
-            isinstance(row, (list, tuple, np.ndarray)) for row in prompts
-        ):
+        elif (rows := generation.prompt_rows(prompts, "prompts")) is not None:
             # Rows of token ids of different lengths: right-pad them.
             if padding_mask is not None:
                 raise ValueError(
                     "`padding_mask` is only used with an array of prompts; lists of token "
                     "id lists carry their own lengths."
                 )
-            rows = generation.integer_rows(
-                [np.asarray(row).reshape(-1).tolist() for row in prompts], "prompts"
-            )
             generation.check_token_ids(rows, vocabulary_size)
             ids, mask = _right_pad(rows, pad_token_id)
             _check_no_empty_row(mask)
