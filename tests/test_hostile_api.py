@@ -337,3 +337,51 @@ def test_generate_prompt_rows_that_are_not_1d_or_mixed_are_refused(family):
     with pytest.raises(ValueError, match=r"`prompts` must hold integer token ids; got "
                                          r"np\.float64\(1\.5\) \(of type float64\)"):
         model.generate([np.array([1.5, 2.0])], max_new_tokens=1)
+
+
+# === kzoo.interpret ===
+
+
+def _maps(seed=0, layers=2, batch=1, seq=4):
+    rng = np.random.default_rng(seed)
+    maps = rng.random((layers, batch, 2, seq, seq)).astype("float32")
+    return {"self": list(maps / maps.sum(-1, keepdims=True))}
+
+
+def test_interpret_flags_must_be_booleans():
+    from kzoo.interpret import attention_flow, attention_rollout
+
+    maps = _maps()
+    # A string was truthy: residual="no" modelled the residual, return_all="False" returned
+    # every layer, in silence.
+    for call, name in ((lambda: attention_rollout(maps, residual="no"), "residual"),
+                       (lambda: attention_rollout(maps, return_all="False"), "return_all"),
+                       (lambda: attention_flow(maps, residual="no"), "residual"),
+                       (lambda: attention_flow(maps, normalize=None), "normalize")):
+        with pytest.raises(ValueError, match=rf"`{name}` must be True or False; got {name}="):
+            call()
+    np.testing.assert_array_equal(attention_rollout(maps, residual=np.bool_(False))["self"],
+                                  attention_rollout(maps, residual=False)["self"])
+    # A NumPy integer max_tokens was refused as not "a positive integer".
+    np.testing.assert_allclose(attention_flow(maps, max_tokens=np.int64(8))["self"],
+                               attention_flow(maps)["self"])
+
+
+def test_logit_lens_log_probs_and_integrated_gradients_steps_are_checked():
+    from kzoo.interpret import integrated_gradients, logit_lens
+
+    model = _gpt()
+    inputs = {"token_ids": np.array([[1, 2, 3]]), "padding_mask": np.ones((1, 3), "int32")}
+    with pytest.raises(ValueError, match=r"`log_probs` must be True or False; got "
+                                         r"log_probs='no'"):
+        logit_lens(model, inputs, log_probs="no")
+    # steps=10**9 allocated its quadrature and interpolation path until the OS killed the
+    # process; now refused before the first pass, naming steps and internal_batch_size.
+    with pytest.raises(ValueError, match=r"`steps` is too large: steps=1000000000000 with "
+                                         r"internal_batch_size=4 needs at least .* GiB"):
+        integrated_gradients(model, inputs, steps=10 ** 12, internal_batch_size=4)
+    with pytest.raises(ValueError, match=r"`steps` is too large: steps=1000000000000 with "
+                                         r"internal_batch_size=None"):
+        integrated_gradients(model, inputs, steps=10 ** 12)
+    ig = integrated_gradients(model, inputs, steps=np.int64(4))
+    assert ig.attributions.shape == (1, 3)

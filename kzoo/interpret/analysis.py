@@ -82,6 +82,12 @@ def _check_choice(name, value, allowed):
         raise ValueError(f"`{name}`={value!r} is not one of {list(allowed)}.")
 
 
+def _check_flag(name, value):
+    # (a string such as "no" or "False" was truthy: the option was on in silence)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False; got {name}={value!r}.")
+
+
 def _check_square(stack, name):
     _, _, q, k = stack[0].shape
     if q != k:
@@ -270,6 +276,8 @@ def attention_rollout(maps, head_fusion="mean", residual=True, return_all=False)
     >>> rollout[0, 0, 1:]          # ViT: the class token's share of each patch
     """
     _check_choice("head_fusion", head_fusion, HEAD_FUSIONS)
+    _check_flag("residual", residual)
+    _check_flag("return_all", return_all)
     if isinstance(maps, dict):
         _check_dict(maps)
         return {key: attention_rollout(layers, head_fusion, residual, return_all)
@@ -319,10 +327,14 @@ def attention_flow(maps, head_fusion="mean", residual=True, normalize=True, max_
     (1, 6, 6)
     """
     _check_choice("head_fusion", head_fusion, HEAD_FUSIONS)
+    _check_flag("residual", residual)
+    _check_flag("normalize", normalize)
     if max_tokens is None:
         max_tokens = MAX_FLOW_TOKENS
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+            or max_tokens < 1:
         raise ValueError(f"`max_tokens`={max_tokens!r} must be a positive integer.")
+    max_tokens = int(max_tokens)
     if isinstance(maps, dict):
         _check_dict(maps)
         return {key: attention_flow(layers, head_fusion, residual, normalize, max_tokens)

@@ -317,6 +317,28 @@ def _quadrature(method, steps):
     return alphas, weights
 
 
+def _check_ig_memory(steps, internal_batch_size, x):
+    """Refuse `steps` whose quadrature arrays and interpolation path (a pass's points times
+    the embeddings) exceed this machine's memory: were allocated until the OS killed the
+    process (steps=10**9 with the default internal_batch_size)."""
+    from kzoo.generation import _memory_bytes
+
+    points = steps + 2  # (the midpoint rule adds alpha 0 and 1)
+    per_pass = points if internal_batch_size is None else min(int(internal_batch_size), points)
+    # float64 alphas and weights (and their padded copies), float64 values (points, batch);
+    # the float32 path of one pass and the model inputs tiled to it.
+    need = points * (32 + 8 * x.shape[0]) + per_pass * x.size * 4 * 2
+    have = _memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(
+            f"`steps` is too large: steps={steps} with internal_batch_size="
+            f"{internal_batch_size} needs at least {need / 2 ** 30:,.1f} GiB for the "
+            f"interpolation points alone, more than this machine's memory "
+            f"({have / 2 ** 30:,.1f} GiB); use fewer steps, or a smaller "
+            "`internal_batch_size` (points per pass)."
+        )
+
+
 def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, position=None,
                          method="trapezoid", internal_batch_size=None, head_mask=None):
     """Integrated gradients of the target logit with respect to the input embeddings.
@@ -385,6 +407,7 @@ def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, po
             ) from None
     selection = _selection(layout, inputs, outputs, target, position)
     batch = x.shape[0]
+    _check_ig_memory(int(steps), internal_batch_size, x)
     alphas, weights = _quadrature(method, int(steps))
     per_pass = len(alphas) if internal_batch_size is None else int(internal_batch_size)
     passes = -(-len(alphas) // per_pass)
@@ -483,6 +506,8 @@ def logit_lens(model, inputs, log_probs=False, head_mask=None):
     >>> lens = logit_lens(lm, inputs)
     >>> lens[:, 0, -1].argmax(-1)       # each layer's guess of the next token, example 0
     """
+    if not isinstance(log_probs, (bool, np.bool_)):
+        raise ValueError(f"`log_probs` must be True or False; got log_probs={log_probs!r}.")
     _lens_parts(model)
     layout, inputs, mask = _prepare(model, inputs, head_mask)
     mask_keys, mask_arrays = _flat_mask(mask)
