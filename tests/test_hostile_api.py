@@ -385,3 +385,52 @@ def test_logit_lens_log_probs_and_integrated_gradients_steps_are_checked():
         integrated_gradients(model, inputs, steps=10 ** 12)
     ig = integrated_gradients(model, inputs, steps=np.int64(4))
     assert ig.attributions.shape == (1, 3)
+
+
+# === kzoo.data ===
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("token_ids", [[1.5, 2.5, 3.0]], r"`token_ids` of `packed` must hold integers; got an "
+                                     r"array of dtype float64"),
+    ("token_ids", [[2 ** 40, 2, 3]], r"`token_ids` of `packed` must hold integers in "
+                                     r"\[0, 2\*\*31\); got 1099511627776 at \(0, 0\)"),
+    ("token_ids", [["a", "b", "c"]], r"`token_ids` of `packed` must hold integers; got .*<U1"),
+    ("document_ids", [[1.0, 1.5, 2.0]], r"`document_ids` of `packed` must hold integers"),
+    ("document_ids", [[1, -1, -1]], r"`document_ids` of `packed` must hold integers in "
+                                    r"\[0, 2\*\*31\); got -1 at \(0, 1\)"),
+    ("padding_mask", [[1, 1]], r"`packed\['padding_mask'\]` must be an int32 array of the "
+                               r"shape of `token_ids` \(1, 3\); got an array of shape \(1, 2\)"),
+    ("extra", "bar", r"`packed\['extra'\]` must be an int32 array"),
+])
+def test_next_token_targets_refuses_ids_that_are_not_int32(key, value, message):
+    from kzoo import data
+
+    # Float ids were truncated, ids past int32 wrapped (2**40 became 0), negative document
+    # ids counted as a document, in silence; text and extra keys failed inside NumPy.
+    packed = {"token_ids": np.array([[5, 6, 7]]), "padding_mask": np.ones((1, 3), "int32"),
+              "document_ids": np.array([[1, 1, 2]])}
+    with pytest.raises(ValueError, match=message):
+        data.next_token_targets(dict(packed, **{key: np.asarray(value)}))
+    # Any integer types and a boolean mask are fine, as before.
+    x, y, w = data.next_token_targets(dict(packed, token_ids=packed["token_ids"].astype(
+        "uint16"), padding_mask=np.ones((1, 3), bool)))
+    assert y.tolist() == [[6, 0, 0]] and w.tolist() == [[1, 0, 0]]
+    assert x["padding_mask"].dtype == np.int32
+
+
+def test_byte_tokenizer_is_special_checks_its_ids():
+    from kzoo.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    # An id past the vocabulary was "special" (True), a string a NumPy ufunc error.
+    with pytest.raises(ValueError, match=r"`ids` must be integers in \[0, 260\); got values "
+                                         r"from .*1000"):
+        tokenizer.is_special([1, 1000])
+    with pytest.raises(ValueError, match=r"`ids` must be integer token ids in \[0, 260\); got "
+                                         r"a str, 'a'"):
+        tokenizer.is_special("a")
+    with pytest.raises(ValueError, match=r"dtype float64"):
+        tokenizer.is_special([256.0])
+    assert tokenizer.is_special(np.array([[1, 256]], "int64")).tolist() == [[False, True]]
+    assert tokenizer.is_special(np.int32(259)) and tokenizer.is_special([]).shape == (0,)

@@ -195,6 +195,21 @@ def _packed_arrays(packed):
             "`token_ids` and `document_ids` of `packed` must be 2-D arrays of one shape; got "
             f"{token_ids.shape} and {document_ids.shape}."
         )
+    # (float ids were truncated, ids past int32 wrapped around and negative document ids
+    # counted as documents, in silence; text failed in NumPy's type promotion)
+    for key, array in (("token_ids", token_ids), ("document_ids", document_ids)):
+        if array.size and (array.dtype == np.bool_ or not np.issubdtype(array.dtype,
+                                                                         np.integer)):
+            raise ValueError(
+                f"`{key}` of `packed` must hold integers; got an array of dtype "
+                f"{array.dtype}."
+            )
+        if array.size and (array.min() < 0 or array.max() >= _ID_LIMIT):
+            bad = tuple(int(i) for i in np.argwhere((array < 0) | (array >= _ID_LIMIT))[0])
+            raise ValueError(
+                f"`{key}` of `packed` must hold integers in [0, 2**31); got "
+                f"{int(array[bad])} at {bad}."
+            )
     return token_ids, document_ids
 
 
@@ -218,7 +233,18 @@ def next_token_targets(packed):
     weight[:, :-1] = same
     target = np.zeros(token_ids.shape, np.int32)
     target[:, :-1] = np.where(same, token_ids[:, 1:], 0)
-    x = {key: np.asarray(value, np.int32) for key, value in packed.items()}
+    x = {}
+    for key, value in packed.items():
+        array = np.asarray(value)
+        if array.shape != token_ids.shape or not (
+                array.dtype == np.bool_ or np.issubdtype(array.dtype, np.integer)) or (
+                array.size and (array.min() < -_ID_LIMIT or array.max() >= _ID_LIMIT)):
+            raise ValueError(
+                f"`packed[{key!r}]` must be an int32 array of the shape of `token_ids` "
+                f"{token_ids.shape}; got an array of shape {array.shape} and dtype "
+                f"{array.dtype}."
+            )
+        x[key] = array.astype(np.int32)
     return x, target, weight
 
 
