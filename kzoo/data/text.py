@@ -189,17 +189,7 @@ class ByteTokenizer:
                 f"`ids` must be a sequence of integer token ids in [0, {self.vocabulary_size});"
                 f" got a {type(ids).__name__}, {ids[:40]!r} (`encode` turns text into ids)."
             )
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"`ids` must be a sequence of integer token ids in [0, {self.vocabulary_size});"
-                f" got an array of dtype {ids.dtype}."
-            )
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocabulary_size):
-            raise ValueError(
-                f"`ids` must be integers in [0, {self.vocabulary_size}); got values from "
-                f"{ids.min()!r} to {ids.max()!r}."
-            )
+        ids = self._checked(ids).reshape(-1)
         pieces, run = [], []
         for i in ids.tolist():
             if i < 256:
@@ -212,9 +202,30 @@ class ByteTokenizer:
         pieces.append(bytes(run).decode("utf-8", errors="replace"))
         return "".join(pieces)
 
+    def _checked(self, ids):
+        ids = np.asarray(ids)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"`ids` must be a sequence of integer token ids in [0, {self.vocabulary_size});"
+                f" got an array of dtype {ids.dtype}."
+            )
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocabulary_size):
+            raise ValueError(
+                f"`ids` must be integers in [0, {self.vocabulary_size}); got values from "
+                f"{ids.min()!r} to {ids.max()!r}."
+            )
+        return ids
+
     def is_special(self, ids):
-        """Boolean array: True where `ids` is one of the four special tokens."""
-        return np.asarray(ids) >= 256
+        """Boolean array: True where `ids` is one of the four special tokens; ids outside
+        0-259 and non-integer ids raise ValueError (were True past 255, or a NumPy ufunc
+        error for text)."""
+        if isinstance(ids, (str, bytes)):
+            raise ValueError(
+                f"`ids` must be integer token ids in [0, {self.vocabulary_size}); got a "
+                f"{type(ids).__name__}, {ids[:40]!r} (`encode` turns text into ids)."
+            )
+        return self._checked(ids) >= 256
 
     def __repr__(self):
         return "ByteTokenizer(vocabulary_size=260, eos=256, pad=257, bos=258, mask=259)"
