@@ -434,3 +434,27 @@ def test_byte_tokenizer_is_special_checks_its_ids():
         tokenizer.is_special([256.0])
     assert tokenizer.is_special(np.array([[1, 256]], "int64")).tolist() == [[False, True]]
     assert tokenizer.is_special(np.int32(259)) and tokenizer.is_special([]).shape == (0,)
+
+
+def test_head_view_html_checks_path_and_layers(tmp_path):
+    from kzoo.interpret import head_view_html
+
+    maps, tokens = _maps(), list("abcd")
+    # An int path was opened as a file descriptor (and written to); a directory or a
+    # missing parent failed in `open` (IsADirectoryError, FileNotFoundError).
+    with pytest.raises(ValueError, match=r"`path` must be None or a file path; got path=5"):
+        head_view_html(maps, tokens, 5)
+    with pytest.raises(ValueError, match=r"`path` must be a file path; '.*' is a directory"):
+        head_view_html(maps, tokens, tmp_path)
+    with pytest.raises(ValueError, match=r"`path` must be in an existing directory; .*no' "
+                                         r"does not exist"):
+        head_view_html(maps, tokens, tmp_path / "no" / "a.html")
+    assert not (tmp_path / "no").exists()
+    # An int `layers` was "'int' object is not iterable".
+    with pytest.raises(ValueError, match=r"`layers` must be None or a sequence of layer "
+                                         r"indices \(e\.g\. \[1\]\); got layers=1"):
+        head_view_html(maps, tokens, layers=1)
+    page = head_view_html(maps, tokens, tmp_path / "a.html", layers=[np.int64(1)],
+                          decimals=np.int64(3))
+    assert (tmp_path / "a.html").read_text(encoding="utf-8") == page
+

@@ -17,6 +17,7 @@ Example:
 
 import html
 import json
+import os
 
 import numpy as np
 
@@ -214,6 +215,7 @@ def head_view_html(maps, tokens, path=None, *, batch=0, stack=None, layers=None,
     >>> "<svg" in page
     True
     """
+    _check_path(path)
     layer_stack = maps[_default_stack(maps, stack)] if isinstance(maps, dict) else maps
     if isinstance(layer_stack, np.ndarray) and layer_stack.ndim == 4:
         layer_stack = [layer_stack]
@@ -224,14 +226,21 @@ def head_view_html(maps, tokens, path=None, *, batch=0, stack=None, layers=None,
     if layers is None:
         layers = list(range(count))
     else:
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+            raise ValueError(
+                f"`layers` must be None or a sequence of layer indices (e.g. [{layers!r}]); "
+                f"got layers={layers!r}."
+            )
         layers = [_check_index("layers", l, count, "the maps' layer count") for l in layers]
         if not layers:
             raise ValueError("`layers`=[] must name at least one layer.")
     weights = [select_map(maps, l, batch, stack) for l in layers]
     heads, queries, keys = weights[0].shape
     query_tokens, key_tokens = split_tokens(tokens, queries, keys)
-    if isinstance(decimals, bool) or not isinstance(decimals, int) or not 1 <= decimals <= 8:
+    if isinstance(decimals, bool) or not isinstance(decimals, (int, np.integer)) \
+            or not 1 <= decimals <= 8:
         raise ValueError(f"`decimals`={decimals!r} must be an integer in 1..8.")
+    decimals = int(decimals)
     if not isinstance(line_color, str) or not line_color or any(c in line_color for c in "<>\"'&;"):
         raise ValueError(f"`line_color`={line_color!r} must be a CSS colour such as '#d9480f'.")
     longest = max(len(t) for t in query_tokens + key_tokens)
@@ -268,6 +277,24 @@ def head_view_html(maps, tokens, path=None, *, batch=0, stack=None, layers=None,
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(page)
     return page
+
+
+def _check_path(path):
+    """`path` None or a file path whose directory exists (an int was taken by `open` as a
+    file descriptor and written to; a directory or a missing parent failed in `open` after
+    the page was built)."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"`path` must be None or a file path; got path={path!r}.")
+    if os.path.isdir(path):
+        raise ValueError(f"`path` must be a file path; {os.fspath(path)!r} is a directory.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"`path` must be in an existing directory; got path={os.fspath(path)!r}, whose "
+            f"directory {parent!r} does not exist."
+        )
 
 
 def _default_stack(maps, stack):
