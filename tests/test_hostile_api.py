@@ -458,3 +458,13 @@ def test_head_view_html_checks_path_and_layers(tmp_path):
                           decimals=np.int64(3))
     assert (tmp_path / "a.html").read_text(encoding="utf-8") == page
 
+
+def test_head_importance_refuses_a_loss_that_is_not_callable():
+    from kzoo.interpret import head_importance
+
+    inputs = {"token_ids": np.array([[1, 2, 3]]), "padding_mask": np.ones((1, 3), "int32")}
+    # Was "'str' object is not callable" from inside the first batch's gradient.
+    with pytest.raises(ValueError, match=r"`loss` must be None, a Keras loss or a callable "
+                                         r"loss\(y_true, y_pred\); got loss='mse' \(for a "
+                                         r"Keras loss by name: keras\.losses\.get\('mse'\)\)"):
+        head_importance(_gpt(), [(inputs, np.array([[2, 3, 4]]))], loss="mse")

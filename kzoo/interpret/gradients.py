@@ -608,6 +608,13 @@ def head_importance(model, data, loss=None):
     >>> importance = head_importance(classifier, [(inputs, labels)])
     >>> order = np.argsort(importance, axis=None)         # least important heads first
     """
+    if loss is not None and not callable(loss):
+        # (was "'str' object is not callable" from inside the first batch's gradient)
+        raise ValueError(
+            "`loss` must be None, a Keras loss or a callable loss(y_true, y_pred); got "
+            f"loss={loss!r}" + (f" (for a Keras loss by name: keras.losses.get({loss!r}))"
+                                if isinstance(loss, str) else "") + "."
+        )
     layout = _Layout(model)
     keys = tuple(layout.attention)
     shapes = layout.mask_shapes()
