@@ -33,6 +33,7 @@ Example:
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 import keras
 import numpy as np
@@ -193,6 +194,13 @@ def input_axes(model):
 
 
 def _check_shapes(shapes, known):
+    # (a non-mapping failed in `dict(...)`: "'int' object is not iterable", "dictionary
+    # update sequence element #0 ...", naming no argument)
+    if shapes is not None and not isinstance(shapes, Mapping):
+        raise ValueError(
+            "`shapes` must be None or a dict {axis name: size or None}, e.g. "
+            f"{{'batch': 1, 'sequence': 128}}; got shapes={shapes!r}."
+        )
     shapes = dict(shapes or {})
     for name, size in shapes.items():
         if name not in known:
@@ -209,6 +217,22 @@ def _check_shapes(shapes, known):
     return {name: (None if size is None else int(size)) for name, size in shapes.items()}
 
 
+def _check_sequence_sizes(model, sizes):
+    """A fixed sequence size past a learned position table (BERT, GPT with learned
+    positions) is refused by name: failed inside the trace (torch: a RuntimeError from
+    PositionEmbedding's slice)."""
+    backbone = getattr(model, "backbone", None) or model
+    limit = getattr(_config_of(model), "max_sequence_length", None)
+    if limit is None or getattr(backbone, "position_embedding", None) is None:
+        return
+    for name, size in sizes.items():
+        if name.endswith("sequence") and size is not None and size > limit:
+            raise ValueError(
+                f"`shapes[{name!r}]`={size} exceeds max_sequence_length={int(limit)} of "
+                f"{model.name!r} (its learned position table); give at most {int(limit)}."
+            )
+
+
 def resolve_axes(model, shapes=None, dynamic=None):
     """`{input name: (int or axis name, ...)}`: `input_axes` with the sizes of `shapes`
     (axis name -> int, or None for dynamic) and the model's own fixed sizes filled in.
@@ -219,6 +243,7 @@ def resolve_axes(model, shapes=None, dynamic=None):
     known |= {_DERIVED[name][0] for name in known if name in _DERIVED}
     known -= set(_DERIVED)
     sizes = {**_fixed_sizes(model), **_check_shapes(shapes, known)}
+    _check_sequence_sizes(model, sizes)
     if dynamic is not None and "batch" not in dynamic and sizes.get("batch") is None:
         sizes["batch"] = 1
 
@@ -322,6 +347,28 @@ def _no_default_save_signature():
         TFLayer._default_save_signature = saved
 
 
+def _check_parent_directory(filepath, format):  # noqa: A002
+    """The directory the export writes in: a path through an existing file is refused, a
+    missing one is made (torch's ONNX exporter failed with an INTERNAL ASSERT RuntimeError
+    for a missing directory, every backend with a NotADirectoryError through a file)."""
+    parent = os.path.dirname(os.path.abspath(filepath))
+    ancestor = parent
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(
+            f"format={format!r} cannot write filepath={filepath!r}: {ancestor!r} is a file, "
+            "not a directory."
+        )
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"format={format!r} cannot write filepath={filepath!r}: its directory cannot be "
+            f"made ({error.strerror or error})."
+        ) from None
+
+
 def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A002
            input_signature=None, verbose=False, **kwargs):
     """Export `model` for inference (see the module docstring for formats and backends).
@@ -348,6 +395,10 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
     """
     backend = keras.backend.backend()
     check_format(format, backend)
+    if not isinstance(filepath, (str, os.PathLike)):
+        raise ValueError(
+            f"`filepath` must be a path (str or os.PathLike); got filepath={filepath!r}."
+        )
     filepath = os.fspath(filepath)
     suffix = _SUFFIX.get(format)
     if suffix and not filepath.endswith(suffix):
@@ -366,6 +417,7 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
         )
     if not isinstance(verbose, bool):
         raise TypeError(f"`verbose` must be True or False; got verbose={verbose!r}.")
+    _check_parent_directory(filepath, format)
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; call it on inputs first.")
     if format == "litert":

@@ -468,3 +468,43 @@ def test_head_importance_refuses_a_loss_that_is_not_callable():
                                          r"loss\(y_true, y_pred\); got loss='mse' \(for a "
                                          r"Keras loss by name: keras\.losses\.get\('mse'\)\)"):
         head_importance(_gpt(), [(inputs, np.array([[2, 3, 4]]))], loss="mse")
+
+
+# === export ===
+
+
+def test_export_checks_filepath_shapes_and_sequence_before_tracing(tmp_path):
+    model = _gpt()  # learned positions, max_sequence_length=16
+    # Were os.fspath's TypeError and dict()'s errors, naming no argument.
+    for filepath in (None, 5):
+        with pytest.raises(ValueError, match=rf"`filepath` must be a path \(str or "
+                                             rf"os\.PathLike\); got filepath={filepath}\."):
+            model.export(filepath, format="onnx")
+    for shapes in (5, "batch", [1, 2]):
+        with pytest.raises(ValueError, match=r"`shapes` must be None or a dict \{axis name: "
+                                             rf"size or None\}}.*got shapes={re.escape(repr(shapes))}"):
+            model.export(str(tmp_path / "m.onnx"), format="onnx", shapes=shapes)
+    # A fixed sequence past the position table failed inside the trace (torch: a
+    # RuntimeError from PositionEmbedding's slice).
+    with pytest.raises(ValueError, match=r"`shapes\['sequence'\]`=17 exceeds "
+                                         r"max_sequence_length=16 of 'gpt_causal_lm\w*' \(its "
+                                         r"learned position table\); give at most 16"):
+        model.export(str(tmp_path / "m.onnx"), format="onnx",
+                     shapes={"batch": 1, "sequence": 17})
+    # A directory through a file was a NotADirectoryError from the exporter.
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(ValueError, match=r"cannot write filepath='.*file/sub/m\.onnx': "
+                                         r"'.*file' is a file, not a directory"):
+        model.export(str(tmp_path / "file" / "sub" / "m.onnx"), format="onnx",
+                     shapes={"batch": 1, "sequence": 4})
+    assert (tmp_path / "file").read_text() == "keep me"
+    assert not list(tmp_path.glob("*.onnx"))  # nothing was written
+
+
+@pytest.mark.spread
+def test_export_makes_a_missing_directory(tmp_path):
+    # torch's ONNX exporter failed with an INTERNAL ASSERT RuntimeError for a missing
+    # directory.
+    path = tmp_path / "new" / "sub" / "m.onnx"
+    assert _gpt().export(path, format="onnx", shapes={"batch": 1, "sequence": 4}) == str(path)
+    assert path.stat().st_size > 0
