@@ -237,6 +237,13 @@ def lora_settings(model):
     return dict(getattr(model, "_kzoo_lora", None) or {})
 
 
+def _check_path(path):
+    # (was os.fspath's TypeError, naming no argument)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"`path` must be a path to a .npz file; got path={path!r}.")
+    return os.fspath(path)
+
+
 def save_lora_weights(model, path):
     """Write the adapters of `model` to `path` (`.npz`, NumPy arrays only; no pickle).
 
@@ -246,9 +253,23 @@ def save_lora_weights(model, path):
     layers = lora_layers(model)
     if not layers:
         raise ValueError(f"{model.name!r} has no LoRA adapters; call enable_lora() first.")
-    path = os.fspath(path)
+    path = _check_path(path)
     if not path.endswith(".npz"):
         raise ValueError(f"LoRA weights are written as .npz; got path={path!r}.")
+    # (a directory, a missing one or one through a file failed in np.savez / os.replace,
+    # the first leaving its temporary file behind)
+    if os.path.isdir(path):
+        raise ValueError(f"`path` must be a file path; {path!r} is a directory.")
+    parent = os.path.dirname(os.path.abspath(path))
+    ancestor = parent
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(
+            f"`path` cannot be written: {ancestor!r} is a file, not a directory; got "
+            f"path={path!r}."
+        )
+    os.makedirs(parent, exist_ok=True)
     settings = lora_settings(model)
     arrays = {"__settings__": np.asarray(json.dumps(settings))}
     for i, layer in enumerate(layers):
@@ -274,7 +295,7 @@ def load_lora_weights(model, path):
     >>> fresh = kzoo.presets.load("gpt_mini")
     >>> fresh.load_lora_weights("adapters.lora.npz")
     """
-    path = os.fspath(path)
+    path = _check_path(path)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}

@@ -508,3 +508,29 @@ def test_export_makes_a_missing_directory(tmp_path):
     path = tmp_path / "new" / "sub" / "m.onnx"
     assert _gpt().export(path, format="onnx", shapes={"batch": 1, "sequence": 4}) == str(path)
     assert path.stat().st_size > 0
+
+
+# === LoRA weights files ===
+
+
+def test_save_lora_weights_checks_its_path(tmp_path):
+    model = _gpt()
+    model.enable_lora(2)
+    # None was os.fspath's TypeError; a directory an IsADirectoryError from os.replace that
+    # left the temporary file behind; a missing directory a FileNotFoundError.
+    for call in (model.save_lora_weights, model.load_lora_weights):
+        with pytest.raises(ValueError, match=r"`path` must be a path to a \.npz file; got "
+                                             r"path=None"):
+            call(None)
+    (tmp_path / "dir.npz").mkdir()
+    with pytest.raises(ValueError, match=r"`path` must be a file path; '.*dir\.npz' is a "
+                                         r"directory"):
+        model.save_lora_weights(tmp_path / "dir.npz")
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(ValueError, match=r"`path` cannot be written: '.*file' is a file, not "
+                                         r"a directory"):
+        model.save_lora_weights(tmp_path / "file" / "a.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.npz", "file"]
+    path = tmp_path / "new" / "a.npz"
+    assert model.save_lora_weights(path) == str(path)
+    _gpt().load_lora_weights(path)
