@@ -602,12 +602,15 @@ def integer_rows(rows, name):
 
 def prompt_rows(prompts, name="prompts"):
     """A list / tuple of token id rows (lists, tuples or 1-D arrays, any lengths) -> a list of
-    lists of Python ints; None when `prompts` is not such a list (an array, one flat list).
+    lists of Python ints ([] for an empty list); None when `prompts` is not such a list (an
+    array, one flat list).
 
     A row that is not 1-D, or rows mixed with single ids, is refused by name (were NumPy's
     "inhomogeneous shape" error, or, for T5, a nested row flattened in silence)."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
+    if not isinstance(prompts, (list, tuple)):
         return None
+    if not prompts:
+        return []
     is_row = [isinstance(p, (list, tuple)) or (isinstance(p, np.ndarray) and p.ndim >= 1)
               for p in prompts]
     if not any(is_row):

@@ -337,6 +337,9 @@ def test_generate_prompt_rows_that_are_not_1d_or_mixed_are_refused(family):
     with pytest.raises(ValueError, match=r"`prompts` must hold integer token ids; got "
                                          r"np\.float64\(1\.5\) \(of type float64\)"):
         model.generate([np.array([1.5, 2.0])], max_new_tokens=1)
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match=r"`prompts` is empty: give at least one prompt"):
+            model.generate(empty, max_new_tokens=1)
 
 
 # === kzoo.interpret ===
