@@ -537,3 +537,24 @@ def test_save_lora_weights_checks_its_path(tmp_path):
     path = tmp_path / "new" / "a.npz"
     assert model.save_lora_weights(path) == str(path)
     _gpt().load_lora_weights(path)
+
+
+def test_mask_tokens_checks_special_ids_and_seed():
+    from kzoo.data import mask_tokens
+
+    ids = np.arange(5, 25).reshape(2, 10)
+    # Float special ids were truncated to other ids (1.5 kept id 1 unmasked) in silence; a
+    # string failed in int(), nested lists in NumPy, a negative seed in NumPy naming no
+    # argument.
+    for special in ([1.5], "ab", [[1]], [True], 3):
+        with pytest.raises(ValueError, match=r"`special_ids` must be a sequence of integer "
+                                             r"token ids; got special_ids="):
+            mask_tokens(ids, 1, 30, rng=0, special_ids=special)
+    with pytest.raises(ValueError, match=r"`rng` must be None, a non-negative integer seed .*"
+                                         r"got rng=-1\."):
+        mask_tokens(ids, 1, 30, rng=-1)
+    got = mask_tokens(ids, 1, 30, rng=np.int64(0), special_ids=(i for i in np.array([5, 6])))
+    want = mask_tokens(ids, 1, 30, rng=0, special_ids=(5, 6))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+

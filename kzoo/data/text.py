@@ -46,12 +46,15 @@ def _check_open_fraction(name, value):
 
 
 def _as_rng(rng):
-    if rng is None or isinstance(rng, (int, np.integer)):
+    # (a negative seed was NumPy's "expected non-negative integer", naming no argument)
+    if rng is None or (isinstance(rng, (int, np.integer)) and not isinstance(rng, bool)
+                       and rng >= 0):
         return np.random.default_rng(rng)
     if isinstance(rng, np.random.Generator):
         return rng
     raise ValueError(
-        f"`rng` must be None, an integer seed or a numpy.random.Generator; got rng={rng!r}."
+        f"`rng` must be None, a non-negative integer seed or a numpy.random.Generator; "
+        f"got rng={rng!r}."
     )
 
 
@@ -457,6 +460,18 @@ def mask_tokens(
         raise ValueError(
             "`mask_fraction + random_fraction` must be <= 1; got "
             f"mask_fraction={mask_fraction!r}, random_fraction={random_fraction!r}."
+        )
+    # (a string failed in int(), nested lists in NumPy, and float ids were truncated to
+    # other ids in silence)
+    given = special_ids
+    if not isinstance(special_ids, (str, bytes)) and hasattr(special_ids, "__iter__"):
+        special_ids = list(special_ids)
+    if not isinstance(special_ids, list) or any(
+            isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer))
+            for i in special_ids):
+        raise ValueError(
+            "`special_ids` must be a sequence of integer token ids; got "
+            f"special_ids={given!r}."
         )
     special = np.unique(np.asarray(list(special_ids) + [int(mask_id)], dtype=np.int64))
     if special.min() < 0 or special.max() >= vocab_size:
