@@ -558,3 +558,22 @@ def test_mask_tokens_checks_special_ids_and_seed():
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
+
+def test_char_tokenizer_refuses_text_where_ids_or_texts_go():
+    from kzoo.data import CharTokenizer
+
+    tokenizer = CharTokenizer("abc")
+    # batch_encode("ab") encoded one text a character in silence.
+    with pytest.raises(ValueError, match=r"`texts` must be a sequence of strings; got the "
+                                         r"string 'ab'"):
+        tokenizer.batch_encode("ab", 4)
+    # decode("ab") was a TypeError from a comparison; 1.5 "outside [0, 7)"; True read as 1.
+    for ids, given in (("ab", r"a str, 'ab'"), ([4.0], r"an array of dtype float64"),
+                       ([True], r"an array of dtype bool")):
+        with pytest.raises(ValueError, match=rf"`ids` must be integer token ids in \[0, 7\); "
+                                             rf"got {given}"):
+            tokenizer.decode(ids)
+    with pytest.raises(ValueError, match=r"`characters` must be .*got characters=5\."):
+        CharTokenizer(5)
+    assert tokenizer.decode(np.array(tokenizer.encode("cab"), "uint8")) == "cab"
+    assert tokenizer.decode([]) == ""

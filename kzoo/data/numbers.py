@@ -135,6 +135,11 @@ class CharTokenizer:
     def __init__(self, characters, unknown="error"):
         if isinstance(characters, str):
             characters = list(characters)
+        if not hasattr(characters, "__iter__"):  # (was "'int' object is not iterable")
+            raise ValueError(
+                "`characters` must be a non-empty string or iterable of one-character "
+                f"strings; got characters={characters!r}."
+            )
         characters = list(characters)
         bad = [c for c in characters if not (isinstance(c, str) and len(c) == 1)]
         if bad or not characters:
@@ -192,8 +197,18 @@ class CharTokenizer:
 
     def decode(self, ids):
         """Ids -> `str`: stops at the first `eos_id`, drops pad and bos, unk -> U+FFFD."""
+        # (text failed in a comparison with a TypeError; float ids were "outside" the
+        # vocabulary; booleans were read as the ids 0 and 1)
+        array = np.asarray(ids)
+        if isinstance(ids, (str, bytes)) or (array.size and (
+                array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer))):
+            raise ValueError(
+                f"`ids` must be integer token ids in [0, {self.vocabulary_size}); got "
+                + (f"a {type(ids).__name__}, {ids[:40]!r} (`encode` turns text into ids)."
+                   if isinstance(ids, (str, bytes)) else f"an array of dtype {array.dtype}.")
+            )
         out = []
-        for i in np.asarray(ids).reshape(-1).tolist():
+        for i in array.reshape(-1).tolist():
             if i == self.eos_id:
                 break
             if i in (self.pad_id, self.bos_id):
@@ -221,6 +236,11 @@ class CharTokenizer:
         """
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len <= 0:
             raise ValueError(f"`max_len` must be a positive integer; got max_len={max_len!r}.")
+        if isinstance(texts, str):  # (was encoded as one text a character, in silence)
+            raise ValueError(
+                f"`texts` must be a sequence of strings; got the string {texts[:40]!r} (use "
+                "`encode` for one text, or pass [text])."
+            )
         texts = list(texts)
         ids = np.full((len(texts), max_len), self.pad_id, dtype=np.int32)
         mask = np.zeros((len(texts), max_len), dtype=bool)
