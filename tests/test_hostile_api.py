@@ -484,8 +484,9 @@ def test_export_checks_filepath_shapes_and_sequence_before_tracing(tmp_path):
                                              rf"os\.PathLike\); got filepath={filepath}\."):
             model.export(filepath, format="onnx")
     for shapes in (5, "batch", [1, 2]):
+        given = re.escape(repr(shapes))
         with pytest.raises(ValueError, match=r"`shapes` must be None or a dict \{axis name: "
-                                             rf"size or None\}}.*got shapes={re.escape(repr(shapes))}"):
+                                             rf"size or None\}}.*got shapes={given}"):
             model.export(str(tmp_path / "m.onnx"), format="onnx", shapes=shapes)
     # A fixed sequence past the position table failed inside the trace (torch: a
     # RuntimeError from PositionEmbedding's slice).
