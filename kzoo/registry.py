@@ -61,6 +61,16 @@ def check_model_dtype(dtype):
             f"{sorted(_FLOAT_DTYPES)}, 'mixed_float16', 'mixed_bfloat16' or a "
             f"`keras.DTypePolicy`; got dtype={dtype!r}."
         )
+    mode = getattr(policy, "quantization_mode", None)
+    if mode is not None and not isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        # (a quantized policy such as "int8_from_float32" built the model and then failed
+        # in `quantize`: "no float Dense/Embedding layer left to quantize ... (already
+        # quantized?)")
+        raise ValueError(
+            f"`dtype` must be a floating-point dtype policy; got dtype={dtype!r}, a "
+            f"quantized one: build the model in {policy.compute_dtype} and call "
+            f"`model.quantize({mode!r})`."
+        )
     check_float64_available(policy, dtype)
     return dtype
 

@@ -578,3 +578,18 @@ def test_char_tokenizer_refuses_text_where_ids_or_texts_go():
         CharTokenizer(5)
     assert tokenizer.decode(np.array(tokenizer.encode("cab"), "uint8")) == "cab"
     assert tokenizer.decode([]) == ""
+
+
+@pytest.mark.parametrize("dtype, mode", [("int8_from_float32", "int8"),
+                                         ("float8_from_float32", "float8")])
+def test_presets_load_refuses_a_quantized_dtype_policy(dtype, mode):
+    import kzoo
+
+    # Built the model, then failed in `quantize`: "no float Dense/Embedding layer left to
+    # quantize ... (already quantized?)".
+    with pytest.raises(ValueError, match=rf"`dtype` must be a floating-point dtype policy; "
+                                         rf"got dtype='{dtype}', a quantized one: build the "
+                                         rf"model in float32 and call `model\.quantize\("
+                                         rf"'{mode}'\)`"):
+        kzoo.presets.load("gpt_mini", dtype=dtype, num_layers=1, hidden_dim=16,
+                          num_heads=2, intermediate_dim=32)
