@@ -108,6 +108,11 @@ def quantize(model, mode):
     >>> paths = kzoo.quantize.quantize(model, "int8")   # == model.quantize("int8")
     """
     check_mode(mode)
+    if not isinstance(model, keras.Model):  # (was an AttributeError on `.built`)
+        raise ValueError(
+            "`model` must be a Keras model (a kzoo backbone or task model); got "
+            f"{type(model).__name__}."
+        )
     if not model.built:
         raise ValueError(f"Build {model.name!r} (call it once) before quantizing it.")
     if any(getattr(layer, "lora_enabled", False) for layer in model._flatten_layers()):

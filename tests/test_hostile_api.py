@@ -593,3 +593,22 @@ def test_presets_load_refuses_a_quantized_dtype_policy(dtype, mode):
                                          rf"'{mode}'\)`"):
         kzoo.presets.load("gpt_mini", dtype=dtype, num_layers=1, hidden_dim=16,
                           num_heads=2, intermediate_dim=32)
+
+
+@pytest.mark.parametrize("call", ["quantize", "enable_lora", "merge_lora", "save_lora_weights",
+                                  "load_lora_weights"])
+def test_quantize_and_lora_functions_refuse_what_is_not_a_model(call, tmp_path):
+    import kzoo.lora
+    import kzoo.quantize
+
+    # Were AttributeErrors from inside ("'NoneType' object has no attribute 'built'",
+    # "'str' object has no attribute '_flatten_layers'").
+    function = getattr(kzoo.quantize if call == "quantize" else kzoo.lora, call)
+    args = {"quantize": ("int8",), "enable_lora": (2,), "merge_lora": (),
+            "save_lora_weights": (str(tmp_path / "a.npz"),),
+            "load_lora_weights": (str(tmp_path / "a.npz"),)}[call]
+    for model in (None, "gpt_mini"):
+        with pytest.raises(ValueError, match=r"`model` must be a Keras model \(a kzoo "
+                                             rf"backbone or task model\); got "
+                                             rf"{type(model).__name__}\."):
+            function(model, *args)
