@@ -124,6 +124,26 @@ def _in_hub_blobs(target, root):
     return _inside(target, os.path.join(os.path.dirname(snapshots), "blobs"))
 
 
+def make_parent_directory(path, cannot_write):
+    """Make the directory a file `path` is to be written in, with its missing parents;
+    `cannot_write` begins the `ValueError` raised when that is impossible (an existing file on
+    the way, or a directory that cannot be made). Writers failed there with their own errors:
+    torch's ONNX exporter an INTERNAL ASSERT RuntimeError for a missing directory, NumPy a
+    FileNotFoundError, every writer a NotADirectoryError through a file."""
+    parent = os.path.dirname(os.path.abspath(path))
+    ancestor = parent
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{cannot_write}: {ancestor!r} is a file, not a directory.")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"{cannot_write}: its directory cannot be made ({error.strerror or error})."
+        ) from None
+
+
 def require_file(path, what="file"):
     """`path` if it is an existing file; `ValueError` naming it otherwise."""
     path = os.fspath(path)

@@ -349,24 +349,11 @@ def _no_default_save_signature():
 
 def _check_parent_directory(filepath, format):  # noqa: A002
     """The directory the export writes in: a path through an existing file is refused, a
-    missing one is made (torch's ONNX exporter failed with an INTERNAL ASSERT RuntimeError
-    for a missing directory, every backend with a NotADirectoryError through a file)."""
-    parent = os.path.dirname(os.path.abspath(filepath))
-    ancestor = parent
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise ValueError(
-            f"format={format!r} cannot write filepath={filepath!r}: {ancestor!r} is a file, "
-            "not a directory."
-        )
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as error:
-        raise ValueError(
-            f"format={format!r} cannot write filepath={filepath!r}: its directory cannot be "
-            f"made ({error.strerror or error})."
-        ) from None
+    missing one is made (see `checkpoints.make_parent_directory`)."""
+    from kzoo import checkpoints
+
+    checkpoints.make_parent_directory(filepath,
+                                      f"format={format!r} cannot write filepath={filepath!r}")
 
 
 def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A002

@@ -46,6 +46,8 @@ import os
 import keras
 import numpy as np
 
+from kzoo import checkpoints
+
 TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out", "head")
 
 
@@ -271,16 +273,7 @@ def save_lora_weights(model, path):
     # the first leaving its temporary file behind)
     if os.path.isdir(path):
         raise ValueError(f"`path` must be a file path; {path!r} is a directory.")
-    parent = os.path.dirname(os.path.abspath(path))
-    ancestor = parent
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise ValueError(
-            f"`path` cannot be written: {ancestor!r} is a file, not a directory; got "
-            f"path={path!r}."
-        )
-    os.makedirs(parent, exist_ok=True)
+    checkpoints.make_parent_directory(path, f"`path` cannot be written (path={path!r})")
     settings = lora_settings(model)
     arrays = {"__settings__": np.asarray(json.dumps(settings))}
     for i, layer in enumerate(layers):
