@@ -146,7 +146,16 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
             "Hugging Face checkpoint (no config.json with a model_type) nor a keras-hub preset "
             "(no config.json naming a keras_hub class, or no metadata.json)."
         )
-    spec = info(path)
+    try:
+        spec = info(path)
+    except ValueError as error:
+        if (os.sep in path or (os.altsep and os.altsep in path) or path.startswith(".")
+                or path.endswith(KERAS_SUFFIX)) and not os.path.exists(path):
+            # (said only "must be a preset name", as if the path had been meant as a name)
+            raise ValueError(
+                f"`name_or_path` {path!r} does not exist (no such file or directory); as a "
+                f"name: {error}") from None
+        raise
     family = registry.family(spec["family"])
     model = _build(family, spec["config"], spec.get("task", family.default_task),
                    spec.get("task_config", {}), task=task, dtype=dtype, overrides=overrides)

@@ -612,3 +612,16 @@ def test_quantize_and_lora_functions_refuse_what_is_not_a_model(call, tmp_path):
                                              rf"backbone or task model\); got "
                                              rf"{type(model).__name__}\."):
             function(model, *args)
+
+
+def test_load_of_a_path_that_does_not_exist_says_so(tmp_path):
+    import kzoo
+
+    # Was "`name` must be a preset name (no path separators ...)", as if the path were a name.
+    for path in (tmp_path / "missing.keras", tmp_path / "no" / "dir", "./no_such_dir",
+                 "missing.keras"):
+        with pytest.raises(ValueError, match=r"`name_or_path` '.*' does not exist \(no such "
+                                             r"file or directory\)"):
+            kzoo.presets.load(path)
+    with pytest.raises(ValueError, match=r"Unknown preset name='gpt_minii'. Did you mean"):
+        kzoo.presets.load("gpt_minii")  # (a name stays a name)
