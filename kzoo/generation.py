@@ -59,6 +59,7 @@ Example:
 """
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -748,6 +749,15 @@ def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num
     # (checked for every strategy: a NaN length_penalty passed with sampling or greedy
     # decoding was ignored in silence)
     _check_beam_args(length_penalty, early_stopping)
+    ignored = {name: value for name, value, default in (
+        ("temperature", temperature, 1.0), ("top_k", top_k, None), ("top_p", top_p, None))
+        if value != default}
+    if strategy != "sample" and ignored:
+        # (they were ignored in silence; transformers warns the same way)
+        warnings.warn(
+            f"{', '.join(f'{k}={v!r}' for k, v in ignored.items())}: temperature, top_k and "
+            f"top_p apply only to strategy='sample'; strategy={strategy!r} ignores them.",
+            UserWarning, stacklevel=3)
     if strategy == "sample":
         if num_beams not in (None, 1):
             raise ValueError(

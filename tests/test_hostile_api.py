@@ -625,3 +625,24 @@ def test_load_of_a_path_that_does_not_exist_says_so(tmp_path):
             kzoo.presets.load(path)
     with pytest.raises(ValueError, match=r"Unknown preset name='gpt_minii'. Did you mean"):
         kzoo.presets.load("gpt_minii")  # (a name stays a name)
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_generate_warns_that_greedy_and_beam_ignore_sampling_controls(family):
+    import warnings
+
+    model = _gpt() if family == "gpt" else _t5()
+    prompts = [[3, 4, 5]]
+    # (ignored in silence before; transformers warns the same way)
+    with pytest.warns(UserWarning, match=r"temperature=0\.5, top_k=3: temperature, top_k and "
+                                         r"top_p apply only to strategy='sample'; "
+                                         r"strategy='greedy' ignores them"):
+        greedy = model.generate(prompts, max_new_tokens=2, temperature=0.5, top_k=3)
+    with pytest.warns(UserWarning, match=r"top_p=0\.9: .*strategy='beam' ignores them"):
+        model.generate(prompts, max_new_tokens=2, strategy="beam", num_beams=2, top_p=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # no such warning for the defaults, nor for sampling
+        assert model.generate(prompts, max_new_tokens=2) == greedy
+        model.generate(prompts, max_new_tokens=2, strategy="sample", temperature=0.5,
+                       top_k=3, top_p=0.9, seed=0)
+    assert not [w for w in caught if "apply only to strategy" in str(w.message)]

@@ -165,9 +165,10 @@ def samples(model, task, cfg, prompt_tokens=32, strategy="sample", prompts=1,
     batch = [[int(t) for t in val_ids[s:s + prompt_tokens]] for s in starts]
     room = model.backbone.max_sequence_length - prompt_tokens
     new_tokens = max(1, min(int(cfg.options.get("sample_tokens", 200)), room))
-    out = model.generate(batch, max_new_tokens=new_tokens, strategy=strategy,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=cfg.seed,
-                         stop_token_ids=[tokenizer.eos_id])
+    controls = (dict(temperature=temperature, top_k=top_k, top_p=top_p)
+                if strategy == "sample" else {})  # (other strategies warn that they ignore them)
+    out = model.generate(batch, max_new_tokens=new_tokens, strategy=strategy, seed=cfg.seed,
+                         stop_token_ids=[tokenizer.eos_id], **controls)
     return [(tokenizer.decode(p), tokenizer.decode(o)) for p, o in zip(batch, out)]
 
 
