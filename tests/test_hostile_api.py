@@ -628,7 +628,7 @@ def test_load_of_a_path_that_does_not_exist_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt", "t5"])
-def test_generate_warns_that_greedy_and_beam_ignore_sampling_controls(family):
+def test_generate_warns_that_greedy_ignores_sampling_controls(family):
     import warnings
 
     model = _gpt() if family == "gpt" else _t5()
@@ -638,11 +638,24 @@ def test_generate_warns_that_greedy_and_beam_ignore_sampling_controls(family):
                                          r"top_p apply only to strategy='sample'; "
                                          r"strategy='greedy' ignores them"):
         greedy = model.generate(prompts, max_new_tokens=2, temperature=0.5, top_k=3)
-    with pytest.warns(UserWarning, match=r"top_p=0\.9: .*strategy='beam' ignores them"):
-        model.generate(prompts, max_new_tokens=2, strategy="beam", num_beams=2, top_p=0.9)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # no such warning for the defaults, nor for sampling
+        warnings.simplefilter("always")  # no such warning for the defaults
         assert model.generate(prompts, max_new_tokens=2) == greedy
-        model.generate(prompts, max_new_tokens=2, strategy="sample", temperature=0.5,
-                       top_k=3, top_p=0.9, seed=0)
+    assert not [w for w in caught if "apply only to strategy" in str(w.message)]
+
+
+def test_make_sampler_warns_only_where_sampling_controls_are_ignored():
+    import warnings
+
+    from kzoo.generation import make_sampler
+
+    with pytest.warns(UserWarning, match=r"top_p=0\.9: .*strategy='beam' ignores them"):
+        make_sampler("beam", top_p=0.9, num_beams=2)
+    with pytest.warns(UserWarning, match=r"top_k=5: .*strategy='greedy' ignores them"):
+        make_sampler("greedy", top_k=5, num_beams=3)  # (beam search by num_beams)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_sampler("sample", 0.5, 3, 0.9)
+        make_sampler("greedy")
+        make_sampler("beam", num_beams=2)
     assert not [w for w in caught if "apply only to strategy" in str(w.message)]
