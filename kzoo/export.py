@@ -425,6 +425,12 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
     else:
         if shapes is not None:
             raise ValueError("Give `shapes` or `input_signature`, not both.")
+        if isinstance(input_signature, (bool, int, float, str, bytes)):
+            # (was "object of type 'int' has no len()" from inside Keras' export)
+            raise ValueError(
+                "`input_signature` must be a structure (dict, list or tuple) of input specs "
+                "(keras.InputSpec, tf.TensorSpec or KerasTensor), as the model's inputs are; "
+                f"got input_signature={input_signature!r}.")
         signature = input_signature
     with exportable():
         if format == "onnx" and backend == "jax":

@@ -488,6 +488,12 @@ def test_export_checks_filepath_shapes_and_sequence_before_tracing(tmp_path):
         with pytest.raises(ValueError, match=r"`shapes` must be None or a dict \{axis name: "
                                              rf"size or None\}}.*got shapes={given}"):
             model.export(str(tmp_path / "m.onnx"), format="onnx", shapes=shapes)
+    # (was "object of type 'int' has no len()" from inside Keras' export)
+    for signature in (5, "x"):
+        with pytest.raises(ValueError, match=r"`input_signature` must be a structure \(dict, "
+                                             rf"list or tuple\) of input specs .*got "
+                                             rf"input_signature={re.escape(repr(signature))}\."):
+            model.export(str(tmp_path / "m.onnx"), format="onnx", input_signature=signature)
     # A fixed sequence past the position table failed inside the trace (torch: a
     # RuntimeError from PositionEmbedding's slice).
     with pytest.raises(ValueError, match=r"`shapes\['sequence'\]`=17 exceeds "
