@@ -47,6 +47,7 @@ import keras
 import numpy as np
 
 from kzoo import checkpoints
+from kzoo.layers.utils import check_keras_model
 
 TARGETS = ("query", "key", "value", "output", "feedforward_in", "feedforward_out", "head")
 
@@ -158,15 +159,6 @@ def lora_layers(model):
     return sorted(layers, key=lambda layer: layer.path)
 
 
-def _check_model(model):
-    # (was an AttributeError from inside, e.g. "'NoneType' object has no attribute 'built'")
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            "`model` must be a Keras model (a kzoo backbone or task model); got "
-            f"{type(model).__name__}."
-        )
-
-
 def enable_lora(model, rank, targets=("query", "value"), alpha=None):
     """Add rank-`rank` adapters to the `targets` of `model` and freeze everything else.
 
@@ -191,7 +183,7 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
     Example:
     >>> model.enable_lora(8, targets=("query", "key", "value", "output"), alpha=16)
     """
-    _check_model(model)
+    check_keras_model(model)
     rank = _check_rank(rank)
     targets = check_targets(targets)
     alpha = _check_alpha(alpha, rank)
@@ -262,7 +254,7 @@ def save_lora_weights(model, path):
     Example:
     >>> model.save_lora_weights("adapters.lora.npz")
     """
-    _check_model(model)
+    check_keras_model(model)
     layers = lora_layers(model)
     if not layers:
         raise ValueError(f"{model.name!r} has no LoRA adapters; call enable_lora() first.")
@@ -299,7 +291,7 @@ def load_lora_weights(model, path):
     >>> fresh = kzoo.presets.load("gpt_mini")
     >>> fresh.load_lora_weights("adapters.lora.npz")
     """
-    _check_model(model)
+    check_keras_model(model)
     path = _check_path(path)
     try:
         with np.load(path, allow_pickle=False) as data:
@@ -359,7 +351,7 @@ def merge_lora(model):
     Example:
     >>> model.merge_lora()
     """
-    _check_model(model)
+    check_keras_model(model)
     layers = lora_layers(model)
     if not layers:
         raise ValueError(f"{model.name!r} has no LoRA adapters to merge.")

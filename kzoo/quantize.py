@@ -48,6 +48,8 @@ import gc
 
 import keras
 
+from kzoo.layers.utils import check_keras_model
+
 MODES = ("int8", "int4", "float8")
 
 # Keras classes whose `quantize` supports a mode (exact class match: a subclass may not).
@@ -108,11 +110,7 @@ def quantize(model, mode):
     >>> paths = kzoo.quantize.quantize(model, "int8")   # == model.quantize("int8")
     """
     check_mode(mode)
-    if not isinstance(model, keras.Model):  # (was an AttributeError on `.built`)
-        raise ValueError(
-            "`model` must be a Keras model (a kzoo backbone or task model); got "
-            f"{type(model).__name__}."
-        )
+    check_keras_model(model)
     if not model.built:
         raise ValueError(f"Build {model.name!r} (call it once) before quantizing it.")
     if any(getattr(layer, "lora_enabled", False) for layer in model._flatten_layers()):

@@ -45,6 +45,17 @@ def check_bool(name, value, allow_none=False):
     return bool(value)
 
 
+def check_keras_model(model):
+    """`ValueError` unless `model` is a Keras model (the model-level functions of
+    `kzoo.lora` and `kzoo.quantize` failed with an AttributeError from inside, e.g.
+    "'NoneType' object has no attribute 'built'")."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "`model` must be a Keras model (a kzoo backbone or task model); got "
+            f"{type(model).__name__}."
+        )
+
+
 def check_positive_int(name, value, allow_none=False):
     """Raise unless `value` is a positive integer (or None when allowed).
 
