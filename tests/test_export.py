@@ -155,6 +155,22 @@ def test_onnx_batch_sizes(tmp_path):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_eager_calls_after_an_export_are_unchanged(tmp_path):
+    """An export traces the model on the backend's symbolic tensors; nothing of that trace is
+    kept for later eager calls (torch kept the rotary tables of the traced length, made of
+    fake tensors, and the next eager call of that length failed in `.numpy()`). The model
+    is called at another length first, exported, then called at the exported length."""
+    shapes = {"tensorflow": None, "jax": {"sequence": 8},
+              "torch": {"batch": 3, "sequence": 8}}[backend()]
+    x = _gpt_inputs(3, 8, seed=5)
+    model = build_model("gpt")
+    model(_gpt_inputs(3, 4, seed=4))
+    path = str(tmp_path / "gpt.onnx")
+    model.export(path, format="onnx", shapes=shapes)
+    np.testing.assert_allclose(to_numpy(model(x)), run_exported("onnx", path, x),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_export_input_axes_are_shared():
     """Ids and their padding mask share the sequence axis; T5's two sides have their own;
     Graphormer's attention bias is one node longer; a ViT's image size is the config's."""

@@ -764,8 +764,9 @@ def _rotate(rotary, x, start):
     seq, half = x.shape[1], head_dim // 2
     key = (float(rotary.max_wavelength), float(rotary.scaling_factor), bool(rotary.interleaved),
            head_dim, seq, x.device, start if start_is_int else None)
-    cached = getattr(_STATE, "rotary", None)
-    if start_is_int and cached is not None and cached[0] == key:
+    keep = start_is_int and _plain_tensor(x)  # (see `_plain_tensor`: not while tracing)
+    cached = getattr(_STATE, "rotary", None) if keep else None
+    if cached is not None and cached[0] == key:
         cos, sin = cached[1]
     else:
         inv_freq = torch.as_tensor(rope_inverse_frequencies(rotary.max_wavelength, head_dim),
@@ -780,9 +781,19 @@ def _rotate(rotary, x, start):
             positions = positions / float(rotary.scaling_factor)
         angles = (positions[..., None] * inv_freq).reshape(1, seq, 1, half)
         cos, sin = rope_tables(angles, rotary.interleaved)
-        if start_is_int:
+        if keep:
             _STATE.rotary = (key, (cos, sin))
     return rope_apply(x.to(torch.float32), cos, sin, rotary.interleaved).to(x.dtype)
+
+
+def _plain_tensor(x):
+    """Whether `x` is a real torch tensor, made outside any tracing: `torch.export` (the ONNX
+    exporter) and `torch.compile` run the model on fake or functional tensor subclasses,
+    which a table kept for later eager calls must not hold (the next eager call of the same
+    length would compute on a fake tensor and fail in `.numpy()`)."""
+    import torch
+
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def block_step(block, x, padding_mask=None, attention_mask=None, attention_bias=None,
