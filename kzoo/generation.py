@@ -119,26 +119,55 @@ def _memory_bytes():
         return None
 
 
-def check_cache_size(max_new_tokens, slots, bytes_per_slot):
-    """Refuse a decode whose key/value cache could never be made: positions past int32
-    (the step index is an int32 tensor) or a cache of `slots * bytes_per_slot` bytes larger
-    than this machine's memory (a clear error instead of an allocator's failure or an
-    overflow deep inside a compiled function).
+# Float32 arrays of `(rows, vocab)` a decode step holds at once (the model's logits, their
+# float32 copy, beam search's log-softmax and its scored candidates): the step's share of
+# `check_cache_size`'s estimate.
+_LOGITS_COPIES = 4
+
+
+def check_cache_size(max_new_tokens, slots, bytes_per_slot, *, prompts=1, num_beams=1,
+                     vocabulary_size=0):
+    """Refuse a decode that could never run: positions past int32 (the step index is an
+    int32 tensor), `num_beams * vocabulary_size` beam candidates past int32 (beam search
+    ranks them with int32 indices), or a key/value cache of `slots * bytes_per_slot` bytes
+    plus the step's logits (`prompts * num_beams` rows of `vocabulary_size` float32 scores,
+    a few copies) larger than this machine's memory: a clear error naming the arguments
+    instead of minutes of allocation, an allocator's failure or an overflow deep inside a
+    compiled function.
 
     Example:
-    >>> check_cache_size(20, 52, 2 * 6 * 8 * 64 * 4 * 4)
+    >>> check_cache_size(20, 52, 2 * 6 * 8 * 64 * 4 * 4, prompts=2, num_beams=4,
+    ...                  vocabulary_size=50257)
     """
+    if num_beams > 1 and num_beams * vocabulary_size >= 2 ** 31:
+        raise ValueError(
+            f"`num_beams` is too large: num_beams={num_beams} beams x vocabulary_size="
+            f"{vocabulary_size} tokens is {num_beams * vocabulary_size:,} candidates a step, "
+            "and beam search ranks them with int32 indices (fewer than 2**31); give at most "
+            f"num_beams={(2 ** 31 - 1) // vocabulary_size}.")
     if slots >= 2 ** 31:
         raise ValueError(
             f"`max_new_tokens` is too large: max_new_tokens={max_new_tokens} needs {slots} "
             "cache positions; positions are int32 (at most 2**31 - 1).")
-    need, have = slots * bytes_per_slot, _memory_bytes()
+    cache = slots * bytes_per_slot
+    logits = _LOGITS_COPIES * prompts * num_beams * vocabulary_size * 4
+    need, have = cache + logits, _memory_bytes()
     if have is not None and need > have:
+        beams = f" and num_beams={num_beams}" if num_beams > 1 else ""
+        names = "`max_new_tokens` / `num_beams` are" if num_beams > 1 else \
+            "`max_new_tokens` is"
         raise ValueError(
-            f"`max_new_tokens` is too large for this batch: max_new_tokens={max_new_tokens} "
-            f"needs a key/value cache of {need / 2 ** 30:,.1f} GiB ({slots} positions), more "
-            f"than this machine's memory ({have / 2 ** 30:,.1f} GiB). Generate fewer tokens "
-            "or fewer rows at a time.")
+            f"{names} too large for this batch: max_new_tokens={max_new_tokens}{beams} for "
+            f"{prompts} prompt(s) need {_size(need)} (a key/value cache of {_size(cache)} "
+            f"for {slots} positions x {prompts * num_beams} rows, and {_size(logits)} of "
+            f"step logits), more than this machine's memory ({_size(have)}). Generate fewer "
+            "tokens, use fewer beams or fewer prompts at a time.")
+
+
+def _size(num_bytes):
+    """`num_bytes` for a message: "1.5 GiB", "3.2 MiB"."""
+    unit = "GiB" if num_bytes >= 2 ** 30 else "MiB"
+    return f"{num_bytes / 2 ** (30 if unit == 'GiB' else 20):,.1f} {unit}"
 
 
 def stop_ids(stop_token_ids):
@@ -498,7 +527,8 @@ class RandomSampler(Sampler):
 
     Args:
         temperature: positive finite number dividing the logits.
-        top_k: None or a positive int: sample among the `top_k` most likely tokens.
+        top_k: None or a positive int: sample among the `top_k` most likely tokens (a
+            `top_k` at or above the vocabulary size keeps them all, as transformers does).
         top_p: None or a number in (0, 1]: nucleus sampling.
 
     Example:
@@ -630,7 +660,8 @@ class BeamSampler(Sampler):
         self.batch_size = batch_size
         self.max_new_tokens = max_new_tokens
         k = self.num_beams
-        self.candidates = max(2, 1 + len(stops)) * k
+        # (distinct stop ids: a repeated one takes no candidate of its own)
+        self.candidates = max(2, 1 + len(set(stops))) * k
         tokens = ops.full((batch_size, k, max_new_tokens), pad_token_id, "int32")
         first = ops.convert_to_tensor(np.array([0.0] + [_EXCLUDED] * (k - 1), "float32"))
         return {
@@ -654,12 +685,15 @@ class BeamSampler(Sampler):
     def select(self, logits, carry, t):
         batch, k, n = self.batch_size, self.num_beams, self.max_new_tokens
         vocab = logits.shape[-1]
+        # (at most every token of every beam: with a stop id for nearly every token, more
+        # candidates than that were asked of each backend's top_k, which failed)
+        n_candidates = min(self.candidates, k * vocab)
         length = ops.cast(t + 1, "float32")  # new tokens after this step
         # 1-2. Extend every running beam by every token; keep the best candidates.
         log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, k, vocab))
         log_probs = log_probs + carry["running_scores"][:, :, None]
         top_scores, top_index = ops.top_k(
-            ops.reshape(log_probs, (batch, k * vocab)), self.candidates
+            ops.reshape(log_probs, (batch, k * vocab)), n_candidates
         )
         top_index = ops.cast(top_index, "int32")
         source_beam = top_index // vocab
@@ -674,7 +708,7 @@ class BeamSampler(Sampler):
         running_scores = self._gather(running_scores, keep)
         kept_source = self._gather(source_beam, keep)
         # 4. New finished hypotheses (only among the first num_beams candidates).
-        first_k = ops.arange(self.candidates, dtype="int32")[None, :] < k
+        first_k = ops.arange(n_candidates, dtype="int32")[None, :] < k
         just_finished = ops.logical_and(hits, first_k)
         scores = top_scores / ops.power(length, self.length_penalty)
         full = ops.all(carry["finished"], axis=-1, keepdims=True)
@@ -684,7 +718,7 @@ class BeamSampler(Sampler):
         scores = scores + ops.cast(ops.logical_not(just_finished), "float32") * _EXCLUDED
         merged_scores = ops.concatenate([carry["scores"], scores], axis=1)
         best = ops.cast(ops.top_k(merged_scores, k)[1], "int32")
-        new_lengths = ops.full((batch, self.candidates), 1, "int32") * ops.cast(t + 1, "int32")
+        new_lengths = ops.full((batch, n_candidates), 1, "int32") * ops.cast(t + 1, "int32")
         finished_tokens = self._gather(ops.concatenate([carry["tokens"], candidates], 1), best)
         finished_scores = self._gather(merged_scores, best)
         lengths = self._gather(ops.concatenate([carry["lengths"], new_lengths], 1), best)

@@ -406,11 +406,13 @@ def test_generate_refuses_a_cache_larger_than_memory(monkeypatch):
     with pytest.raises(ValueError, match="max_new_tokens=10000000000 needs"):
         lm.generate([[1, 2]], max_new_tokens=10 ** 10)
     # bytes a position: layers x (keys, values) x rows x kv heads x head dim x 4; the
-    # prompts are left-padded to 8 positions
+    # prompts are left-padded to 8 positions; plus the float32 logits of a step (rows x
+    # vocabulary, a few copies)
     per_position = 2 * 2 * 2 * 2 * (32 // 4) * 4
-    monkeypatch.setattr(generation, "_memory_bytes", lambda: 20 * per_position)
-    with pytest.raises(ValueError, match=r"max_new_tokens=13 needs a key/value cache of "
-                                         r"0\.0 GiB \(21 positions\)"):
+    logits = generation._LOGITS_COPIES * 2 * lm.backbone.vocabulary_size * 4
+    monkeypatch.setattr(generation, "_memory_bytes", lambda: 20 * per_position + logits)
+    with pytest.raises(ValueError, match=r"max_new_tokens=13 for 2 prompt\(s\) need .* \(a "
+                                         r"key/value cache of .* for 21 positions x 2 rows"):
         lm.generate([[1, 2], [3]], max_new_tokens=13)
     assert len(lm.generate([[1, 2], [3]], max_new_tokens=12)) == 2
 

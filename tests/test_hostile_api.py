@@ -665,3 +665,117 @@ def test_make_sampler_warns_only_where_sampling_controls_are_ignored():
         make_sampler("greedy")
         make_sampler("beam", num_beams=2)
     assert not [w for w in caught if "apply only to strategy" in str(w.message)]
+
+
+# === generate: sampling controls, beams and lengths at their limits ===
+
+
+def test_generate_top_k_at_or_above_the_vocabulary_keeps_every_token():
+    from kzoo.generation import filter_logits
+
+    # Accepted and the same on every backend (transformers clamps top_k to the vocabulary
+    # the same way): no top_k of more entries than there are is asked of the backend.
+    model = _gpt()
+    vocab = model.backbone.vocabulary_size
+    options = dict(max_new_tokens=3, strategy="sample", seed=0, stop_token_ids=None,
+                   compile=False)
+    every = model.generate([[3, 4, 5]], **options)
+    assert all(0 <= token < vocab for token in every[0])
+    for top_k in (vocab, vocab + 1, 2 ** 40, np.int64(vocab + 7)):
+        assert model.generate([[3, 4, 5]], top_k=top_k, **options) == every, top_k
+    logits = np.array([[1.0, 3.0, 2.0]], "float32")
+    np.testing.assert_array_equal(np.asarray(filter_logits(logits, top_k=4)), logits)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("top_k", 0, "`top_k` must be None or a positive integer; got top_k=0."),
+    ("top_k", -1, "`top_k` must be None or a positive integer; got top_k=-1."),
+    ("top_k", 2.0, "`top_k` must be None or a positive integer; got top_k=2.0."),
+    ("top_k", True, "`top_k` must be None or a positive integer; got top_k=True."),
+    ("top_p", 0, "`top_p` must be None or a number in (0, 1]; got top_p=0."),
+    ("top_p", 1.5, "`top_p` must be None or a number in (0, 1]; got top_p=1.5."),
+    ("top_p", float("nan"), "`top_p` must be None or a number in (0, 1]; got top_p=nan."),
+    ("top_p", "0.5", "`top_p` must be None or a number in (0, 1]; got top_p='0.5'."),
+    ("temperature", 0, "`temperature` must be a positive finite number; got temperature=0."),
+    ("temperature", -1.0, "`temperature` must be a positive finite number; got "
+                          "temperature=-1.0."),
+    ("temperature", float("inf"), "`temperature` must be a positive finite number; got "
+                                  "temperature=inf."),
+    ("temperature", "1", "`temperature` must be a positive finite number; got "
+                         "temperature='1'."),
+    ("num_beams", 0, "`num_beams` must be a positive integer; got num_beams=0."),
+    ("num_beams", 2.0, "`num_beams` must be a positive integer; got num_beams=2.0."),
+    ("num_beams", True, "`num_beams` must be a positive integer; got num_beams=True."),
+    ("max_new_tokens", 0, "`max_new_tokens` must be a positive integer; got max_new_tokens=0."),
+    ("max_new_tokens", -3, "`max_new_tokens` must be a positive integer; got "
+                           "max_new_tokens=-3."),
+    ("max_new_tokens", 2.0, "`max_new_tokens` must be a positive integer; got "
+                            "max_new_tokens=2.0."),
+    ("max_new_tokens", "3", "`max_new_tokens` must be a positive integer; got "
+                            "max_new_tokens='3'."),
+])
+def test_generate_refuses_sampling_controls_beams_and_lengths_out_of_range(name, value,
+                                                                           message):
+    # (already refused before any decoding; kept so that it stays so)
+    strategy = "beam" if name == "num_beams" else "sample"
+    options = {"strategy": strategy, "max_new_tokens": 2, name: value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _gpt().generate([[3, 4, 5]], **options)
+
+
+def test_generate_refuses_beams_past_int32_or_memory(monkeypatch):
+    from kzoo import generation
+
+    model = _gpt()  # vocabulary_size=260
+    # Beam search ranks num_beams * vocabulary_size candidates with int32 indices; past
+    # 2**31 the ids would wrap around.
+    with pytest.raises(ValueError, match=r"`num_beams` is too large: num_beams=8259553 beams "
+                                         r"x vocabulary_size=260 tokens is 2,147,483,780 "
+                                         r"candidates a step.* give at most "
+                                         r"num_beams=8259552\."):
+        model.generate([[3, 4, 5]], num_beams=2 ** 31 // 260 + 1, max_new_tokens=2)
+    # The cache *and* the step logits of batch x num_beams rows are counted against the
+    # machine's memory (10**6 beams were accepted and allocated for seconds; the message
+    # named max_new_tokens alone).
+    monkeypatch.setattr(generation, "_memory_bytes", lambda: 2 ** 20)
+    with pytest.raises(ValueError, match=r"`max_new_tokens` / `num_beams` are too large for "
+                                         r"this batch: max_new_tokens=2 and num_beams=1000 "
+                                         r"for 1 prompt\(s\) need 5\.2 MiB \(a key/value "
+                                         r"cache of 1\.2 MiB for 10 positions x 1000 rows, "
+                                         r"and 4\.0 MiB of step logits\), more than this "
+                                         r"machine's memory \(1\.0 MiB\)"):
+        model.generate([[3, 4, 5]], num_beams=1000, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"`max_new_tokens` / `num_beams` are too large .* "
+                                         r"num_beams=1000 for 2 prompt\(s\)"):
+        _t5().generate([[3, 4], [5]], num_beams=1000, max_new_tokens=2)
+    monkeypatch.setattr(generation, "_memory_bytes", lambda: 2 ** 10)
+    with pytest.raises(ValueError, match=r"^`max_new_tokens` is too large for this batch: "
+                                         r"max_new_tokens=2 for 1 prompt\(s\)"):
+        model.generate([[3, 4, 5]], max_new_tokens=2)
+
+
+def test_beam_search_with_more_beams_or_stop_ids_than_tokens():
+    import kzoo
+
+    model = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                              intermediate_dim=32, max_sequence_length=16,
+                              vocabulary_size=16)
+    prompt = [3, 4, 5]
+    # A stop id for every token (some repeated) asked each backend's top_k for more
+    # candidates than num_beams x vocabulary: JAX's and TensorFlow's top_k failed, torch's
+    # with "selected index k out of range". Now every candidate stops at once: the best
+    # first token, as greedy decoding finds it.
+    stops = list(range(16)) + [3] * 20
+    greedy = model.generate([prompt], max_new_tokens=1, stop_token_ids=None)
+    assert model.generate([prompt], max_new_tokens=2, num_beams=2,
+                          stop_token_ids=stops) == greedy
+    # More beams than tokens (allowed, as in transformers): every prefix is kept, so two
+    # steps are an exhaustive search; the result scores as the best of the 16 x 16.
+    got = model.generate([prompt], max_new_tokens=2, num_beams=17, stop_token_ids=None)[0]
+    ids = np.array([prompt + [t] for t in range(16)], "int32")
+    logits = np.asarray(model.predict_on_batch(
+        {"token_ids": ids, "padding_mask": np.ones_like(ids)}), "float64")
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    scores = log_probs[0, -2][:, None] + log_probs[:, -1]  # first token x second token
+    assert got[0] in range(16) and got[1] in range(16)
+    np.testing.assert_allclose(scores[got[0], got[1]], scores.max(), atol=1e-5)

@@ -330,8 +330,11 @@ def test_generate_refuses_a_cache_that_cannot_exist(monkeypatch):
     # bytes a position: decoder layers x (keys, values) x rows x beams x heads x dim x 4
     per_position = (len(backbone.decoder_layers) * 2 * 2 * 3 * backbone.num_heads
                     * backbone.key_value_dim * 4)
-    monkeypatch.setattr(generation, "_memory_bytes", lambda: 10 * per_position)
-    with pytest.raises(ValueError, match=r"max_new_tokens=11 needs a key/value cache"):
+    # plus the float32 logits of a step (rows x beams x vocabulary, a few copies)
+    logits = generation._LOGITS_COPIES * 2 * 3 * backbone.vocabulary_size * 4
+    monkeypatch.setattr(generation, "_memory_bytes", lambda: 10 * per_position + logits)
+    with pytest.raises(ValueError, match=r"max_new_tokens=11 and num_beams=3 for 2 "
+                                         r"prompt\(s\) need .* \(a key/value cache"):
         lm.generate([[5, 6], [7]], max_new_tokens=11, strategy="beam", num_beams=3)
     assert len(lm.generate([[5, 6], [7]], max_new_tokens=10, strategy="beam",
                            num_beams=3)) == 2

@@ -805,9 +805,14 @@ class GPTCausalLM(FilledInputs, TaskModel):
                 `[0, vocabulary_size)`; float arrays are refused.
             max_new_tokens: the most tokens to add to each prompt.
             strategy: "greedy", "sample" or "beam" (see `kzoo.generation`).
-            temperature, top_k, top_p: sampling controls (`strategy="sample"`).
+            temperature, top_k, top_p: sampling controls (`strategy="sample"`); a `top_k` at or
+                above the vocabulary size keeps every token (as transformers, which clamps
+                it to the vocabulary).
             num_beams: beams of beam search (None: 4 with `strategy="beam"`, else 1;
-                `num_beams > 1` with "greedy" means beam search).
+                `num_beams > 1` with "greedy" means beam search); more beams than tokens in
+                the vocabulary are allowed, but `num_beams * vocabulary_size` must stay
+                below 2**31 and the cache and logits of `num_beams` rows a prompt must fit
+                in memory.
             length_penalty: beam search score = sum of log-probabilities / length **
                 length_penalty.
             early_stopping: beam search end rule: False, True or "never" (as transformers).
@@ -860,12 +865,15 @@ class GPTCausalLM(FilledInputs, TaskModel):
             ids[b, offset[b]:] = row
             mask[b, : offset[b]] = 0
         backbone = self.backbone
-        if backbone.attention == "full":  # (the other types' caches have a fixed size)
-            generation.check_cache_size(
-                max_new_tokens, prompt_len + max_new_tokens,
-                backbone.num_layers * 2 * len(rows) * sampler.num_beams
-                * (backbone.num_kv_heads or backbone.num_heads) * backbone.head_dim
-                * np.dtype(backbone.compute_dtype).itemsize)
+        generation.check_cache_size(
+            max_new_tokens, prompt_len + max_new_tokens,
+            # (the other attention types' caches have a fixed size)
+            backbone.num_layers * 2 * len(rows) * sampler.num_beams
+            * (backbone.num_kv_heads or backbone.num_heads) * backbone.head_dim
+            * np.dtype(backbone.compute_dtype).itemsize if backbone.attention == "full"
+            else 0,
+            prompts=len(rows), num_beams=sampler.num_beams,
+            vocabulary_size=backbone.vocabulary_size)
         outputs = generation.decode(
             self, {"token_ids": ids, "padding_mask": mask, "position_offset": offset},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,

@@ -857,9 +857,14 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
                 `[0, vocabulary_size)`; float arrays are refused.
             max_new_tokens: most tokens generated per row.
             strategy: "greedy", "sample" or "beam" (see `kzoo.generation`).
-            temperature, top_k, top_p: sampling options (`strategy="sample"`).
+            temperature, top_k, top_p: sampling options (`strategy="sample"`); a `top_k` at or
+                above the vocabulary size keeps every token (as transformers, which clamps
+                it to the vocabulary).
             num_beams: beams of beam search (None: 4 with `strategy="beam"`, else 1;
-                `num_beams > 1` with "greedy" means beam search).
+                `num_beams > 1` with "greedy" means beam search); more beams than tokens in
+                the vocabulary are allowed, but `num_beams * vocabulary_size` must stay
+                below 2**31 and the cache and logits of `num_beams` rows a prompt must fit
+                in memory.
             length_penalty: beam search score = sum of log-probabilities / length **
                 length_penalty.
             early_stopping: beam search end rule: False, True or "never" (as transformers).
@@ -905,7 +910,9 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
             max_new_tokens, max_new_tokens,
             len(backbone.decoder_layers) * 2 * ids.shape[0] * sampler.num_beams
             * backbone.num_heads * backbone.key_value_dim
-            * np.dtype(backbone.compute_dtype).itemsize)
+            * np.dtype(backbone.compute_dtype).itemsize,
+            prompts=ids.shape[0], num_beams=sampler.num_beams,
+            vocabulary_size=vocabulary_size)
         start = np.full((ids.shape[0], 1), decoder_start_token_id, "int32")
         outputs = generation.decode(
             self,
