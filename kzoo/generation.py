@@ -66,7 +66,7 @@ import numpy as np
 from keras import ops
 
 from kzoo.inputs import (  # noqa: F401
-    check_mask_values, check_token_ids, integer_array, integer_rows, prompt_rows)
+    check_mask_values, check_token_ids, integer_array, integer_rows, prompt_dict, prompt_rows)
 from kzoo.layers.utils import check_positive_int
 
 STRATEGIES = ("greedy", "sample", "beam")
@@ -1183,6 +1183,7 @@ __all__ = [
     "check_cache_size",
     "integer_array",
     "integer_rows",
+    "prompt_dict",
     "prompt_rows",
     "stop_ids",
 ]

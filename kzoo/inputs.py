@@ -634,6 +634,39 @@ def prompt_rows(prompts, name="prompts"):
     return integer_rows(rows, name)
 
 
+def prompt_dict(prompts, ids_key, mask_key, padding_mask=None, hint=""):
+    """`generate`'s prompts given as a dict of the model's own input names ->
+    `(ids, mask)`: the integer id array under `ids_key` and the mask under `mask_key` (or
+    `padding_mask`, or None).
+
+    Any other key is refused by name with the allowed ones (a misspelled mask key was
+    ignored in silence: every token was taken as real), and so is a mask given both ways.
+    `hint` ends the message about unknown keys.
+
+    Example:
+    >>> prompt_dict({"token_ids": [[5, 6]]}, "token_ids", "padding_mask")
+    (array([[5, 6]]), None)
+    """
+    allowed = [ids_key, mask_key]
+    unknown = [key for key in prompts if key not in allowed]
+    if unknown:
+        raise ValueError(
+            f"`prompts` as a dict takes the keys {allowed} (the second optional); got "
+            f"unknown key(s) {unknown}{hint}."
+        )
+    if ids_key not in prompts:
+        raise ValueError(
+            f"`prompts` as a dict needs {ids_key!r} (and optionally {mask_key!r}); got keys "
+            f"{list(prompts)}."
+        )
+    if padding_mask is not None and mask_key in prompts:
+        raise ValueError(
+            f"Give the padding mask once: `padding_mask` or the dict's {mask_key!r}, not "
+            "both."
+        )
+    return integer_array(prompts[ids_key], ids_key), prompts.get(mask_key, padding_mask)
+
+
 def check_token_ids(ids, vocabulary_size, mask=None):
     """Raise `ValueError` naming the first id outside `[0, vocabulary_size)` and its position.
 

@@ -779,3 +779,39 @@ def test_beam_search_with_more_beams_or_stop_ids_than_tokens():
     scores = log_probs[0, -2][:, None] + log_probs[:, -1]  # first token x second token
     assert got[0] in range(16) and got[1] in range(16)
     np.testing.assert_allclose(scores[got[0], got[1]], scores.max(), atol=1e-5)
+
+
+# === generate: prompts as a dict ===
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_generate_dict_prompts_take_the_model_input_names_only(family):
+    model = _gpt() if family == "gpt" else _t5()
+    ids_key, mask_key = (("token_ids", "padding_mask") if family == "gpt"
+                         else ("encoder_token_ids", "encoder_padding_mask"))
+    ids, mask = np.array([[3, 4, 5, 6]], "int32"), np.array([[1, 1, 1, 0]], "int32")
+    allowed = re.escape(f"`prompts` as a dict takes the keys {[ids_key, mask_key]} (the "
+                        "second optional); got unknown key(s) ")
+    # T5 ignored unknown keys in silence (a misspelled mask: every token taken as real);
+    # GPT refused every dict with "must hold integer token ids; got an array of dtype
+    # object and shape ()". Both now take their model's own input names and no other.
+    with pytest.raises(ValueError, match=allowed + r"\['foo'\]\.$"):
+        model.generate({ids_key: ids, "foo": 1}, max_new_tokens=1)
+    with pytest.raises(ValueError, match=allowed + rf"\['{mask_key[:-1]}'\]"):
+        model.generate({ids_key: ids, mask_key[:-1]: mask}, max_new_tokens=1)
+    if family == "t5":
+        with pytest.raises(ValueError, match=allowed + r"\['decoder_token_ids'\] \(generate "
+                                                       r"makes the decoder's inputs itself: it "
+                                                       r"starts from `decoder_start_token_id`"):
+            model.generate({ids_key: ids, "decoder_token_ids": ids}, max_new_tokens=1)
+    with pytest.raises(ValueError, match=rf"`prompts` as a dict needs '{ids_key}' \(and "
+                                         rf"optionally '{mask_key}'\); got keys \['{mask_key}'"):
+        model.generate({mask_key: mask}, max_new_tokens=1)
+    with pytest.raises(ValueError, match=rf"Give the padding mask once: `padding_mask` or the "
+                                         rf"dict's '{mask_key}', not both"):
+        model.generate({ids_key: ids, mask_key: mask}, padding_mask=mask, max_new_tokens=1)
+    # The allowed keys give what the array and its padding_mask give.
+    options = dict(max_new_tokens=2, stop_token_ids=None)
+    assert (model.generate({ids_key: ids, mask_key: mask}, **options)
+            == model.generate(ids, padding_mask=mask, **options))
+    assert model.generate({ids_key: ids}, **options) == model.generate(ids, **options)

@@ -28,6 +28,7 @@ Example:
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Optional
 
 import keras
@@ -732,7 +733,13 @@ class GPTCausalLM(FilledInputs, TaskModel):
             rows = [_encode(tokenizer, p) for p in prompts]
             generation.check_token_ids(rows, self.backbone.vocabulary_size)
             return rows, True, single
-        rows = generation.prompt_rows(prompts, "prompts")
+        ids = None
+        if isinstance(prompts, Mapping):  # the model's own input names (keras-hub's)
+            ids, padding_mask = generation.prompt_dict(prompts, "token_ids", "padding_mask",
+                                                       padding_mask)
+            rows = None
+        else:
+            rows = generation.prompt_rows(prompts, "prompts")
         if rows is not None:
             if padding_mask is not None:
                 raise ValueError(
@@ -741,7 +748,8 @@ class GPTCausalLM(FilledInputs, TaskModel):
                 )
             generation.check_token_ids(rows, self.backbone.vocabulary_size)
         else:
-            ids = generation.integer_array(prompts, "prompts")
+            if ids is None:
+                ids = generation.integer_array(prompts, "prompts")
             if ids.ndim == 1:
                 ids = ids[None, :]
             if ids.ndim != 2:
@@ -800,8 +808,9 @@ class GPTCausalLM(FilledInputs, TaskModel):
 
         Args:
             prompts: a list of token id lists (any lengths); an integer array `(batch, seq)`
-                (with `padding_mask`, 1 = real token, padding on either side); or, when the
-                model has a `tokenizer`, a string or a list of strings. Ids must lie in
+                (with `padding_mask`, 1 = real token, padding on either side), also as a
+                dict `{"token_ids", "padding_mask"}` (the mask optional, no other key); or,
+                when the model has a `tokenizer`, a string or a list of strings. Ids must lie in
                 `[0, vocabulary_size)`; float arrays are refused.
             max_new_tokens: the most tokens to add to each prompt.
             strategy: "greedy", "sample" or "beam" (see `kzoo.generation`).

@@ -27,6 +27,7 @@ Example:
 """
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Optional
 
 import keras
@@ -768,19 +769,12 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
             return ids, mask, strings
         if isinstance(prompts, (list, tuple)) and not prompts:
             raise ValueError("`prompts` is empty: give at least one prompt.")
-        if isinstance(prompts, dict):
-            if "encoder_token_ids" not in prompts:
-                raise ValueError(
-                    "`prompts` as a dict needs 'encoder_token_ids' (and optionally "
-                    f"'encoder_padding_mask'); got keys {sorted(prompts)}."
-                )
-            if padding_mask is not None and "encoder_padding_mask" in prompts:
-                raise ValueError(
-                    "Give the padding mask once: `padding_mask` or the dict's "
-                    "'encoder_padding_mask', not both."
-                )
-            ids = generation.integer_array(prompts["encoder_token_ids"], "encoder_token_ids")
-            mask = prompts.get("encoder_padding_mask", padding_mask)
+        if isinstance(prompts, Mapping):
+            ids, mask = generation.prompt_dict(
+                prompts, "encoder_token_ids", "encoder_padding_mask", padding_mask,
+                hint=(" (generate makes the decoder's inputs itself: it starts from "
+                      "`decoder_start_token_id`)"
+                      if any(str(key).startswith("decoder_") for key in prompts) else ""))
         elif (rows := generation.prompt_rows(prompts, "prompts")) is not None:
             # Rows of token ids of different lengths: right-pad them.
             if padding_mask is not None:
@@ -852,8 +846,9 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         Args:
             prompts: encoder token ids `(batch, enc_len)` (the padding mask is `padding_mask`,
                 or `ids != pad_token_id`), a list of id rows of any lengths (right-padded),
-                a dict with "encoder_token_ids" and optionally "encoder_padding_mask", or
-                (with a `tokenizer` attribute) a string or a list of strings. Ids must lie in
+                a dict with "encoder_token_ids" and optionally "encoder_padding_mask" (no
+                other key: `generate` makes the decoder's inputs), or (with a `tokenizer`
+                attribute) a string or a list of strings. Ids must lie in
                 `[0, vocabulary_size)`; float arrays are refused.
             max_new_tokens: most tokens generated per row.
             strategy: "greedy", "sample" or "beam" (see `kzoo.generation`).
