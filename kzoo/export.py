@@ -122,6 +122,75 @@ def check_format(format, backend=None):  # noqa: A002 - Keras' own argument name
     )
 
 
+# The keyword options each (backend, format) reads; Keras' exporters take **kwargs and pass
+# on what they do not read to nothing (torch's ONNX, TensorFlow's SavedModel and ONNX: ignored
+# in silence) or to a converter that fails late. "litert": the TFLite converter's settings.
+_OPTIONS = {
+    ("tensorflow", "tf_saved_model"): (),
+    ("jax", "tf_saved_model"): ("is_static", "jax2tf_kwargs"),
+    ("tensorflow", "onnx"): ("opset_version",),
+    ("jax", "onnx"): ("opset_version",),
+    ("torch", "onnx"): ("opset_version",),
+}
+
+
+def _litert_options():
+    """The settings of TensorFlow's TFLite converter (what Keras' LiteRT export sets from
+    its keyword arguments), or None where they cannot be listed."""
+    try:
+        import tensorflow as tf
+
+        converter = tf.lite.TFLiteConverter([], None)
+    except Exception:  # noqa: BLE001 - then the converter checks them itself
+        return None
+    return tuple(sorted(name for name, value in vars(converter).items()
+                        if not name.startswith("_") and not callable(value)))
+
+
+def export_options(format, backend=None):  # noqa: A002
+    """The keyword options `export(..., format=format)` takes on `backend` (default: the
+    current one), besides its named arguments.
+
+    Example:
+    >>> kzoo.export.export_options("onnx")
+    ('opset_version',)
+    """
+    backend = backend or keras.backend.backend()
+    if format == "litert":
+        return _litert_options()
+    return _OPTIONS.get((backend, format), ())
+
+
+def _check_options(options, format, backend):  # noqa: A002
+    """Refuse a keyword option `format` does not read on `backend` (a misspelled one was
+    ignored in silence or failed deep inside a converter), and option values of the wrong
+    type."""
+    allowed = export_options(format, backend)
+    unknown = [name for name in options if allowed is not None and name not in allowed]
+    if unknown:
+        takes = (f"takes the options {list(allowed)}" if allowed else "takes no options")
+        raise ValueError(
+            f"Unknown export option(s) {unknown} for format={format!r} on the {backend} "
+            f"backend, which {takes} besides filepath, format, shapes, input_signature and "
+            "verbose."
+        )
+    opset = options.get("opset_version")
+    if opset is not None and (isinstance(opset, bool)
+                              or not isinstance(opset, (int, np.integer)) or opset < 1):
+        raise ValueError(
+            f"`opset_version` must be None or a positive int (an ONNX opset); got "
+            f"opset_version={opset!r}."
+        )
+    if not isinstance(options.get("jax2tf_kwargs") or {}, Mapping):
+        raise ValueError(
+            "`jax2tf_kwargs` must be None or a dict of `jax2tf.convert` arguments; got "
+            f"jax2tf_kwargs={options['jax2tf_kwargs']!r}."
+        )
+    if not isinstance(options.get("is_static", False), bool):
+        raise ValueError(f"`is_static` must be True or False; got "
+                         f"is_static={options['is_static']!r}.")
+
+
 # === Input signature ===
 
 
@@ -371,7 +440,11 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
             dynamic. LiteRT and torch's ONNX need every axis fixed ("batch" defaults to 1).
         input_signature: a Keras input signature replacing the one kzoo builds.
         verbose: print Keras' export messages.
-        **kwargs: passed on to Keras' exporter (e.g. `opset_version` for ONNX).
+        **kwargs: options passed on to Keras' exporter, those the format reads on this
+            backend only (`export_options(format)`): `opset_version` for "onnx";
+            `is_static` and `jax2tf_kwargs` for "tf_saved_model" on JAX; the TFLite
+            converter's settings (`optimizations`, `representative_dataset`, ...) for
+            "litert". Any other is refused by name.
 
     Returns:
         `filepath`.
@@ -382,6 +455,7 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
     """
     backend = keras.backend.backend()
     check_format(format, backend)
+    _check_options(kwargs, format, backend)
     if not isinstance(filepath, (str, os.PathLike)):
         raise ValueError(
             f"`filepath` must be a path (str or os.PathLike); got filepath={filepath!r}."

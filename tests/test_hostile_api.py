@@ -815,3 +815,45 @@ def test_generate_dict_prompts_take_the_model_input_names_only(family):
     assert (model.generate({ids_key: ids, mask_key: mask}, **options)
             == model.generate(ids, padding_mask=mask, **options))
     assert model.generate({ids_key: ids}, **options) == model.generate(ids, **options)
+
+
+# === export: keyword options ===
+
+
+def test_export_refuses_options_the_format_does_not_read(tmp_path):
+    from kzoo.export import export_formats, export_options
+
+    model = _gpt()
+    # Keras' exporters pass what they do not read on to nothing (torch's ONNX and
+    # TensorFlow's SavedModel / ONNX ignored a misspelled option in silence) or to a
+    # converter that failed late.
+    for format in export_formats():
+        path = str(tmp_path / ("m" + {"onnx": ".onnx", "litert": ".tflite"}.get(format, "")))
+        options = export_options(format)
+        assert options is None or isinstance(options, tuple)
+        takes = (rf"takes the options \[.*'{options[0]}'.*\]" if options
+                 else "takes no options")
+        with pytest.raises(ValueError, match=rf"Unknown export option\(s\) \['opset_versoin'\] "
+                                             rf"for format='{format}' on the \w+ backend, "
+                                             rf"which {takes} besides filepath"):
+            model.export(path, format=format, opset_versoin=17)
+    assert export_options("onnx") == ("opset_version",)
+    for opset in ("17", 0, 17.0, True):
+        with pytest.raises(ValueError, match=r"`opset_version` must be None or a positive int "
+                                             rf"\(an ONNX opset\); got "
+                                             rf"opset_version={re.escape(repr(opset))}\."):
+            model.export(str(tmp_path / "m.onnx"), format="onnx", opset_version=opset)
+    if "jax2tf_kwargs" in export_options("tf_saved_model"):  # JAX
+        with pytest.raises(ValueError, match=r"`jax2tf_kwargs` must be None or a dict of "
+                                             r"`jax2tf.convert` arguments; got "
+                                             r"jax2tf_kwargs=\['x'\]\."):
+            model.export(str(tmp_path / "saved"), jax2tf_kwargs=["x"])
+        with pytest.raises(ValueError, match=r"`is_static` must be True or False; got "
+                                             r"is_static='no'\."):
+            model.export(str(tmp_path / "saved"), is_static="no")
+    if "litert" in export_formats():
+        assert "optimizations" in export_options("litert")
+        with pytest.raises(ValueError, match=r"Unknown export option\(s\) \['optimisations'\]"):
+            model.export(str(tmp_path / "m.tflite"), format="litert", optimisations=[])
+    assert not list(tmp_path.iterdir())  # nothing was written
+
