@@ -857,3 +857,53 @@ def test_export_refuses_options_the_format_does_not_read(tmp_path):
             model.export(str(tmp_path / "m.tflite"), format="litert", optimisations=[])
     assert not list(tmp_path.iterdir())  # nothing was written
 
+
+# === BERT: the pooler under the masked-LM head ===
+
+
+def test_masked_lm_fit_leaves_the_unused_pooler_alone_and_a_classifier_trains_it():
+    import warnings
+
+    import keras
+
+    from kzoo.models.bert import BertBackbone, BertClassifier, BertMaskedLM
+
+    backbone = BertBackbone(vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
+                            intermediate_dim=16, max_sequence_length=8)
+    mlm = BertMaskedLM(backbone)
+    classifier = BertClassifier(backbone, num_classes=2)  # the same backbone
+    pooler = backbone.pooler_dense
+    pooler_ids = {id(w) for w in pooler.weights}
+
+    def pooler_values():
+        return [keras.ops.convert_to_numpy(w).copy() for w in pooler.weights]
+
+    x = {"token_ids": np.array([[5, 6, 7, 8], [9, 10, 11, 12]], "int32"),
+         "segment_ids": np.zeros((2, 4), "int32"), "padding_mask": np.ones((2, 4), "int32")}
+    # torch and TensorFlow warned "Gradients do not exist for variables ['pooler_dense/
+    # kernel', 'pooler_dense/bias']" at every MLM fit; JAX gave them a zero gradient, which
+    # AdamW's weight decay applied (the pooler drifted).
+    before = pooler_values()
+    count = len(mlm.weights)
+    mlm.compile(keras.optimizers.AdamW(1e-2, weight_decay=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mlm.fit(x, np.ones((2, 4), "int32"), batch_size=2, epochs=1, verbose=0)
+    assert not [w for w in caught if "Gradients do not exist" in str(w.message)]
+    for old, new in zip(before, pooler_values()):
+        np.testing.assert_array_equal(old, new)
+    assert not pooler_ids & {id(w) for w in mlm.trainable_weights + mlm.trainable_variables}
+    assert pooler_ids <= {id(w) for w in mlm.non_trainable_weights}
+    assert pooler_ids <= {id(w) for w in mlm.non_trainable_variables}
+    assert len(mlm.weights) == count  # still saved with the model
+    # A classifier on the same backbone (and the backbone itself) still trains the pooler.
+    assert pooler_ids <= {id(w) for w in classifier.trainable_weights}
+    assert pooler_ids <= {id(w) for w in backbone.trainable_weights}
+    classifier.compile(keras.optimizers.Adam(1e-2),
+                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        classifier.fit(x, np.array([0, 1]), batch_size=2, epochs=1, verbose=0)
+    assert not [w for w in caught if "Gradients do not exist" in str(w.message)]
+    for old, new in zip(before, pooler_values()):
+        assert not np.array_equal(old, new)

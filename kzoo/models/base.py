@@ -1109,6 +1109,46 @@ class TaskModel(FunctionalModel):
     def _task_config(self):
         return {}
 
+    # === Weights the task does not use ===
+
+    def _unused_layers(self):
+        """Layers of the backbone that this task's outputs never depend on (BERT's pooler
+        under the masked-LM head, which Hugging Face's `BertForMaskedLM` does not even
+        build). Their weights count as non-trainable for this model only: `fit` neither
+        warns that they get no gradient (torch, TensorFlow: Keras' "Gradients do not exist
+        for variables") nor moves them (JAX: a zero gradient, which AdamW's weight decay
+        still applied). The backbone's own lists, its saved weights and another task on the
+        same backbone (a classifier trains the pooler) are unchanged."""
+        return ()
+
+    def _unused_ids(self):
+        return {id(v) for layer in self._unused_layers() for v in layer.weights}
+
+    def _without_unused(self, trainable, non_trainable):
+        unused = self._unused_ids()
+        if not unused or not self.trainable:
+            return trainable, non_trainable
+        return ([v for v in trainable if id(v) not in unused],
+                non_trainable + [v for v in trainable if id(v) in unused])
+
+    @property
+    def trainable_weights(self):
+        return self._without_unused(super().trainable_weights, [])[0]
+
+    @property
+    def non_trainable_weights(self):
+        return self._without_unused(super().trainable_weights,
+                                    super().non_trainable_weights)[1]
+
+    @property
+    def trainable_variables(self):
+        return self._without_unused(super().trainable_variables, [])[0]
+
+    @property
+    def non_trainable_variables(self):
+        return self._without_unused(super().trainable_variables,
+                                    super().non_trainable_variables)[1]
+
     def get_config(self):
         return {
             **self._base_config(),

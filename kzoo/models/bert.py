@@ -525,7 +525,8 @@ class BertMaskedLM(_BertTask):
 
     `logits = LayerNorm(act(Dense(h))) @ E^T + b`, with `E` the backbone's token embedding
     matrix (tied) and `b` an output bias, exactly Hugging Face's `BertForMaskedLM` layout
-    (the pooler of the backbone is unused). Train with a sparse categorical cross-entropy
+    (the pooler of the backbone is unused, and counts as non-trainable in this model: `fit`
+    leaves it as it is). Train with a sparse categorical cross-entropy
     on the masked positions: either targets at every position weighted by `sample_weight`,
     or (cheaper: the head and the loss run on those positions only, as in keras-hub)
     `mask_positions` `(batch, num_masked)` in the inputs and targets `(batch, num_masked)`.
@@ -587,6 +588,12 @@ class BertMaskedLM(_BertTask):
     def id_inputs(self):
         """The backbone's id inputs, and `mask_positions` in `[0, seq)` when given."""
         return super().id_inputs() + (PositionInput(MASK_POSITIONS_INPUT, like="token_ids"),)
+
+    def _unused_layers(self):
+        # The head reads the sequence output only: the pooler's weights are not trained
+        # here (no "Gradients do not exist" warning; see `TaskModel._unused_layers`).
+        backbone = getattr(self, "backbone", None)
+        return () if backbone is None else (backbone.pooler_dense,)
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
