@@ -14,6 +14,7 @@ from kzoo.layers.position import RotaryEmbedding
 from kzoo.layers.position import SinusoidalPositionEncoding
 from kzoo.layers.position import alibi_slopes
 from kzoo.layers.position import relative_position_bucket
+from kzoo.layers.position import rope_inverse_frequencies
 from tests.harness import assert_close, backend, ref, rng, roundtrip_layer, to_numpy
 
 # --- NumPy references -------------------------------------------------------------------
@@ -147,6 +148,66 @@ def test_rope_matches_numpy(interleaved, start_index, scale, base):
     np.testing.assert_allclose(
         np.linalg.norm(to_numpy(out), axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5
     )
+
+
+def np_llama3_inverse_frequencies(base, dim, factor, low, high, original):
+    """Llama 3.1's RoPE rescaling written out frequency by frequency (Meta's
+    `apply_scaling`): wavelengths shorter than original / high kept, longer than
+    original / low divided by the factor, a linear blend in 1 / wavelength between."""
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / base ** (i / dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            out.append(freq)
+        elif wavelength > original / low:
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+def np_rotate_half(x, positions, inv_freq):
+    """Rotate-half RoPE of x (batch, seq, heads, d) with the given inverse frequencies."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    angles = np.asarray(positions, np.float64)[:, None] * np.asarray(inv_freq)[None, :]
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[None, :, None, :]
+    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[None, :, None, :]
+    return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1) * sin
+
+
+@pytest.mark.parametrize("base, dim, factor, low, high, original", [
+    (500000.0, 128, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
+    (500000.0, 64, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
+    (10000.0, 16, 8.0, 1.0, 4.0, 8),
+    (100.0, 8, 4.0, 0.5, 2.0, 16),
+])
+def test_rope_llama3_inverse_frequencies_match_numpy(base, dim, factor, low, high, original):
+    expected = np_llama3_inverse_frequencies(base, dim, factor, low, high, original)
+    got = rope_inverse_frequencies(base, dim, "llama3", factor, low, high, original)
+    assert got.dtype == np.float32 and got.shape == (dim // 2,)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    plain = 1.0 / base ** (np.arange(0, dim, 2) / dim)
+    wavelength = 2 * math.pi / plain
+    if dim == 128:  # Meta's model has frequencies in all three bands
+        assert (wavelength < original / high).any() and (wavelength > original / low).any()
+        assert ((wavelength >= original / high) & (wavelength <= original / low)).any()
+    # linear: every frequency divided by the factor; none: the plain ones
+    np.testing.assert_allclose(rope_inverse_frequencies(base, dim, "linear", factor),
+                               plain / factor, rtol=1e-6)
+    np.testing.assert_allclose(rope_inverse_frequencies(base, dim), plain, rtol=1e-6)
+    # the layer rotates with them, at positions past the original context (of the small
+    # settings: float32 angles near 8192 radians are good to ~1e-3 only, here and in
+    # transformers alike)
+    layer = RotaryEmbedding(max_wavelength=base, scaling_factor=factor, scaling_type="llama3",
+                            low_freq_factor=low, high_freq_factor=high,
+                            original_max_position_embeddings=original)
+    x = rng(3).normal(size=(2, 4, 2, dim)).astype("float32")
+    start = min(original + 3, 40)
+    out = layer(x, start_index=start)
+    assert_close(out, np_rotate_half(x, np.arange(start, start + 4), expected), atol=2e-5)
 
 
 def test_rope_conventions_by_hand():
@@ -333,6 +394,16 @@ def test_relative_position_bias_values(hf_t5, bidirectional):
         (lambda: PositionEmbedding(sequence_length=8, initializer="nope"), "initializer"),
         (lambda: RotaryEmbedding(max_wavelength=-1), "max_wavelength"),
         (lambda: RotaryEmbedding(scaling_factor=0), "scaling_factor"),
+        (lambda: RotaryEmbedding(scaling_type="yarn"), "scaling_type"),
+        (lambda: RotaryEmbedding(scaling_type="llama3", high_freq_factor=4.0,
+                                 original_max_position_embeddings=8), "low_freq_factor"),
+        (lambda: RotaryEmbedding(scaling_type="llama3", low_freq_factor=2.0,
+                                 high_freq_factor=2.0, original_max_position_embeddings=8),
+         "high_freq_factor"),
+        (lambda: RotaryEmbedding(scaling_type="llama3", low_freq_factor=1.0,
+                                 high_freq_factor=2.0, original_max_position_embeddings=0),
+         "original_max_position_embeddings"),
+        (lambda: RotaryEmbedding(low_freq_factor=1.0), "low_freq_factor"),
         (lambda: RotaryEmbedding(interleaved="yes"), "interleaved"),
         (lambda: ALiBiBias(num_heads=0), "num_heads"),
         (lambda: ALiBiBias(num_heads=2.5), "num_heads"),
@@ -374,7 +445,9 @@ def all_layers():
     return [
         SinusoidalPositionEncoding(max_wavelength=500),
         PositionEmbedding(sequence_length=12, initializer="he_normal"),
-        RotaryEmbedding(max_wavelength=1000, scaling_factor=4.0, interleaved=True),
+        RotaryEmbedding(max_wavelength=1000, scaling_factor=4.0, interleaved=True,
+                        scaling_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=64),
         ALiBiBias(num_heads=6, bidirectional=True),
         RelativePositionBias(num_heads=2, num_buckets=8, max_distance=16, bidirectional=False,
                              embeddings_initializer="uniform"),
@@ -386,7 +459,8 @@ def test_config_roundtrip():
         clone = roundtrip_layer(layer)
         config = layer.get_config()
         for name in ("max_wavelength", "sequence_length", "scaling_factor", "interleaved",
-                     "num_heads", "bidirectional", "num_buckets", "max_distance"):
+                     "scaling_type", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings", "num_heads", "bidirectional", "num_buckets", "max_distance"):
             if name in config:
                 assert getattr(clone, name) == config[name]
     assert RelativePositionBias(2).get_config()["embeddings_initializer"]["class_name"] == (

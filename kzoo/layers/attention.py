@@ -15,7 +15,9 @@ from kzoo.layers import efficient_attention as efficient
 from kzoo.layers import fast_decode
 from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
 from kzoo.layers.taps import active_tap
+from kzoo.layers.position import LLAMA3_ROPE_FIELDS, check_rope_scaling
 from kzoo.layers.utils import (
+    FieldError,
     check_bool,
     check_choice,
     check_positive_float,
@@ -52,6 +54,35 @@ def _check_float_mask(mask):
         )
 
 
+_ROPE_SCALING_KEYS = ("scaling_type",) + LLAMA3_ROPE_FIELDS
+
+
+def check_rope_scaling_options(rope_scaling, rope_scaling_factor=1.0):
+    """A `rope_scaling` argument (of `MultiHeadAttention` / `TransformerBlock`) checked with
+    `rope_scaling_factor`: None, or a dict with keys among `scaling_type`, `low_freq_factor`,
+    `high_freq_factor`, `original_max_position_embeddings` (`RotaryEmbedding`'s arguments,
+    see `kzoo.layers.position.check_rope_scaling`); returned as a plain dict (None for
+    none or `{}`)."""
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, dict):
+        raise FieldError(
+            "`rope_scaling` must be None or a dict with keys among "
+            f"{list(_ROPE_SCALING_KEYS)}; got rope_scaling={rope_scaling!r}.", "rope_scaling")
+    unknown = [key for key in rope_scaling if key not in _ROPE_SCALING_KEYS]
+    if unknown:
+        raise FieldError(
+            f"`rope_scaling` has unknown key(s) {unknown}; allowed: {list(_ROPE_SCALING_KEYS)}"
+            f" (the factor is `rope_scaling_factor`). Got rope_scaling={rope_scaling!r}.",
+            "rope_scaling")
+    check_rope_scaling(
+        scaling_factor=rope_scaling_factor,
+        names={key: f"rope_scaling['{key}']" for key in _ROPE_SCALING_KEYS}
+        | {"scaling_factor": "rope_scaling_factor"},
+        **rope_scaling)
+    return dict(rope_scaling) or None
+
+
 @keras.saving.register_keras_serializable(package="kzoo")
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head attention (Vaswani et al. 2017) with the options modern models need.
@@ -76,7 +107,13 @@ class MultiHeadAttention(keras.layers.Layer):
         scale: score scale; None means `head_dim ** -0.5` (T5 uses 1.0).
         rope_max_wavelength: if set, rotary position embeddings (Su et al. 2021) with this
             base are applied to queries and keys (after projection, before attention).
-        rope_scaling_factor: linear position-interpolation factor for the rotary embedding.
+        rope_scaling_factor: the rotary embedding's scaling factor (linear position
+            interpolation by default; 1.0 = none).
+        rope_scaling: None or a dict of the rotary embedding's other scaling arguments
+            (`RotaryEmbedding`'s `scaling_type`, `low_freq_factor`, `high_freq_factor`,
+            `original_max_position_embeddings`), e.g. Llama 3.1's `{"scaling_type": "llama3",
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}` with `rope_scaling_factor=8.0`.
         kernel: attention kernel ("auto", "reference", "fused", "chunked").
         attention: the attention type of self-attention: "full" (softmax over every key, on
             `kernel`) or an efficient variant, "sliding_window", "strided", "longformer",
@@ -156,6 +193,7 @@ class MultiHeadAttention(keras.layers.Layer):
         scale=None,
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
+        rope_scaling=None,
         kernel="auto",
         attention="full",
         attention_options=None,
@@ -185,6 +223,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if rope_max_wavelength is not None:
             check_positive_float("rope_max_wavelength", rope_max_wavelength)
         check_positive_float("rope_scaling_factor", rope_scaling_factor)
+        rope_scaling = check_rope_scaling_options(rope_scaling, rope_scaling_factor)
         check_choice("kernel", kernel, KERNELS)
         self.attention, self.attention_options = efficient.check_attention(
             attention, attention_options)
@@ -204,6 +243,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.scale = scale
         self.rope_max_wavelength = rope_max_wavelength
         self.rope_scaling_factor = rope_scaling_factor
+        self.rope_scaling = rope_scaling
         self.kernel = kernel
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self.bias_initializer = serialize_initializer(bias_initializer)
@@ -219,6 +259,7 @@ class MultiHeadAttention(keras.layers.Layer):
             self.rotary = RotaryEmbedding(
                 max_wavelength=rope_max_wavelength,
                 scaling_factor=rope_scaling_factor,
+                **(rope_scaling or {}),
                 dtype=self.dtype_policy,
                 name="rotary_embedding",
             )
@@ -754,6 +795,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "scale": self.scale,
                 "rope_max_wavelength": self.rope_max_wavelength,
                 "rope_scaling_factor": self.rope_scaling_factor,
+                "rope_scaling": self.rope_scaling,
                 "kernel": self.kernel,
                 "attention": self.attention,
                 "attention_options": self.attention_options,

@@ -29,7 +29,7 @@ import keras
 from keras import ops
 
 from kzoo.layers import fast_decode
-from kzoo.layers.attention import MultiHeadAttention
+from kzoo.layers.attention import MultiHeadAttention, check_rope_scaling_options
 from kzoo.layers.efficient_attention import check_attention
 from kzoo.layers.feedforward import FeedForward, GatedFeedForward
 from kzoo.layers.kernels import KERNELS
@@ -109,7 +109,8 @@ class TransformerBlock(keras.layers.Layer):
         activation_dropout: dropout on the feed-forward's hidden activations (None: the same
             rate as `dropout`; BERT and GPT-2 use 0, Graphormer its own rate).
         attention_scale: score scale (None = head_dim^-0.5; T5 uses 1.0).
-        rope_max_wavelength, rope_scaling_factor: rotary embeddings in self-attention.
+        rope_max_wavelength, rope_scaling_factor, rope_scaling: rotary embeddings in
+            self-attention (see `MultiHeadAttention`).
         num_experts, top_k, capacity_factor, expert_type: mixture-of-experts options.
         kernel: attention kernel.
         attention, attention_options: the self-attention type ("full" or an efficient
@@ -190,6 +191,7 @@ class TransformerBlock(keras.layers.Layer):
         attention_scale=None,
         rope_max_wavelength=None,
         rope_scaling_factor=1.0,
+        rope_scaling=None,
         num_experts=None,
         top_k=2,
         capacity_factor=None,
@@ -250,6 +252,7 @@ class TransformerBlock(keras.layers.Layer):
         self.attention_scale = attention_scale
         self.rope_max_wavelength = rope_max_wavelength
         self.rope_scaling_factor = rope_scaling_factor
+        self.rope_scaling = check_rope_scaling_options(rope_scaling, rope_scaling_factor)
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
@@ -300,6 +303,7 @@ class TransformerBlock(keras.layers.Layer):
             scale=self.attention_scale,
             rope_max_wavelength=self.rope_max_wavelength if is_self else None,
             rope_scaling_factor=self.rope_scaling_factor,
+            rope_scaling=self.rope_scaling,
             kernel=self.kernel,
             attention=self.attention if is_self else "full",
             attention_options=self.attention_options if is_self else None,
@@ -656,6 +660,7 @@ class TransformerBlock(keras.layers.Layer):
                 "attention_scale": self.attention_scale,
                 "rope_max_wavelength": self.rope_max_wavelength,
                 "rope_scaling_factor": self.rope_scaling_factor,
+                "rope_scaling": self.rope_scaling,
                 "num_experts": self.num_experts,
                 "top_k": self.top_k,
                 "capacity_factor": self.capacity_factor,

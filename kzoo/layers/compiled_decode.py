@@ -11,7 +11,7 @@ step 4.6 ms, the same compiled 2.8 ms.
 `model_step(model, state, constants)` returns `step(last_tokens, index) -> float32 logits`
 (the interface of the loop's `model_step`) for a `GPTCausalLM` or `T5Seq2SeqLM` whose step
 it can express, or None. GPT: learned positions with `position_offset` or rotary positions
-(either pairing, with a scaling factor; rotated at the cache slot, as the eager loop does),
+(either pairing, linear or llama3 scaling; rotated at the cache slot, as the eager loop does),
 full softmax self-attention (grouped query heads too) or sliding-window attention on its
 rolling cache, LayerNorm or RMSNorm before or after each sub-layer, a plain or gated (GLU:
 SwiGLU, GEGLU, ...) feed-forward with a plain activation or a mixture of experts (top-k
@@ -133,7 +133,7 @@ class _Block(NamedTuple):
     scale: float
     q_units: int
     kv_units: int
-    rotary: Optional[tuple] = None  # (max_wavelength, scaling_factor, interleaved)
+    rotary: Optional[tuple] = None  # (max_wavelength, scaling settings, interleaved)
     window: Optional[int] = None  # sliding-window attention on a rolling cache
     # a mixture of experts: (num_experts, top_k, normalize_top_k, capacity_factor)
     moe: Optional[tuple] = None
@@ -144,23 +144,21 @@ class _Block(NamedTuple):
 
 
 def _rotary_spec(attention):
-    """(max_wavelength, scaling_factor, interleaved) of a self-attention's rotary positions,
-    None without them."""
+    """(max_wavelength, scaling settings (`RotaryEmbedding.scaling`), interleaved) of a
+    self-attention's rotary positions, None without them."""
     rotary = attention.rotary
     if rotary is None:
         return None
-    return (float(rotary.max_wavelength), float(rotary.scaling_factor),
-            bool(rotary.interleaved))
+    return (float(rotary.max_wavelength), rotary.scaling(), bool(rotary.interleaved))
 
 
-def _inverse_frequencies(spec, head_dim):
-    """RoPE's inverse frequencies of a rotary `spec` (see `_rotary_spec`), a float32 torch
-    tensor (`kzoo.layers.position.rope_inverse_frequencies`)."""
+def _inverse_frequencies(attention):
+    """RoPE's inverse frequencies of a self-attention's rotary positions, scaling included,
+    a float32 torch tensor (`RotaryEmbedding.inverse_frequencies`, i.e.
+    `kzoo.layers.position.rope_inverse_frequencies`)."""
     import torch
 
-    from kzoo.layers.position import rope_inverse_frequencies
-
-    return torch.from_numpy(rope_inverse_frequencies(spec[0], head_dim))
+    return torch.from_numpy(attention.rotary.inverse_frequencies(attention._head_dim))
 
 
 def rope_tables(angles, interleaved):
@@ -289,8 +287,7 @@ def _block_spec(block, cross=False):
         "out_bias": None if attention.output_dense.bias is None else value(
             attention.output_dense.bias),
         "norm1": norms[0][2:], "norm2": norms[1][2:],
-        "inverse_frequencies": None if rotary is None else _inverse_frequencies(
-            rotary, attention._head_dim),
+        "inverse_frequencies": None if rotary is None else _inverse_frequencies(attention),
     }
     if moe_config is None:
         up, up_bias = joined(ins)
@@ -481,13 +478,12 @@ def _attend(q, keys, values, mask, scale, heads, out, out_bias):
 
 def _rotate(spec, inverse_frequencies, x, slot):
     """`x (batch, heads, 1, head_dim)` (float32) rotated to position `slot`, as
-    `RotaryEmbedding` rotates it (float32 angles `slot / scaling_factor * theta_i`)."""
+    `RotaryEmbedding` rotates it (float32 angles `slot * theta_i`, the scaling in the
+    inverse frequencies `theta_i`)."""
     import torch
 
-    _, scaling, interleaved = spec
+    interleaved = spec[2]
     position = slot.to(torch.float32)
-    if scaling != 1.0:
-        position = position / scaling
     cos, sin = rope_tables(position * inverse_frequencies, interleaved)
     return rope_apply(x, cos, sin, interleaved)
 

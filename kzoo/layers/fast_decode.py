@@ -754,7 +754,6 @@ def _rotate(rotary, x, start):
     import torch
 
     from kzoo.layers.compiled_decode import rope_apply, rope_tables
-    from kzoo.layers.position import rope_inverse_frequencies
 
     head_dim = x.shape[-1]
     start_is_int = type(start) is int
@@ -762,23 +761,21 @@ def _rotate(rotary, x, start):
             start_is_int or (isinstance(start, torch.Tensor) and start.dim() == 0)):
         return rotary(x, start_index=start)
     seq, half = x.shape[1], head_dim // 2
-    key = (float(rotary.max_wavelength), float(rotary.scaling_factor), bool(rotary.interleaved),
+    key = (float(rotary.max_wavelength), rotary.scaling(), bool(rotary.interleaved),
            head_dim, seq, x.device, start if start_is_int else None)
     keep = start_is_int and _plain_tensor(x)  # (see `_plain_tensor`: not while tracing)
     cached = getattr(_STATE, "rotary", None) if keep else None
     if cached is not None and cached[0] == key:
         cos, sin = cached[1]
     else:
-        inv_freq = torch.as_tensor(rope_inverse_frequencies(rotary.max_wavelength, head_dim),
-                                   device=x.device)
+        # (the scaling, linear or llama3, is in the frequencies: `rope_inverse_frequencies`)
+        inv_freq = torch.as_tensor(rotary.inverse_frequencies(head_dim), device=x.device)
         positions = torch.arange(seq, dtype=torch.int32, device=x.device)
         if not start_is_int:
             positions = positions + start.to(torch.int32)
         elif start:
             positions = positions + start
         positions = positions.to(torch.float32)[None, :]
-        if float(rotary.scaling_factor) != 1.0:
-            positions = positions / float(rotary.scaling_factor)
         angles = (positions[..., None] * inv_freq).reshape(1, seq, 1, half)
         cos, sin = rope_tables(angles, rotary.interleaved)
         if keep:

@@ -23,7 +23,9 @@ from keras import ops
 
 from kzoo.layers.utils import broadcast_leading
 from kzoo.layers.utils import check_bool
+from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import clip
+from kzoo.layers.utils import FieldError
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rank
@@ -339,19 +341,112 @@ class PositionEmbedding(_StartIndexLayer):
 # === Rotary ===
 
 
-def rope_inverse_frequencies(max_wavelength, head_dim):
-    """RoPE's `theta_i = max_wavelength ** (-2i / head_dim)`, `i < head_dim / 2`: float64,
-    then float32 (NumPy), as `RotaryEmbedding` and the torch decode paths
-    (`kzoo.layers.fast_decode`, `kzoo.layers.compiled_decode`) all compute them."""
-    return (float(max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)).astype("float32")
+# RoPE scaling types (`RotaryEmbedding.scaling_type`): "linear" position interpolation
+# (Chen et al. 2023: every frequency divided by `scaling_factor`) and Llama 3.1's
+# frequency-dependent rescaling ("llama3": low frequencies divided by the factor, high ones
+# kept, a smooth blend between).
+ROPE_SCALING_TYPES = ("linear", "llama3")
+# The settings of "llama3" besides the factor (Meta's Llama 3.1: 1.0, 4.0, 8192).
+LLAMA3_ROPE_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling_type="linear", scaling_factor=1.0, low_freq_factor=None,
+                       high_freq_factor=None, original_max_position_embeddings=None,
+                       names=None):
+    """The validated RoPE scaling settings `(scaling_type, scaling_factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings)`; a bad one raises a `FieldError`
+    naming it (by `names[argument]` where given: a config's field names).
+
+    `scaling_type` is one of `ROPE_SCALING_TYPES`; `scaling_factor` a positive number; the
+    three "llama3" settings are required by "llama3" (positive numbers, `high_freq_factor >
+    low_freq_factor`, a positive integer `original_max_position_embeddings`) and must be None
+    for "linear"."""
+    names = names or {}
+
+    def name(argument):
+        return names.get(argument, argument)
+
+    scaling_type = check_choice(name("scaling_type"), scaling_type, ROPE_SCALING_TYPES)
+    scaling_factor = check_positive_float(name("scaling_factor"), scaling_factor)
+    given = dict(low_freq_factor=low_freq_factor, high_freq_factor=high_freq_factor,
+                 original_max_position_embeddings=original_max_position_embeddings)
+    if scaling_type != "llama3":
+        for argument, value in given.items():
+            if value is not None:
+                raise FieldError(
+                    f"`{name(argument)}` is only used with {name('scaling_type')}='llama3'; "
+                    f"got {name(argument)}={value!r} with "
+                    f"{name('scaling_type')}={scaling_type!r} (leave it None).",
+                    name(argument),
+                )
+        return scaling_type, scaling_factor, None, None, None
+    for argument, value in given.items():
+        if value is None:
+            raise FieldError(
+                f"`{name(argument)}` is required by {name('scaling_type')}='llama3' (Llama "
+                f"3.1 uses low_freq_factor=1.0, high_freq_factor=4.0, "
+                f"original_max_position_embeddings=8192); got {name(argument)}=None.",
+                name(argument),
+            )
+    low = check_positive_float(name("low_freq_factor"), low_freq_factor)
+    high = check_positive_float(name("high_freq_factor"), high_freq_factor)
+    original = check_positive_int(name("original_max_position_embeddings"),
+                                  original_max_position_embeddings)
+    if high <= low:
+        raise FieldError(
+            f"`{name('high_freq_factor')}` must be greater than {name('low_freq_factor')}="
+            f"{low} (the llama3 blend divides by their difference); got "
+            f"{name('high_freq_factor')}={high}.",
+            name("high_freq_factor"),
+        )
+    return scaling_type, scaling_factor, low, high, original
+
+
+def rope_inverse_frequencies(max_wavelength, head_dim, scaling_type="linear",
+                             scaling_factor=1.0, low_freq_factor=None, high_freq_factor=None,
+                             original_max_position_embeddings=None):
+    """RoPE's inverse frequencies, `i < head_dim / 2`, with the scaling applied: float64,
+    then float32 (NumPy). The one place they are computed: `RotaryEmbedding` and the torch
+    decode paths (`kzoo.layers.fast_decode`, `kzoo.layers.compiled_decode`) all call it.
+
+    - unscaled: `theta_i = max_wavelength ** (-2i / head_dim)`;
+    - "linear": `theta_i / scaling_factor` (dividing the frequencies divides the angles
+      `position * theta_i` as dividing the positions would, as transformers does it);
+    - "llama3" (Llama 3.1): with `wavelength_i = 2 pi / theta_i` and `L =
+      original_max_position_embeddings`, wavelengths longer than `L / low_freq_factor` are
+      divided by the factor, those shorter than `L / high_freq_factor` kept, and those
+      between blended: `(1 - s) theta_i / factor + s theta_i` with `s = (L / wavelength_i -
+      low_freq_factor) / (high_freq_factor - low_freq_factor)`.
+
+    The settings are those of `check_rope_scaling` (validated here too).
+
+    Example:
+    >>> rope_inverse_frequencies(500000.0, 128, "llama3", 8.0, 1.0, 4.0, 8192)
+    """
+    scaling_type, factor, low, high, original = check_rope_scaling(
+        scaling_type, scaling_factor, low_freq_factor, high_freq_factor,
+        original_max_position_embeddings)
+    theta = float(max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)
+    if scaling_type == "linear":
+        if factor != 1.0:
+            theta = theta / factor
+    else:
+        wavelength = 2 * math.pi / theta
+        low_wavelength, high_wavelength = original / low, original / high
+        scaled = np.where(wavelength > low_wavelength, theta / factor, theta)
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * theta / factor + smooth * theta
+        between = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+        theta = np.where(between, blended, scaled)
+    return theta.astype("float32")
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
 class RotaryEmbedding(_StartIndexLayer):
     """Rotary position embedding, RoPE (Su et al., 2021, "RoFormer").
 
-    Feature pairs `(x1, x2)` of each head are rotated by the angle
-    `theta_i * pos / scaling_factor` with `theta_i = max_wavelength ** (-2i / head_dim)`:
+    Feature pairs `(x1, x2)` of each head are rotated by the angle `theta_i * pos` with
+    `theta_i = max_wavelength ** (-2i / head_dim)` (scaled, see below):
 
         x1' = x1 * cos - x2 * sin
         x2' = x2 * cos + x1 * sin
@@ -363,14 +458,22 @@ class RotaryEmbedding(_StartIndexLayer):
       convention of GPT-NeoX and Hugging Face LLaMA/Mistral/Qwen checkpoints.
     - `interleaved=True`: pairs `(2i, 2i + 1)`, as in the paper, GPT-J and Meta's LLaMA.
 
-    `scaling_factor` divides the positions (linear position interpolation, Chen et al.
-    2023). Angles and the rotation are computed in float32; the result is cast back to the
-    inputs' dtype.
+    Scaling (`rope_inverse_frequencies` computes the frequencies, with it):
+    `scaling_type="linear"` divides every `theta_i` by `scaling_factor` (linear position
+    interpolation, Chen et al. 2023: the same as dividing the positions); "llama3" is Llama
+    3.1's frequency-dependent rescaling (low frequencies divided by `scaling_factor`, high
+    ones kept, a blend between; it needs `low_freq_factor`, `high_freq_factor` and
+    `original_max_position_embeddings`). Angles and the rotation are computed in float32;
+    the result is cast back to the inputs' dtype.
 
     Args:
         max_wavelength: positive number, the RoPE base (10000; LLaMA-3 uses 500000).
-        scaling_factor: positive number dividing positions (1.0 = no scaling).
+        scaling_factor: positive number, the scaling factor (1.0 with "linear" = no
+            scaling).
         interleaved: bool, the pairing convention (see above).
+        scaling_type: "linear" (default) or "llama3".
+        low_freq_factor, high_freq_factor, original_max_position_embeddings: the "llama3"
+            settings (None otherwise; Llama 3.1 uses 1.0, 4.0 and 8192).
         **kwargs: standard `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -396,14 +499,33 @@ class RotaryEmbedding(_StartIndexLayer):
     ```
     """
 
-    def __init__(self, max_wavelength=10000, scaling_factor=1.0, interleaved=False, **kwargs):
+    def __init__(self, max_wavelength=10000, scaling_factor=1.0, interleaved=False,
+                 scaling_type="linear", low_freq_factor=None, high_freq_factor=None,
+                 original_max_position_embeddings=None, **kwargs):
         super().__init__(**kwargs)
         check_positive_float("max_wavelength", max_wavelength)
-        check_positive_float("scaling_factor", scaling_factor)
+        check_rope_scaling(scaling_type, scaling_factor, low_freq_factor, high_freq_factor,
+                           original_max_position_embeddings)
         check_bool("interleaved", interleaved)
         self.max_wavelength = max_wavelength
         self.scaling_factor = scaling_factor
         self.interleaved = interleaved
+        self.scaling_type = scaling_type
+        self.low_freq_factor = low_freq_factor
+        self.high_freq_factor = high_freq_factor
+        self.original_max_position_embeddings = original_max_position_embeddings
+
+    def scaling(self):
+        """The scaling settings as a tuple `(scaling_type, scaling_factor, low_freq_factor,
+        high_freq_factor, original_max_position_embeddings)` (read at each call: what the
+        torch decode paths key their tables on)."""
+        return (self.scaling_type, float(self.scaling_factor), self.low_freq_factor,
+                self.high_freq_factor, self.original_max_position_embeddings)
+
+    def inverse_frequencies(self, head_dim):
+        """float32 NumPy `(head_dim / 2,)`: `rope_inverse_frequencies` of this layer's base
+        and scaling."""
+        return rope_inverse_frequencies(self.max_wavelength, head_dim, *self.scaling())
 
     def _check_head_dim(self, shape):
         check_rank("inputs", _Shape(shape), (3, 4))
@@ -430,7 +552,7 @@ class RotaryEmbedding(_StartIndexLayer):
         if not per_row and per_token is None:
             start_index = _check_start_index(start_index, seq_len)
 
-        inv_freq = ops.convert_to_tensor(rope_inverse_frequencies(self.max_wavelength, head_dim))
+        inv_freq = ops.convert_to_tensor(self.inverse_frequencies(head_dim))
         if per_token is not None:  # (batch, seq)
             positions = ops.cast(per_token, "float32")
         elif per_row:  # (batch, seq)
@@ -438,8 +560,6 @@ class RotaryEmbedding(_StartIndexLayer):
                                  + ops.cast(start_index, "int32")[:, None], "float32")
         else:
             positions = _positions(seq_len, start_index, "float32")[None, :]
-        if float(self.scaling_factor) != 1.0:
-            positions = positions / float(self.scaling_factor)
         angles = positions[..., None] * inv_freq  # (batch|1, seq, half)
         # Broadcast over [heads]: (batch|1, seq, [1,] half).
         angles = ops.reshape(angles, (ops.shape(angles)[0], -1) + (1,) * (rank - 3) + (half,))
@@ -469,6 +589,10 @@ class RotaryEmbedding(_StartIndexLayer):
                 "max_wavelength": self.max_wavelength,
                 "scaling_factor": self.scaling_factor,
                 "interleaved": self.interleaved,
+                "scaling_type": self.scaling_type,
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
             }
         )
         return config
