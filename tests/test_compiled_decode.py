@@ -27,6 +27,14 @@ CONFIGS = {
     "rotary_swiglu_gqa": dict(norm="rmsnorm", position="rotary", feedforward="gated",
                               activation="silu", num_kv_heads=1, use_bias=False,
                               tie_embeddings=False, rope_max_wavelength=500.0),
+    # heads wider than hidden_dim / num_heads (12, not 8) and Llama 3.1's RoPE scaling, its
+    # original context (4) shorter than the prompts and steps
+    "rotary_llama3_head_dim": dict(norm="rmsnorm", position="rotary", feedforward="gated",
+                                   activation="silu", num_kv_heads=1, use_bias=False,
+                                   head_dim=12, rope_scaling_type="llama3",
+                                   rope_scaling_factor=4.0, rope_low_freq_factor=1.0,
+                                   rope_high_freq_factor=4.0,
+                                   rope_original_max_position_embeddings=4),
     # the paper's pairing and linear position interpolation, set on the layers below
     "rotary_interleaved_scaled_geglu": dict(position="rotary", feedforward="gated",
                                             activation="gelu_tanh"),

@@ -48,9 +48,10 @@ T5_FEEDFORWARDS = ("relu", "gelu", "gelu_new", "silu", "gated-relu", "gated-gelu
 KERNELS = ("auto", "reference", "fused", "chunked")
 
 # The kind of each field: ("pos_int" | "nonneg_int" | "rate" | "pos_float" | "number" |
-# "bool" | "int_or_pair", allow_none) or ("choice", allowed values).
+# "bool" | "int_or_pair", allow_none) or ("choice" | "choice_or_none", allowed values).
 POS_INT, NONNEG_INT, RATE, POS_FLOAT, NUMBER, BOOL, PAIR = (
     "pos_int", "nonneg_int", "rate", "pos_float", "number", "bool", "int_or_pair")
+CHOICE_OR_NONE = "choice_or_none"  # one of the allowed values, or None
 # The efficient attention types (kzoo.layers.efficient_attention's table) and their options:
 # a dict, None for "full" (the valid configs here keep "full").
 ATTENTION_TYPES = ("full", "sliding_window", "strided", "longformer", "block_sparse",
@@ -74,6 +75,12 @@ KINDS = {
         expert_type=("choice", ("plain", "gated")), tie_embeddings=(BOOL, False),
         attention_scale=(POS_FLOAT, True), initializer_range=(POS_FLOAT, False),
         **ATTENTION_FIELDS, packed_inputs=(BOOL, False), **SAVERS,
+        head_dim=(POS_INT, True),  # even with rotary positions (see CROSS)
+        rope_scaling_type=(CHOICE_OR_NONE, ("linear", "llama3")),  # rotary only
+        rope_scaling_factor=(POS_FLOAT, False),  # 1.0 without a scaling type (see CROSS)
+        # the llama3 settings: required by it, None otherwise; high > low (see CROSS)
+        rope_low_freq_factor=(POS_FLOAT, True), rope_high_freq_factor=(POS_FLOAT, True),
+        rope_original_max_position_embeddings=(POS_INT, True),
     ),
     "bert": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -203,6 +210,16 @@ def gpt_config(draw, exportable=False):
             st.sampled_from([None, 1.0] if exportable else [None, 1.0, 0.3])),
         initializer_range=draw(_SCALE),
     )
+    if rotary:  # heads of another size than width / heads, RoPE scaling
+        config["head_dim"] = draw(st.sampled_from([None, 2, 6]))
+        kind = draw(st.sampled_from([None, "linear", "llama3"]))
+        if kind is not None:
+            config.update(rope_scaling_type=kind,
+                          rope_scaling_factor=draw(st.sampled_from([2.0, 8, 0.5])))
+        if kind == "llama3":
+            config.update(rope_low_freq_factor=draw(st.sampled_from([1.0, 0.5])),
+                          rope_high_freq_factor=draw(st.sampled_from([4.0, 2])),
+                          rope_original_max_position_embeddings=draw(st.sampled_from([4, 16])))
     return config
 
 
@@ -404,13 +421,17 @@ def invalid_values(kind, allow_none):
                             st.integers(-3, 8), min_size=1, max_size=2),
         )
     allowed = allow_none  # ("choice", allowed)
+    if kind == CHOICE_OR_NONE:
+        none = st.nothing()
+    else:
+        none = st.none()
     return st.one_of(
         st.text(max_size=12).filter(lambda s: s not in allowed),
         st.sampled_from(allowed).map(str.upper).filter(lambda s: s not in allowed),
         st.sampled_from(allowed).map(lambda s: [s]),     # a list holding a valid name
         st.sampled_from(allowed).map(np.array),          # a 0-d NumPy array of one
         st.just(np.array(list(allowed))),                 # an array of all of them
-        st.integers(), st.floats(), _BOOLS, st.none(),
+        st.integers(), st.floats(), _BOOLS, none,
     )
 
 
@@ -422,16 +443,32 @@ def cross_field_invalid(family, field, config):
     """A strategy of values of `field` that break a rule tying it to the (valid) other fields
     of `config`, or None when the field has no such rule."""
     c = config
-    if family in ("gpt", "bert", "vit", "graphormer") and field == "num_heads":
+    if family in ("gpt", "bert", "vit", "graphormer") and field == "num_heads" and (
+            c.get("head_dim") is None):  # (a GPT head_dim frees num_heads from hidden_dim)
         return _not_dividing(c["hidden_dim"], 2)
     if family == "gpt":
+        rotary = c["position"] == "rotary"
+        if field == "head_dim" and rotary:
+            return st.sampled_from([1, 3, 5])  # odd: RoPE rotates pairs
+        if field == "rope_scaling_type" and not rotary:
+            return st.sampled_from(["linear", "llama3"])
+        if field == "rope_scaling_factor" and c.get("rope_scaling_type") is None:
+            return st.sampled_from([2.0, 0.5, 8])
+        llama3 = c.get("rope_scaling_type") == "llama3"
+        if field == "rope_high_freq_factor" and llama3:
+            return st.just(c["rope_low_freq_factor"])  # must be greater
+        if field in ("rope_low_freq_factor", "rope_high_freq_factor") and not llama3:
+            return st.sampled_from([1.0, 4.0])  # (only used by llama3)
+        if field == "rope_original_max_position_embeddings" and not llama3:
+            return st.just(8192)
         if field == "num_kv_heads":
             return _not_dividing(c["num_heads"], 2)
         if field == "num_experts":
             return st.none() if c["feedforward"] == "moe" else st.integers(1, 8)
         if field == "top_k" and c["feedforward"] == "moe":
             return st.integers(c["num_experts"] + 1, 64)
-        if field == "position" and (c["hidden_dim"] // c["num_heads"]) % 2:
+        if field == "position" and (
+                c.get("head_dim") or c["hidden_dim"] // c["num_heads"]) % 2:
             return st.just("rotary")  # rotary positions need an even head size
     if family == "t5":
         if field == "relative_attention_num_buckets":

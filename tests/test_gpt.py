@@ -1065,9 +1065,156 @@ def test_hf_rotary_generation_past_max_position_embeddings(model_type, overrides
         shared_lm("gpt2").generate([[1] * 20], max_new_tokens=10)
 
 
+# Llama 3.1's RoPE scaling with a tiny original context (8 positions: the test sequences are
+# longer) and head_dim 16 where hidden_size / num_attention_heads is 8: every frequency of
+# the tiny model is scaled (wavelengths 6.3 blended, the others divided by the factor).
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+ROPE_VARIANTS = {
+    "llama_llama3_head_dim": ("llama", dict(head_dim=16, rope_scaling=_LLAMA3)),
+    # the older key spelling "type"
+    "llama_linear_type_key": ("llama", dict(rope_scaling={"type": "linear", "factor": 2.5},
+                                            rope_theta=500.0)),
+    "mistral_llama3_head_dim_window": ("mistral", dict(head_dim=12, rope_scaling=_LLAMA3,
+                                                       sliding_window=6)),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_hf_rope_scaling_and_head_dim_parity_generation_and_round_trip(variant, tmp_path):
+    """LLaMA-family checkpoints with `head_dim` other than hidden_size / num_attention_heads
+    (Mistral-Nemo style) and `rope_scaling` "llama3" (Llama 3.1 / 3.2) or "linear": logits on
+    a right-padded batch longer than original_max_position_embeddings equal transformers',
+    greedy `generate` (the torch fast decode path on torch) gives transformers' tokens, and
+    `save(format="hf")` writes head_dim and rope_scaling back, transformers reading it to the
+    same logits."""
+    import json
+
+    import transformers
+
+    model_type, overrides = ROPE_VARIANTS[variant]
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    # (initializer_range 0.1 for the logits, whose scale stays near 2: at 0.3 they reach 6
+    # and float32 rounding alone differs by up to 2e-5, with or without scaling)
+    hf = _hf_modern(src, model_type, **overrides)
+    model = kzoo.presets.load(src)
+    backbone = model.backbone
+    head_dim = overrides.get("head_dim")
+    assert backbone.head_size == (head_dim or 8) and backbone.head_dim == head_dim
+    scaling = overrides["rope_scaling"]
+    kind = scaling.get("rope_type", scaling.get("type"))
+    assert backbone.rope_scaling_type == kind
+    assert backbone.rope_scaling_factor == scaling["factor"]
+    attention = backbone.transformer_layers[0].self_attention
+    assert attention.query_dense.kernel.shape == (32, 4 * backbone.head_size)
+    assert attention.key_dense.kernel.shape == (32, 2 * backbone.head_size)
+    assert attention.output_dense.kernel.shape == (4 * backbone.head_size, 32)
+
+    ids, mask = _right_padded(lengths=(14, 11, 5), width=14)
+    _assert_gpt_matches(model, hf, ids, mask, variant)
+
+    # greedy decoding past original_max_position_embeddings, on weights large enough that
+    # it does not just repeat the prompt
+    gen = os.path.join(tmp_path, "gen")
+    hf_gen = _hf_modern(gen, model_type, initializer_range=0.3, **overrides)
+    prompts = [[5, 17, 33, 2, 71, 9, 40, 3, 8], [11, 64, 3], [29, 8, 50, 90, 12]]
+    alone = _hf_generate_alone(hf_gen, prompts, max_new_tokens=12)
+    ours = kzoo.presets.load(gen).generate(prompts, max_new_tokens=12, stop_token_ids=[96],
+                                           compile=QUICKER_LOOP)
+    assert ours == alone
+    assert len({tuple(o) for o in ours}) == 3
+
+    kzoo.presets.save(model, out, format="hf")
+    assert_same_hf_tensors(src, out)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert written["head_dim"] == backbone.head_size
+    assert written["rope_scaling"]["rope_type"] == kind
+    assert {k: v for k, v in written["rope_scaling"].items() if k not in ("type", "rope_type")} \
+        == {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
+    cls = {"llama": transformers.LlamaForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[model_type]
+    again = cls.from_pretrained(out, attn_implementation="eager").eval()
+    _assert_gpt_matches(model, again, ids, mask, f"{variant} -> transformers")
+
+
+def test_hf_llama3_rope_frequencies_equal_transformers():
+    """kzoo's llama3 inverse frequencies (`rope_inverse_frequencies`, the one function every
+    path reads) equal transformers' `_compute_llama3_parameters` for Llama 3.1 8B's settings
+    (head_dim 128, theta 500000) and the tiny test model's."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kzoo.layers.position import rope_inverse_frequencies
+
+    for theta, head_dim, scaling in (
+            (500000.0, 128, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+            (10000.0, 16, _LLAMA3)):
+        config = transformers.LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2,
+                                          rope_theta=theta, rope_scaling=dict(scaling),
+                                          max_position_embeddings=131072)
+        theirs, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        assert attention_factor == 1.0
+        ours = rope_inverse_frequencies(
+            theta, head_dim, "llama3", scaling["factor"], scaling["low_freq_factor"],
+            scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=2e-6, atol=0)
+
+
+def test_gpt_head_dim_and_rope_scaling_config_round_trip_and_errors():
+    """`head_dim` None round-trips as None (the size in use, `head_size`, is hidden_dim //
+    num_heads); a head_dim and llama3 scaling round-trip through get_config / from_config;
+    bad values raise naming the field."""
+    plain = tiny_backbone("modern")
+    assert plain.get_config()["head_dim"] is None and plain.head_dim is None
+    assert plain.head_size == 8
+    assert plain.get_config()["rope_scaling_type"] is None
+    scaled = tiny_backbone("modern", head_dim=6, num_heads=3, num_kv_heads=1,
+                           rope_scaling_type="llama3", rope_scaling_factor=4,
+                           rope_low_freq_factor=1, rope_high_freq_factor=2,
+                           rope_original_max_position_embeddings=16)
+    config = scaled.get_config()
+    assert config["head_dim"] == 6 and config["rope_scaling_factor"] == 4.0
+    again = GPTBackbone.from_config(config)
+    assert again.get_config() == config and again.head_dim == again.head_size == 6
+    again.set_weights(scaled.get_weights())
+    x = _inputs(_ids(2, 5))
+    np.testing.assert_allclose(to_numpy(again(x)), to_numpy(scaled(x)), atol=0)
+    assert tuple(scaled.init_cache(2, 7).shape) == (2, 2, 2, 1, 7, 6)
+    rotary = dict(CONFIGS["modern"])
+    for bad, field in (
+            (dict(head_dim=0), "head_dim"),
+            (dict(head_dim=7, **rotary), "head_dim"),
+            (dict(rope_scaling_type="yarn", **rotary), "rope_scaling_type"),
+            (dict(rope_scaling_type="linear"), "rope_scaling_type"),  # learned positions
+            (dict(rope_scaling_factor=2.0, **rotary), "rope_scaling_factor"),
+            (dict(rope_scaling_type="linear", rope_scaling_factor=0, **rotary),
+             "rope_scaling_factor"),
+            (dict(rope_scaling_type="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1,
+                  rope_high_freq_factor=4, **rotary), "rope_original_max_position_embeddings"),
+            (dict(rope_scaling_type="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=4,
+                  rope_high_freq_factor=1, rope_original_max_position_embeddings=8, **rotary),
+             "rope_high_freq_factor"),
+            (dict(rope_scaling_type="linear", rope_scaling_factor=2.0, rope_low_freq_factor=1,
+                  **rotary), "rope_low_freq_factor")):
+        with pytest.raises(ValueError, match=f"`{field}`"):
+            tiny_backbone("gpt2", **bad)
+
+
 @pytest.mark.parametrize("model_type, field, value", [
-    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
-    ("llama", "head_dim", 32),
+    ("llama", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+    ("llama", "rope_scaling", {"type": "yarn", "factor": 4.0}),
+    ("mistral", "rope_scaling", {"rope_type": "longrope", "factor": 2.0}),
+    ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0}),  # original_max_position_embeddings?
+    ("llama", "rope_scaling", {"rope_type": "linear"}),  # no factor
+    ("llama", "rope_scaling", {"rope_type": "linear", "factor": -2.0}),
+    ("llama", "rope_scaling", "linear"),
+    ("llama", "partial_rotary_factor", 0.5),
+    ("llama", "head_dim", 0),
+    ("llama", "head_dim", 15),
+    ("llama", "head_dim", "16"),
     ("llama", "mlp_bias", True),
     ("llama", "hidden_act", "gelu_10"),
     ("mixtral", "sliding_window", 0),

@@ -26,11 +26,16 @@ projections are `nn.Linear` weights `(out, in)`, transposed to Keras kernels. Ho
 ignore them, as transformers does), `tie_word_embeddings`, `num_local_experts`,
 `num_experts_per_tok`, `sliding_window` (Mistral and Mixtral, whatever its size: rotary models
 run on sequences longer than `max_position_embeddings`, where a window that long still
-bites; LLaMA's attention ignores the field, and so does kzoo), `rope_scaling` of `rope_type`
-"default" (no scaling); warned about (training only): `attention_dropout` > 0 (kzoo's one
-`dropout` also drops embeddings and sub-layer outputs), Mixtral's `router_jitter_noise` > 0
-(not implemented); rejected: any other `rope_scaling`, a `head_dim` other than
-hidden_size / num_attention_heads, `attention_bias != mlp_bias`.
+bites; LLaMA's attention ignores the field, and so does kzoo), `head_dim` (heads of any
+size: the query projection `num_attention_heads * head_dim`, Mistral-Nemo style; kzoo's
+`head_dim` field), `rope_scaling` (its type under "rope_type" or the older "type") of type
+"default" (no scaling), "linear" (`factor`: kzoo's `rope_scaling_type="linear"`) and
+"llama3" (Llama 3.1 / 3.2: `factor`, `low_freq_factor`, `high_freq_factor`,
+`original_max_position_embeddings`, each required); warned about (training only):
+`attention_dropout` > 0 (kzoo's one `dropout` also drops embeddings and sub-layer outputs),
+Mixtral's `router_jitter_noise` > 0 (not implemented); rejected: any other `rope_scaling` type
+("dynamic", "yarn", "longrope", ...: named in the error), a `partial_rotary_factor` other than
+1, `attention_bias != mlp_bias`. `to_hf` writes `head_dim` (always) and `rope_scaling` back.
 
 Example:
 >>> lm = kzoo.presets.load("/path/to/gpt2")             # a save_pretrained directory
@@ -256,8 +261,65 @@ _MODERN_HF_NAMES = dict(
     activation="hidden_act", num_kv_heads="num_key_value_heads",
     rope_max_wavelength="rope_theta", tie_embeddings="tie_word_embeddings",
     initializer_range="initializer_range", num_experts="num_local_experts",
-    top_k="num_experts_per_tok",
+    top_k="num_experts_per_tok", head_dim="head_dim", rope_scaling_type="rope_scaling",
+    rope_scaling_factor="rope_scaling", rope_low_freq_factor="rope_scaling",
+    rope_high_freq_factor="rope_scaling", rope_original_max_position_embeddings="rope_scaling",
 )
+
+# transformers' `rope_scaling` types that kzoo computes: "default" (none), "linear" and
+# "llama3" (their settings -> GPTConfig fields). The others ("dynamic", "yarn", "longrope",
+# ...) are refused by name.
+_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_KEYS = dict(low_freq_factor="rope_low_freq_factor",
+                    high_freq_factor="rope_high_freq_factor",
+                    original_max_position_embeddings="rope_original_max_position_embeddings")
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rope_scaling_from_hf(model_type, scaling):
+    """The GPTConfig RoPE scaling fields of a config.json's `rope_scaling` (its type under
+    "rope_type" or the older "type"): {} for None / "default", else `rope_scaling_type`,
+    `rope_scaling_factor` and for "llama3" its three settings (their values are checked by
+    `GPTConfig`, whose errors then name `rope_scaling`)."""
+    if scaling is None:
+        return {}
+    field = f"{model_type} config field `rope_scaling`={scaling!r}"
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{field} must be null or a dict with a \"rope_type\".")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in _ROPE_TYPES:
+        raise ValueError(
+            f"{field}: rope_type {kind!r} is not supported; kzoo computes rope_type "
+            f"{list(_ROPE_TYPES)} (\"dynamic\", \"yarn\", \"longrope\" and the others are "
+            "not implemented)."
+        )
+    if kind == "default":
+        return {}  # (transformers' name for no scaling: the plain rotary frequencies)
+    needed = ["factor"] + (list(_LLAMA3_KEYS) if kind == "llama3" else [])
+    missing = [key for key in needed if scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"{field}: rope_type {kind!r} needs the key(s) {missing}.")
+    rope = dict(rope_scaling_type=kind, rope_scaling_factor=scaling["factor"])
+    if kind == "llama3":
+        rope.update({ours: scaling[key] for key, ours in _LLAMA3_KEYS.items()})
+    return rope
+
+
+def _rope_scaling_to_hf(backbone):
+    """config.json's `rope_scaling` of a GPT configuration (None without scaling)."""
+    kind = backbone.rope_scaling_type
+    if kind is None:
+        return None
+    scaling = {"rope_type": kind, "factor": float(backbone.rope_scaling_factor)}
+    if kind == "llama3":
+        scaling.update(low_freq_factor=float(backbone.rope_low_freq_factor),
+                       high_freq_factor=float(backbone.rope_high_freq_factor),
+                       original_max_position_embeddings=int(
+                           backbone.rope_original_max_position_embeddings))
+    return scaling
 
 
 def _modern_config_from_hf(hf_config, source):
@@ -270,13 +332,14 @@ def _modern_config_from_hf(hf_config, source):
             f"Unsupported {model_type} architecture {arch!r} (config field `architectures`); "
             f"kzoo reads {sorted(archs)}."
         )
-    scaling = cfg.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None  # (transformers' name for no scaling: the plain rotary frequencies)
-    if scaling is not None:
+    rope = _rope_scaling_from_hf(model_type, cfg.get("rope_scaling"))
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        # (transformers' rotary frequencies read it for any model type: only the first
+        # fraction of each head would be rotated)
         raise ValueError(
-            f"{model_type} config field `rope_scaling`={cfg['rope_scaling']!r} is not "
-            "supported (only rope_scaling=None or rope_type \"default\")."
+            f"{model_type} config field `partial_rotary_factor`={partial!r} is not supported "
+            "(kzoo rotates every feature of a head: only partial_rotary_factor=1.0)."
         )
     act = cfg["hidden_act"]
     if act not in _ACTIVATIONS:
@@ -347,7 +410,19 @@ def _modern_config_from_hf(hf_config, source):
         rope_max_wavelength=cfg["rope_theta"],
         tie_embeddings=cfg["tie_word_embeddings"],
         initializer_range=cfg["initializer_range"],
+        **rope,
     )
+    # transformers' LLaMA takes head_dim=None as hidden_size // num_attention_heads;
+    # Mistral's and Mixtral's attention any false value (`head_dim or ...`). kzoo keeps its
+    # default (None) for that size, so that the config equals one written without it.
+    head_dim = cfg.get("head_dim")
+    if model_type != "llama" and not head_dim:
+        head_dim = None
+    if head_dim is not None and not (
+            _is_int(head_dim) and _is_int(heads) and _is_int(cfg["hidden_size"])
+            and heads > 0 and cfg["hidden_size"] % heads == 0
+            and head_dim == cfg["hidden_size"] // heads):
+        config["head_dim"] = head_dim
     if model_type == "mixtral":
         config.update(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                       capacity_factor=None, expert_type="gated")
@@ -357,12 +432,6 @@ def _modern_config_from_hf(hf_config, source):
     if not cfg["num_key_value_heads"]:
         names["num_kv_heads"] = "num_attention_heads"
     config = _validated(config, source, names)
-    head_dim = config["hidden_dim"] // config["num_heads"]
-    if cfg.get("head_dim") not in (None, head_dim):
-        raise ValueError(
-            f"{model_type} config field `head_dim`={cfg['head_dim']} is not supported: kzoo "
-            f"needs head_dim = hidden_size / num_attention_heads = {head_dim}."
-        )
     return FAMILY, config, archs[arch], _task_config(archs[arch], cfg, config)
 
 
@@ -686,12 +755,12 @@ def _modern_to_hf(backbone, task):
         "num_hidden_layers": backbone.num_layers,
         "num_attention_heads": backbone.num_heads,
         "num_key_value_heads": backbone.num_kv_heads or backbone.num_heads,
-        "head_dim": backbone.hidden_dim // backbone.num_heads,
+        "head_dim": backbone.head_size,
         "hidden_act": act,
         "max_position_embeddings": backbone.max_sequence_length,
         "rms_norm_eps": backbone.layer_norm_epsilon,
         "rope_theta": float(backbone.rope_max_wavelength),
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling_to_hf(backbone),
         "attention_dropout": backbone.dropout,
         "initializer_range": backbone.initializer_range,
         "tie_word_embeddings": backbone.tie_embeddings,

@@ -42,7 +42,12 @@ from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
-from kzoo.layers.position import PositionEmbedding
+from kzoo.layers.position import (
+    LLAMA3_ROPE_FIELDS,
+    PositionEmbedding,
+    ROPE_SCALING_TYPES,
+    check_rope_scaling,
+)
 from kzoo.layers.utils import (
     check_at_most,
     check_bool,
@@ -91,8 +96,9 @@ class GPTConfig(FamilyConfig):
     """The configuration of a `GPTBackbone`, validated once on construction.
 
     Its fields are `GPTBackbone`'s arguments (see there for their meaning), with the same
-    defaults (GPT-2 small). Rules between fields: `num_heads` divides `hidden_dim`,
-    `num_kv_heads` divides `num_heads`, rotary positions need an even head size,
+    defaults (GPT-2 small). Rules between fields: `num_heads` divides `hidden_dim` unless
+    `head_dim` is given, `num_kv_heads` divides `num_heads`, rotary positions need an even
+    head size, RoPE scaling (`rope_scaling_type` and its settings) needs rotary positions,
     `feedforward="moe"` needs `num_experts` (and `top_k <= num_experts`), `num_experts` is
     only for `feedforward="moe"`.
 
@@ -131,6 +137,12 @@ class GPTConfig(FamilyConfig):
     packed_inputs: bool = False
     remat: bool = False
     layerdrop: float = 0.0
+    head_dim: Optional[int] = None
+    rope_scaling_type: Optional[str] = None
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: Optional[float] = None
+    rope_high_freq_factor: Optional[float] = None
+    rope_original_max_position_embeddings: Optional[int] = None
 
     def __post_init__(self):
         check = self._check
@@ -140,7 +152,9 @@ class GPTConfig(FamilyConfig):
         check("num_layers", check_positive_int)
         check("num_heads", check_positive_int)
         check("hidden_dim", check_positive_int)
-        check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
+        check("head_dim", check_positive_int, allow_none=True)
+        if self.head_dim is None:
+            check("num_heads", check_divides, "hidden_dim", self.hidden_dim)
         check("intermediate_dim", check_positive_int)
         check("max_sequence_length", check_positive_int)
         check("dropout", check_rate)
@@ -154,14 +168,21 @@ class GPTConfig(FamilyConfig):
             check("num_kv_heads", check_divides, "num_heads", self.num_heads)
         check("use_bias", check_bool)
         check("rope_max_wavelength", check_positive_float)
+        if self.position == "rotary" and self.head_dim is not None and self.head_dim % 2:
+            raise FieldError(
+                "`head_dim` must be even with position='rotary' (RoPE rotates pairs of "
+                f"features); got head_dim={self.head_dim}.",
+                "head_dim",
+            )
         head_size = self.hidden_dim // self.num_heads
-        if self.position == "rotary" and head_size % 2:
+        if self.position == "rotary" and self.head_dim is None and head_size % 2:
             raise FieldError(
                 "`position`='rotary' needs an even head size hidden_dim / num_heads; got "
                 f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads} (head size "
                 f"{head_size}).",
                 "position",
             )
+        self._check_rope_scaling()
         check("top_k", check_positive_int)
         check("capacity_factor", check_positive_float, allow_none=True)
         check("expert_type", check_choice, EXPERT_TYPES)
@@ -187,6 +208,63 @@ class GPTConfig(FamilyConfig):
         check("packed_inputs", check_bool)
         check_packed_attention(self.packed_inputs, self.attention)
 
+    def _check_rope_scaling(self):
+        """`rope_scaling_type` None (no scaling: factor 1.0, no llama3 settings), "linear" or
+        "llama3" (with its three settings), rotary positions only."""
+        kind = self.rope_scaling_type
+        names = {"scaling_type": "rope_scaling_type", "scaling_factor": "rope_scaling_factor",
+                 **_ROPE_FIELDS}
+        if isinstance(kind, np.generic):  # (a NumPy string: stored as a plain one)
+            kind = kind.item()
+            object.__setattr__(self, "rope_scaling_type", kind)
+        if kind is not None:
+            if not isinstance(kind, str) or kind not in ROPE_SCALING_TYPES:
+                raise FieldError(
+                    "`rope_scaling_type` must be None (no scaling) or one of "
+                    f"{list(ROPE_SCALING_TYPES)}; got rope_scaling_type={kind!r}.",
+                    "rope_scaling_type",
+                )
+            if self.position != "rotary":
+                raise FieldError(
+                    f"`rope_scaling_type`={kind!r} needs position='rotary'; got "
+                    f"position={self.position!r} (leave rope_scaling_type None).",
+                    "rope_scaling_type",
+                )
+        else:
+            for key, field in _ROPE_FIELDS.items():
+                if getattr(self, field) is not None:
+                    raise FieldError(
+                        f"`{field}` is only used with rope_scaling_type='llama3'; got "
+                        f"{field}={getattr(self, field)!r} with rope_scaling_type=None.",
+                        field,
+                    )
+        _, factor, low, high, original = check_rope_scaling(
+            kind or "linear", self.rope_scaling_factor,
+            *(getattr(self, field) for field in _ROPE_FIELDS.values()), names=names)
+        if kind is None and factor != 1.0:
+            raise FieldError(
+                "`rope_scaling_factor` is only used with rope_scaling_type 'linear' or "
+                f"'llama3'; got rope_scaling_factor={self.rope_scaling_factor!r} with "
+                "rope_scaling_type=None (set rope_scaling_type='linear' to scale positions).",
+                "rope_scaling_factor",
+            )
+        for field, value in zip(("rope_scaling_factor",) + tuple(_ROPE_FIELDS.values()),
+                                (factor, low, high, original)):
+            object.__setattr__(self, field, value)
+
+    @property
+    def rope_scaling(self):
+        """The rotary embedding's scaling arguments other than the factor, as
+        `TransformerBlock(rope_scaling=...)` takes them (None: linear or no scaling)."""
+        if self.rope_scaling_type != "llama3":
+            return None
+        return {"scaling_type": "llama3",
+                **{key: getattr(self, field) for key, field in _ROPE_FIELDS.items()}}
+
+
+# RotaryEmbedding's llama3 argument -> its GPTConfig field.
+_ROPE_FIELDS = {key: f"rope_{key}" for key in LLAMA3_ROPE_FIELDS}
+
 
 # === Backbone ===
 
@@ -209,7 +287,7 @@ class GPTBackbone(FilledInputs, Backbone):
     Args:
         vocabulary_size: number of token ids.
         num_layers: number of decoder blocks.
-        num_heads: query heads (must divide `hidden_dim`).
+        num_heads: query heads (must divide `hidden_dim` unless `head_dim` is given).
         hidden_dim: width of the hidden states.
         intermediate_dim: width of the feed-forward (per expert for MoE).
         max_sequence_length: number of learned positions (the longest sequence, prompt and
@@ -252,6 +330,19 @@ class GPTBackbone(FilledInputs, Backbone):
         layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
             (is the identity) with this probability, one draw per block and batch; in
             inference every block runs.
+        head_dim: the size of each attention head (None = `hidden_dim // num_heads`): the
+            query projection has `num_heads * head_dim` units, the key and value ones
+            `num_kv_heads * head_dim`, and the output projection maps them back to
+            `hidden_dim` (Mistral-Nemo: width 5120, 32 heads of 128). Even with rotary
+            positions. `backbone.head_size` is the size in use.
+        rope_scaling_type: RoPE scaling (rotary positions only): None (none), "linear"
+            (position interpolation: every frequency divided by `rope_scaling_factor`) or
+            "llama3" (Llama 3.1's frequency-dependent rescaling; see
+            `kzoo.layers.position.rope_inverse_frequencies`).
+        rope_scaling_factor: the scaling factor (1.0 with rope_scaling_type None).
+        rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings:
+            the "llama3" settings (required by it, None otherwise; Llama 3.1: 1.0, 4.0,
+            8192).
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
@@ -314,6 +405,12 @@ class GPTBackbone(FilledInputs, Backbone):
         packed_inputs=False,
         remat=False,
         layerdrop=0.0,
+        head_dim=None,
+        rope_scaling_type=None,
+        rope_scaling_factor=1.0,
+        rope_low_freq_factor=None,
+        rope_high_freq_factor=None,
+        rope_original_max_position_embeddings=None,
         dtype=None,
         **kwargs,
     ):
@@ -346,6 +443,12 @@ class GPTBackbone(FilledInputs, Backbone):
             packed_inputs=packed_inputs,
             remat=remat,
             layerdrop=layerdrop,
+            head_dim=head_dim,
+            rope_scaling_type=rope_scaling_type,
+            rope_scaling_factor=rope_scaling_factor,
+            rope_low_freq_factor=rope_low_freq_factor,
+            rope_high_freq_factor=rope_high_freq_factor,
+            rope_original_max_position_embeddings=rope_original_max_position_embeddings,
         )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
@@ -373,6 +476,7 @@ class GPTBackbone(FilledInputs, Backbone):
         self.transformer_layers = [
             TransformerBlock(
                 num_heads=num_heads,
+                head_dim=config.head_dim,
                 intermediate_dim=intermediate_dim,
                 num_kv_heads=num_kv_heads,
                 causal=True,
@@ -387,6 +491,8 @@ class GPTBackbone(FilledInputs, Backbone):
                 activation_dropout=0.0,
                 attention_scale=attention_scale,
                 rope_max_wavelength=rope_max_wavelength if position == "rotary" else None,
+                rope_scaling_factor=config.rope_scaling_factor,
+                rope_scaling=config.rope_scaling,
                 num_experts=num_experts,
                 top_k=top_k,
                 capacity_factor=capacity_factor,
@@ -458,8 +564,11 @@ class GPTBackbone(FilledInputs, Backbone):
     # === Cached decoding ===
 
     @property
-    def head_dim(self):
-        return self.hidden_dim // self.num_heads
+    def head_size(self):
+        """The size of each attention head in use: `head_dim`, or `hidden_dim // num_heads`
+        where it is None (`head_dim` is the config field, None by default, as `get_config`
+        round-trips it)."""
+        return self.config.head_dim or self.hidden_dim // self.num_heads
 
     def init_cache(self, batch_size, max_length, per_layer=False):
         """An all-zero key/value cache `(batch, num_layers, 2, kv_heads, max_length, head_dim)`.
@@ -485,7 +594,7 @@ class GPTBackbone(FilledInputs, Backbone):
                 return caches
             return keras.tree.map_structure(lambda *xs: ops.stack(xs, axis=1), *caches)
         shape = (batch_size, 2, self.num_kv_heads or self.num_heads, max_length,
-                 self.head_dim)
+                 self.head_size)
         if per_layer:
             half = shape[:1] + shape[2:]
             return [(ops.zeros(half, dtype=self.compute_dtype),
@@ -878,7 +987,7 @@ class GPTCausalLM(FilledInputs, TaskModel):
             max_new_tokens, prompt_len + max_new_tokens,
             # (the other attention types' caches have a fixed size)
             backbone.num_layers * 2 * len(rows) * sampler.num_beams
-            * (backbone.num_kv_heads or backbone.num_heads) * backbone.head_dim
+            * (backbone.num_kv_heads or backbone.num_heads) * backbone.head_size
             * np.dtype(backbone.compute_dtype).itemsize if backbone.attention == "full"
             else 0,
             prompts=len(rows), num_beams=sampler.num_beams,
