@@ -209,6 +209,24 @@ def modern_configs(draw, model_type=None):
                       st.integers(config["max_position_embeddings"],
                                   config["max_position_embeddings"] + 4)),
             label="sliding_window")
+    # A head size of its own (Mistral-Nemo style: heads x head_dim != hidden_size) and RoPE
+    # scaling, "linear" or Llama 3.1's "llama3" (its original length often shorter than the
+    # sequences, where the scaling matters), under either key spelling.
+    head_dim = draw(st.one_of(st.none(), st.sampled_from(HEAD_DIMS)), label="explicit head_dim")
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    scaling = draw(st.sampled_from([None, "linear", "llama3"]), label="rope_scaling")
+    if scaling is not None:
+        key = draw(st.sampled_from(["rope_type", "type"]), label="rope_scaling key")
+        config["rope_scaling"] = {key: scaling, "factor": draw(
+            st.sampled_from([1.0, 2.0, 8.0, 32.0]), label="rope factor")}
+        if scaling == "llama3":
+            low = draw(st.sampled_from([0.5, 1.0, 2.0]), label="low_freq_factor")
+            config["rope_scaling"].update(
+                low_freq_factor=low,
+                high_freq_factor=low + draw(st.sampled_from([0.5, 3.0]), label="high - low"),
+                original_max_position_embeddings=draw(st.integers(4, 24),
+                                                      label="original_max_position_embeddings"))
     if model_type == "mixtral":
         experts = draw(st.integers(1, 4), label="num_local_experts")
         config.update(num_local_experts=experts,
@@ -520,23 +538,24 @@ UNSUPPORTED = {
                      "activation_function"),
     "gpt2 mish": (lambda: _tiny_gpt2(activation_function="mish"), "activation_function"),
     "gpt2 relu6": (lambda: _tiny_gpt2(activation_function="relu6"), "activation_function"),
-    "llama rope_scaling linear": (
-        lambda: _tiny_modern("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
-        "rope_scaling"),
-    "llama rope_scaling llama3": (
+    "llama rope_scaling yarn": (
         lambda: _tiny_modern("llama", rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
         "rope_scaling"),
-    "llama head_dim": (lambda: _tiny_modern("llama", head_dim=16), "head_dim"),
+    "llama rope_scaling dynamic": (
+        lambda: _tiny_modern("llama", rope_scaling={"type": "dynamic", "factor": 2.0}),
+        "rope_scaling"),
+    "llama partial_rotary_factor": (lambda: _tiny_modern("llama", partial_rotary_factor=0.5),
+                                    "partial_rotary_factor"),
     "llama attention_bias only": (lambda: _tiny_modern("llama", attention_bias=True),
                                   "attention_bias"),
     "llama mlp_bias only": (lambda: _tiny_modern("llama", mlp_bias=True), "mlp_bias"),
     "llama hidden_act gelu_10": (lambda: _tiny_modern("llama", hidden_act="gelu_10"),
                                  "hidden_act"),
-    "mistral head_dim": (lambda: _tiny_modern("mistral", head_dim=4), "head_dim"),
-    "mixtral rope_scaling": (
-        lambda: _tiny_modern("mixtral", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mixtral rope_scaling yarn": (
+        # (transformers' Mixtral computes a scaled RoPE from `head_dim` alone)
+        lambda: _tiny_modern("mixtral", head_dim=8, rope_scaling={
+            "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}),
         "rope_scaling"),
     "bert relative_key": (lambda: _tiny_bert(position_embedding_type="relative_key"),
                           "position_embedding_type"),
