@@ -1,9 +1,9 @@
 """Run by tests/test_distribution_cli.py in a subprocess: `python -m training` in every
 distributed mode of the backend (KERAS_BACKEND), against one device.
 
-`python tests/distribution_cli_run.py OUT [--errors] recipe ...` prints one JSON object. For
-each recipe (tiny models of `ARGS`, dropout 0, `--max-epoch-steps 1`: one log.csv row a
-step):
+`python tests/distribution_cli_run.py OUT [--errors] recipe[:mode,...] ...` prints one JSON
+object. For each recipe (tiny models of `ARGS`, dropout 0, `--max-epoch-steps 1`: one log.csv
+row a step), in the modes named after its colon (default: every mode of the backend):
 
 - `single`: 3 steps on one device;
 - each mode of the backend (JAX: `data` = `--data-parallel 4`, `model` = `--data-parallel 2
@@ -194,14 +194,19 @@ def main():
     result = {"backend": backend, "recipes": {}}
     if with_errors:
         result["errors"] = errors(out_root, devices)
-    for recipe in recipes:
+    for item in recipes:
+        recipe, _, names = item.partition(":")
+        modes = names.split(",") if names else list(MODES[backend])
+        unknown = [m for m in modes if m not in MODES[backend]]
+        assert not unknown, f"modes {unknown} are not {backend}'s: {list(MODES[backend])}"
         found = result["recipes"][recipe] = {}
         out = os.path.join(out_root, recipe, "single")
         status, seconds = run_here(argv(recipe, out, STEPS, devices))
         assert status == 0, (recipe, "single", status)
         found["single"] = {"log": log_rows(out), "seconds": seconds,
                            "distribution": metrics(out)["run"]["distribution"]}
-        for mode, flags in MODES[backend].items():
+        for mode in modes:
+            flags = MODES[backend][mode]
             out = os.path.join(out_root, recipe, mode)
             args = argv(recipe, out, STEPS - 1, devices + (flags or []))
             status, seconds = run_torchrun(args) if flags is None else run_here(args)

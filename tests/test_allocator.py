@@ -135,6 +135,13 @@ def test_the_peers_benchmark_gives_a_peer_the_same_settings_without_kzoo():
         assert out["released"] is True and out["rss_change_on_release"] < -48 * MIB
 
 
+def _slow_off_jax(test):
+    """`slow` (make test-all) on torch and TensorFlow: there the probe only repeats the first
+    test's result with JAX imported as well, ~30 s of imports on a busy machine."""
+    return test if keras.backend.backend() == "jax" else pytest.mark.slow(test)
+
+
+@_slow_off_jax
 def test_jax_already_dispatching_asynchronously_leaves_malloc_alone():
     """On JAX, a computation run before `import kzoo` made XLA's CPU client dispatch
     asynchronously (the case where the heap could keep two steps' scratch buffers): malloc

@@ -313,6 +313,8 @@ def _gpt():
                              intermediate_dim=32, max_sequence_length=16)
 
 
+# Prompt checks in Python, the same on every backend: each case on one backend (`spread`).
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_generate_prompt_rows_that_are_not_1d_or_mixed_are_refused(family):
     model = _gpt() if family == "gpt" else _t5()
@@ -633,6 +635,8 @@ def test_load_of_a_path_that_does_not_exist_says_so(tmp_path):
         kzoo.presets.load("gpt_minii")  # (a name stays a name)
 
 
+# A warning made in Python before decoding, the same on every backend: each case on one.
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_generate_warns_that_greedy_ignores_sampling_controls(family):
     import warnings
@@ -784,6 +788,8 @@ def test_beam_search_with_more_beams_or_stop_ids_than_tokens():
 # === generate: prompts as a dict ===
 
 
+# Prompt checks in Python, the same on every backend: each case on one backend (`spread`).
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_generate_dict_prompts_take_the_model_input_names_only(family):
     model = _gpt() if family == "gpt" else _t5()
