@@ -58,8 +58,8 @@ def _run(out, *args):
 
 
 # The default run trains the default recipes in the default mode only (JAX's data-parallel
-# run of gpt_text, a `slow` case, was trained there too and never checked: ~30% of the JAX
-# run's time); the slow run trains every other (recipe, mode) pair.
+# run of gpt_text, a `slow` case, was trained there too and never checked: 51 -> 38 s for
+# JAX's default case alone); the slow run trains every other (recipe, mode) pair.
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("dist_cli"), "--errors",
