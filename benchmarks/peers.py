@@ -8,10 +8,11 @@ Run (from the repository root):
 
 Systems: kzoo and keras-hub on every backend in `--backends` (KERAS_BACKEND), and
 transformers on torch, eager (always run: it is the reference of the `kzoo/transformers`
-ratios of every backend). Every system runs in a fresh process (this same Python, started
-with KERAS_BACKEND set), one process per system per round, the systems interleaved (the order
-rotates each round) so that a change of the machine's load hits them alike. The table gives
-the median over the rounds.
+ratios of every backend). Every system runs each model in a fresh process (this same Python,
+started with KERAS_BACKEND set), one process per system, model and round, the systems
+interleaved (the order rotates each round) so that a change of the machine's load hits them
+alike, and no model's figures (its memory above all) depend on another model run before it
+in the same process. The table gives the median over the rounds.
 
 Models (random initialisation, float32, no dropout, same sizes everywhere):
 - GPT-2 style: vocabulary 8192, 4 pre-LN layers, width 256, 4 heads, feed-forward 1024,
@@ -58,12 +59,15 @@ weight from memory, so the floor is the rate at which this machine reads them, a
 JAX and TensorFlow; torch's floor loop is eager, one Python call a product, and kzoo's
 compiled torch step, `kzoo.layers.compiled_decode`, runs above it).
 
-Training memory: the resident set's high-water mark over the training calls (warm-up and
-compilation included; reset through /proc/self/clear_refs first) minus the resident set
-before them: the activations, gradients, optimizer state and compiler buffers that training
-adds to a process holding the model. A worker trains GPT first and BERT after it in the same
-process, so BERT's row reuses memory that GPT's training left to the allocator and
-understates; the GPT rows are the comparable ones.
+Training memory, two figures of each training row (Linux /proc; the high-water mark is
+reset through /proc/self/clear_refs): `train_peak_mib`, the resident set's high-water mark
+over the training calls (warm-up and compilation included) minus the resident set before
+them: the activations, gradients, optimizer state and compiler buffers that training adds to
+a process holding the model; and `model_peak_mib`, the high-water mark from the moment the
+worker's libraries were imported (and its data made) to the end of the training calls, minus
+the resident set at that moment: the model's weights, its building, and its training. The
+first flatters a process whose allocator kept the memory of building the model (training
+reuses it: kzoo's, below); the second counts that memory too.
 
 Allocator: `import kzoo` sets glibc's malloc to keep freed memory for reuse (`kzoo.allocator`,
 its default; on JAX it also runs XLA's CPU programs inline), so kzoo's workers run with it and
@@ -301,18 +305,18 @@ def floor_rows(medians, backends, models):
     return rows
 
 
-def memory_rows(medians, backends, models):
+def memory_rows(medians, backends, models, metric="train_peak_mib"):
     """Rows (model, backend, kzoo MiB, keras-hub MiB, transformers MiB, kzoo/transformers,
-    kzoo/keras-hub) of the training peak (`train_peak_mib`; lower is better)."""
+    kzoo/keras-hub) of a memory figure (`train_peak_mib` or `model_peak_mib`; lower is
+    better)."""
     rows = []
     for model in models:
         if "train" not in METRICS[model]:
             continue
-        hf = medians.get(system_key("transformers", "torch"), {}).get(model, {}).get(
-            "train_peak_mib")
+        hf = medians.get(system_key("transformers", "torch"), {}).get(model, {}).get(metric)
         for backend in backends:
-            kz, kh = (medians.get(system_key(lib, backend), {}).get(model, {}).get(
-                "train_peak_mib") for lib in ("kzoo", "keras-hub"))
+            kz, kh = (medians.get(system_key(lib, backend), {}).get(model, {}).get(metric)
+                      for lib in ("kzoo", "keras-hub"))
             if kz is None and kh is None:
                 continue
             rows.append((model, backend, kz, kh, hf, ratio(kz, hf), ratio(kz, kh)))
@@ -409,12 +413,18 @@ def report(medians, backends, models, size, rounds, notes=()):
         if rows:
             text.extend(["", title, format_table(header, rows, left=left)])
 
-    section("Training memory: MiB the training calls added to the process' resident set at "
-            "their peak (compilation included); lower is better, ratios < 1: kzoo uses less.",
-            ("model", "backend", "kzoo", "keras-hub", "transformers(torch)",
-             "kzoo/transformers", "kzoo/keras-hub"),
-            [(m, b, _fmt(kz), _fmt(kh), _fmt(hf), _fmt(r1, "ratio"), _fmt(r2, "ratio"))
-             for m, b, kz, kh, hf, r1, r2 in memory_rows(medians, backends, models)], 2)
+    for metric, title in (
+            ("train_peak_mib", "Training memory: MiB the training calls added to the process' "
+             "resident set at their peak (compilation included); lower is better, ratios < 1: "
+             "kzoo uses less."),
+            ("model_peak_mib", "Model and training memory: MiB above the process after its "
+             "imports, at the peak of building the model and training it (weights, optimizer "
+             "state, activations, compiler buffers, and what the allocator kept).")):
+        section(title, ("model", "backend", "kzoo", "keras-hub", "transformers(torch)",
+                        "kzoo/transformers", "kzoo/keras-hub"),
+                [(m, b, _fmt(kz), _fmt(kh), _fmt(hf), _fmt(r1, "ratio"), _fmt(r2, "ratio"))
+                 for m, b, kz, kh, hf, r1, r2 in memory_rows(medians, backends, models,
+                                                             metric)], 2)
     section("Matmul floor: tokens/s of a step (new tokens/s of a decode loop) that ran only "
             "its matmuls (same shapes, the backend's own kernels, nothing else); "
             "'floor/transformers' and 'floor/keras-hub' are the largest kzoo/transformers and "
@@ -652,18 +662,38 @@ def _memory_mib():
     return kib["VmRSS"] / 1024, kib["VmHWM"] / 1024
 
 
-def _timed_training(step, size):
-    """(median seconds of `step`, peak MiB): the peak is the resident set's high-water mark
-    over all the training calls (warm-up and compilation included) above the resident set
-    before the first, i.e. what training adds to a process holding the model."""
+def _reset_high_water_mark():
     try:
         with open("/proc/self/clear_refs", "w") as f:  # the high-water mark := now
             f.write("5")
     except OSError:
         pass
+
+
+# The resident set (MiB) after the worker's imports and data, its high-water mark reset
+# there (`mark_baseline`): the zero of `model_peak_mib`.
+_BASELINE = {}
+
+
+def mark_baseline():
+    """Reset the high-water mark and take the resident set as the zero of `model_peak_mib`."""
+    _reset_high_water_mark()
+    _BASELINE["mib"] = _memory_mib()[0]
+
+
+def _timed_training(step, size):
+    """(median seconds of `step`, training peak MiB, model peak MiB or None).
+    Training peak: the resident set's high-water mark over all the training calls (warm-up
+    and compilation included) above the resident set before the first, i.e. what training
+    adds to a process holding the model. Model peak (after `mark_baseline`, else None): the
+    high-water mark from the baseline to the end of the calls, above the baseline."""
+    _, before_training = _memory_mib()  # the building's peak, since the baseline
+    _reset_high_water_mark()
     before, _ = _memory_mib()
     seconds = _median_time(step, size["steps"], size["warmup"])
-    return seconds, _memory_mib()[1] - before
+    peak = _memory_mib()[1]
+    model = (max(peak, before_training) - _BASELINE["mib"]) if "mib" in _BASELINE else None
+    return seconds, peak - before, model
 
 
 def _keras_train_forward(model, x, y, w, size, forward_x=None):
@@ -671,11 +701,13 @@ def _keras_train_forward(model, x, y, w, size, forward_x=None):
     `train_on_batch(x, y, sample_weight=w)`, then `predict_on_batch(forward_x)` (default
     `x`)."""
     tokens = size["batch"] * size["seq"]
-    step, peak = _timed_training(lambda: model.train_on_batch(x, y, sample_weight=w), size)
+    step, peak, model_peak = _timed_training(
+        lambda: model.train_on_batch(x, y, sample_weight=w), size)
     forward_x = x if forward_x is None else forward_x
     fwd = _median_time(lambda: model.predict_on_batch(forward_x), size["steps"],
                        size["warmup"])
-    return {"train": tokens / step, "train_peak_mib": peak, "forward": tokens / fwd}
+    return {"train": tokens / step, "train_peak_mib": peak, "model_peak_mib": model_peak,
+            "forward": tokens / fwd}
 
 
 def _kzoo_worker(models, size, data):
@@ -808,7 +840,7 @@ def _transformers_worker(models, size, data):
             opt.step()
 
         model.train()
-        train, peak = _timed_training(step, size)
+        train, peak, model_peak = _timed_training(step, size)
         model.eval()
 
         def forward():
@@ -817,7 +849,7 @@ def _transformers_worker(models, size, data):
 
         fwd = _median_time(forward, size["steps"], size["warmup"])
         return {"train": tokens_per_batch / train, "train_peak_mib": peak,
-                "forward": tokens_per_batch / fwd}
+                "model_peak_mib": model_peak, "forward": tokens_per_batch / fwd}
 
     def decode_rate(model, inputs, prompt_width):
         model.eval()
@@ -891,6 +923,38 @@ def use_kzoo_allocator():
     return module.keep_freed_memory()
 
 
+# The classes the workers build, by library: touched before the memory baseline so that their
+# modules' lazy imports (transformers', keras-hub's) are not counted as the model's memory.
+_WORKER_CLASSES = {
+    "kzoo": ("kzoo.presets", ()),
+    "keras-hub": ("keras_hub", ("models.GPT2CausalLM", "models.GPT2Backbone",
+                                "models.BertMaskedLM", "models.BertBackbone",
+                                "models.T5Seq2SeqLM", "models.T5Backbone")),
+    "transformers": ("transformers", (
+        "GPT2Config", "GPT2LMHeadModel", "BertConfig", "BertForMaskedLM", "T5Config",
+        "T5ForConditionalGeneration")),
+}
+
+
+def import_libraries(library):
+    """Import what `library`'s worker uses, down to the classes it builds (those a library
+    lacks are skipped: its worker says so)."""
+    import importlib
+
+    if library == "transformers":
+        import torch  # noqa: F401
+    else:
+        import keras  # noqa: F401
+    name, attributes = _WORKER_CLASSES[library]
+    module = importlib.import_module(name)
+    for path in attributes:
+        target = module
+        for part in path.split("."):
+            target = getattr(target, part, None)
+            if target is None:
+                break
+
+
 def run_worker(library, models, size, same_allocator=False):
     """Measure one system in this process; return {model: {metric: value}, "matmul": GFLOP/s}.
     `same_allocator`: a peer (not kzoo) runs with kzoo's allocator settings."""
@@ -900,6 +964,8 @@ def run_worker(library, models, size, same_allocator=False):
     if same_allocator and library != "kzoo":
         use_kzoo_allocator()
     data = _data(size)
+    import_libraries(library)
+    mark_baseline()
     if library == "transformers":
         results = _transformers_worker(models, size, data)
         results["matmul"] = _torch_matmul(size["matmul"])
@@ -956,6 +1022,38 @@ def run_worker_process(module_args, backend, timeout):
     return {}, f"exit {proc.returncode}: " + " | ".join(tail)
 
 
+def run_rounds(order, models, rounds, size_name, timeout, same_allocator=False):
+    """Every (library, backend) of `order` on every model, a fresh process each, `rounds`
+    times, interleaved (`rotation`): (per-round results for `median_results`, notes). A
+    system's round result merges its models' processes; its "matmul" is the best of them."""
+    per_round, notes = [], []
+    for r in range(rounds):
+        result = {}
+        for library, backend in rotation(order, r):
+            key = system_key(library, backend)
+            merged = result.setdefault(key, {})
+            for model in rotation(list(models), r):
+                start = time.perf_counter()
+                values, error = run_system(library, backend, [model], size_name, timeout,
+                                           same_allocator)
+                print(f"round {r + 1}/{rounds} {key} {model}: "
+                      f"{time.perf_counter() - start:.0f} s"
+                      + (f" FAILED ({error})" if error else ""), file=sys.stderr, flush=True)
+                if error:
+                    notes.append(f"{key} {model}, round {r + 1}: {error}")
+                for name, vals in values.items():
+                    if isinstance(vals, dict):
+                        if "note" in vals:
+                            note = f"{key} {name}: {vals.pop('note')}"
+                            if note not in notes:
+                                notes.append(note)
+                        merged.setdefault(name, {}).update(vals)
+                    elif vals is not None:
+                        merged[name] = max(vals, merged.get(name) or vals)
+        per_round.append(result)
+    return per_round, notes
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -989,26 +1087,8 @@ def main(argv=None):
     rounds = args.rounds or (1 if args.quick else 3)
     if rounds < 1:
         parser.error(f"--rounds must be >= 1; got {rounds}.")
-    order = systems(backends)
-    per_round, notes = [], []
-    for r in range(rounds):
-        result = {}
-        for library, backend in rotation(order, r):
-            key = system_key(library, backend)
-            start = time.perf_counter()
-            values, error = run_system(library, backend, models, size_name, args.timeout,
-                                       args.same_allocator)
-            print(f"round {r + 1}/{rounds} {key}: {time.perf_counter() - start:.0f} s"
-                  + (f" FAILED ({error})" if error else ""), file=sys.stderr, flush=True)
-            if error:
-                notes.append(f"{key}, round {r + 1}: {error}")
-            for model, vals in values.items():
-                if isinstance(vals, dict) and "note" in vals:
-                    note = f"{key} {model}: {vals.pop('note')}"
-                    if note not in notes:
-                        notes.append(note)
-            result[key] = values
-        per_round.append(result)
+    per_round, notes = run_rounds(systems(backends), models, rounds, size_name, args.timeout,
+                                  args.same_allocator)
     medians = median_results(per_round)
     size = SIZES[size_name]
     notes += token_count_notes(medians, models, size["prompts"] * size["new_tokens"])

@@ -214,6 +214,14 @@ def test_memory_rows_and_report():
     assert rows == [("gpt", "jax", 300.0, 600.0, 200.0, 1.5, 0.5)]
     text = peers.report(med, ["jax"], ["gpt"], {**TINY, "matmul": 8}, 1)
     assert "Training memory" in text and "1.50x" in text and "0.50x" in text
+    assert "Model and training memory" not in text  # no row has that figure
+    med["kzoo/jax"]["gpt"]["model_peak_mib"] = 700.0
+    med["transformers/torch"]["gpt"]["model_peak_mib"] = 1000.0
+    assert peers.memory_rows(med, ["jax"], ["gpt"], "model_peak_mib") == [
+        ("gpt", "jax", 700.0, None, 1000.0, 0.7, None)]
+    text = peers.report(med, ["jax"], ["gpt"], {**TINY, "matmul": 8}, 1)
+    section = text.split("Model and training memory")[1].splitlines()
+    assert section[3].split() == ["gpt", "jax", "700", "n/a", "1,000", "0.70x", "n/a"]
 
 
 def test_timed_training_reports_the_memory_a_step_adds():
@@ -228,13 +236,72 @@ def test_timed_training_reports_the_memory_a_step_adds():
     import sys
 
     code = ("import numpy as np; from benchmarks import peers; held = []; "
-            "s, p = peers._timed_training(lambda: held.append(np.ones(40 * 2 ** 20 // 8)), "
-            "{'steps': 2, 'warmup': 1}); print(s, p)")
+            "s, p, m = peers._timed_training(lambda: held.append(np.ones(40 * 2 ** 20 // 8)), "
+            "{'steps': 2, 'warmup': 1}); print(s, p, m)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, check=True, timeout=120)
-    seconds, peak = map(float, out.stdout.split())
-    assert seconds >= 0 and 40 * 0.9 <= peak <= 3 * 40 + 32
+    seconds, peak, model_peak = out.stdout.split()
+    assert float(seconds) >= 0 and 40 * 0.9 <= float(peak) <= 3 * 40 + 32
+    assert model_peak == "None"  # no baseline was marked
+
+
+def test_model_peak_counts_what_building_took_and_freed():
+    """After `mark_baseline`, a "build" that touches 200 MiB and frees it (glibc unmaps blocks
+    this large, so the resident set falls back), then three training calls keeping 40 MiB
+    each: the training figure sees the calls only, the model figure the build's peak too."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from benchmarks import peers; peers.mark_baseline(); "
+            "build = np.ones(200 * 2 ** 20 // 8); del build; held = []; "
+            "s, p, m = peers._timed_training(lambda: held.append(np.ones(40 * 2 ** 20 // 8)), "
+            "{'steps': 2, 'warmup': 1}); print(p, m)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, check=True, timeout=120)
+    peak, model_peak = map(float, out.stdout.split())
+    assert 40 * 0.9 <= peak <= 3 * 40 + 32
+    assert 200 * 0.9 <= model_peak <= 200 + 3 * 40 + 32
+
+
+def test_rounds_run_every_model_of_every_system_in_its_own_process(monkeypatch, capsys):
+    calls = []
+    matmul = {"gpt": 10.0, "bert": 30.0}
+
+    def fake_run_system(library, backend, models, size_name, timeout, same_allocator=False):
+        calls.append((library, backend, tuple(models)))
+        (model,) = models
+        if library == "keras-hub" and model == "bert":
+            return {}, "exit 1: boom"
+        values = {model: {"train": float(len(calls)), "train_peak_mib": 5.0},
+                  "matmul": matmul[model]}
+        if library == "transformers" and model == "gpt":
+            values[model]["note"] = "a remark"
+        return values, None
+
+    monkeypatch.setattr(peers, "run_system", fake_run_system)
+    order = peers.systems(["jax"])
+    per_round, notes = peers.run_rounds(order, ["gpt", "bert"], 2, "quick", 10)
+    assert len(calls) == 2 * 3 * 2 and all(len(models) == 1 for _, _, models in calls)
+    for r in range(2):
+        done = calls[6 * r:6 * (r + 1)]
+        assert sorted(done) == sorted((lib, b, (m,)) for lib, b in order
+                                      for m in ("gpt", "bert"))
+    # Round 2 starts with another system and another model.
+    assert calls[0][:2] != calls[6][:2] and calls[0][2] != calls[6][2]
+    first = per_round[0]
+    assert set(first) == {"kzoo/jax", "keras-hub/jax", "transformers/torch"}
+    assert set(first["kzoo/jax"]) == {"gpt", "bert", "matmul"}
+    assert first["kzoo/jax"]["matmul"] == 30.0  # the best of the two processes
+    assert set(first["keras-hub/jax"]) == {"gpt", "matmul"}
+    assert "note" not in first["transformers/torch"]["gpt"]
+    assert notes.count("transformers/torch gpt: a remark") == 1
+    assert "keras-hub/jax bert, round 1: exit 1: boom" in notes
+    assert "keras-hub/jax bert, round 2: exit 1: boom" in notes
+    med = peers.median_results(per_round)
+    assert med["kzoo/jax"]["bert"]["train_peak_mib"] == 5.0
+    assert "round 1/2 kzoo/jax gpt" in capsys.readouterr().err
 
 
 # === benchmarks/gpu.py: the GPU report's bookkeeping (no GPU needed) ===
