@@ -530,6 +530,108 @@ def test_torch_linear_activation_equals_numpy_on_both_paths(monkeypatch, activat
         utils.torch_linear(torch.from_numpy(x), weight, activation="swish")
 
 
+def _activation_reference(activation, pre):
+    import math
+
+    return {
+        "gelu": 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))),
+        "gelu_tanh": 0.5 * pre * (1 + np.tanh(math.sqrt(2 / math.pi) * (pre + 0.044715 * pre ** 3))),
+        "relu": np.maximum(pre, 0),
+    }[activation]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_torch_linear_activation_is_timed_once_a_shape_and_the_faster_way_kept(
+        monkeypatch, activation):
+    """On oneDNN's path, "auto": the first product of an activation and shape with
+    `ACTIVATION_TIMING_ROWS` rows or more times the post-op against the torch ops after the
+    product (once; later products of that shape reuse the verdict); fewer rows take the
+    post-op untimed; "fused" / "separate" never time. Every way gives NumPy's float64 values."""
+    import torch
+
+    from kzoo.layers import utils
+
+    op = utils._onednn_linear_op()
+    attrs = []
+    monkeypatch.setattr(utils, "_ONEDNN_LINEAR", [lambda *a: attrs.append(a[3]) or op(*a)])
+    monkeypatch.setattr(utils, "_ACTIVATION_MODE", ["auto"])
+    monkeypatch.setattr(utils, "_ACTIVATION_CHOICE", {})
+    verdicts, timed = [False], []
+    monkeypatch.setattr(utils, "_time_post_op",
+                        lambda act, rows, w, b: timed.append((act, tuple(rows.shape)))
+                        or verdicts[0])
+    r = np.random.default_rng(5)
+    rows = utils.ACTIVATION_TIMING_ROWS
+    x = r.normal(size=(2, rows // 2 + 3, 16)).astype("float32")
+    kernel = r.normal(scale=0.5, size=(16, 40)).astype("float32")  # (the tanh GELU's passes
+    bias = r.normal(size=(40,)).astype("float32")                  # from 8192 values)
+    want = _activation_reference(
+        activation, x.astype(np.float64) @ kernel.astype(np.float64) + bias)
+    weight, b = torch.from_numpy(kernel).t(), torch.from_numpy(bias)
+    post_op = utils._TORCH_LINEAR_ACTIVATIONS[activation][0]
+
+    def run(inputs=x):
+        with torch.no_grad():
+            return utils.torch_linear(torch.from_numpy(inputs), weight, b,
+                                      activation=activation).numpy()
+
+    for _ in range(2):  # the torch ops after the product won: timed once
+        np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+    assert timed == [(activation, (rows + 6, 16))] and attrs == ["none", "none"]
+    few = x[:1, :rows // 2]  # fewer rows: the post-op, untimed
+    np.testing.assert_allclose(run(few), want[:1, :rows // 2], rtol=1e-5, atol=1e-5)
+    assert len(timed) == 1 and attrs[-1] == post_op
+    verdicts[0] = True  # another shape (8 inputs), where the post-op wins
+    weight8 = torch.from_numpy(np.ascontiguousarray(kernel[:8])).t()
+    with torch.no_grad():
+        got = utils.torch_linear(torch.from_numpy(np.ascontiguousarray(x[:, :, :8])), weight8,
+                                 b, activation=activation).numpy()
+    np.testing.assert_allclose(got, _activation_reference(
+        activation, x[:, :, :8].astype(np.float64) @ kernel[:8].astype(np.float64) + bias),
+        rtol=1e-5, atol=1e-5)
+    assert len(timed) == 2 and attrs[-1] == post_op
+    for mode, attr in (("separate", "none"), ("fused", post_op)):
+        assert utils.set_onednn_activation(mode) in ("auto", "separate")
+        np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+        assert len(timed) == 2 and attrs[-1] == attr
+    assert utils.set_onednn_activation("auto") == "fused" and utils._ACTIVATION_CHOICE == {}
+    with pytest.raises(ValueError, match="mode='always'"):
+        utils.set_onednn_activation("always")
+
+
+@pytest.mark.parametrize("fused_time, separate_time, fused_wins",
+                         [(1.0, 2.0, True), (3.0, 2.0, False), (2.0, 2.0, True)])
+def test_post_op_timing_compares_medians_past_the_first_call(monkeypatch, fused_time,
+                                                            separate_time, fused_wins):
+    """`_time_post_op` with a clock that makes each way take a set time: the first call of
+    each way (made 100x slower for the post-op, 100x faster for the other) is not counted;
+    the medians of the rest decide, a tie for the post-op. It times at most
+    2 x ACTIVATION_TIMING_ROWS rows."""
+    import torch
+
+    from kzoo.layers import utils
+
+    assert utils.onednn_linear_available()
+    seen = []
+    real = utils._ONEDNN_LINEAR[0]
+    durations = []
+    for call in range(1 + utils._ACTIVATION_TIMING_CALLS):
+        durations += [fused_time * (100 if call == 0 else 1),
+                      separate_time / (100 if call == 0 else 1)]
+    ticks, now = [], 0.0
+    for d in durations:
+        ticks += [now, now + d]
+        now += d + 1
+    clock = iter(ticks).__next__
+    rows = torch.randn(3 * utils.ACTIVATION_TIMING_ROWS, 8)
+    weight, bias = torch.randn(4, 8), torch.randn(4)
+    monkeypatch.setattr(utils, "_ONEDNN_LINEAR",
+                        [lambda *a: seen.append(a[0].shape[0]) or real(*a)])
+    got = utils._time_post_op("gelu_tanh", rows, weight, bias, clock=clock)
+    assert got is fused_wins
+    assert seen == [2 * utils.ACTIVATION_TIMING_ROWS] * len(durations)
+
+
 # === Compiled loops (JAX / TensorFlow): values made once before the while_loop ===
 
 

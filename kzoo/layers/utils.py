@@ -423,10 +423,21 @@ def torch_linear(x, weight, bias=None, activation=None):
     products gave 4,333 -> 4,498 and 7,014 -> 7,282 tokens/s with the same losses to all
     printed digits.
 
-    `activation` ("gelu", "gelu_tanh", "relu" or None) is applied to the result, by oneDNN
-    inside the product where it multiplies (a feed-forward's first product at 2048 rows,
-    256 -> 1024, ms: tanh GELU 6.9 -> 5.9, exact GELU 6.0 -> 5.7, ReLU 5.5 -> 5.1; the
-    same largest error against float64 as the product and then the torch function)."""
+    `activation` ("gelu", "gelu_tanh", "relu" or None) is applied to the result. On oneDNN's
+    path either inside the product (oneDNN's post-op) or after it as torch ops (ReLU in
+    place, the tanh GELU as `kzoo.layers.feedforward`'s four passes from 8192 elements, the
+    exact GELU by `F.gelu`): which one is faster depends on the CPU, so by default
+    (`set_onednn_activation("auto")`) the first product of each activation and shape with
+    `ACTIVATION_TIMING_ROWS` rows or more times both on its own rows and the faster serves
+    the rest of the process (fewer rows, and code that `torch.compile` or `torch.export`
+    traces, take the post-op). A feed-forward's first product at 2048 rows, 256 -> 1024, ms:
+    on one machine of this project (the product 5.2) the post-op won (tanh GELU 6.9 -> 5.9,
+    exact GELU 6.0 -> 5.7, ReLU 5.5 -> 5.1, against `F.linear` then torch's function); on an
+    AMD EPYC with AVX2 only (family 25 model 1; the product 7.6) it lost, medians of 8 rounds
+    of 6 inputs: tanh GELU 13.7 fused against 10.4 after, exact GELU 10.8 against 8.9, ReLU
+    7.6 against 8.0; there GPT's forward pass (benchmarks.peers' size, interleaved in one
+    process, 8 rounds) went 8,409 -> 9,154 tokens/s and BERT's 8,492 -> 8,824. Both ways give
+    the same largest error against float64 as the product and then the torch function."""
     import torch.nn.functional as F
 
     post = None if activation is None else _TORCH_LINEAR_ACTIVATIONS.get(activation)
@@ -439,8 +450,96 @@ def torch_linear(x, weight, bias=None, activation=None):
         else:
             y = F.linear(x, weight, bias)
         return y if post is None else post[2](F, y)
-    attr, algorithm = ("none", "") if post is None else post[:2]
-    return _ONEDNN_LINEAR[0](x, weight, bias, attr, [], algorithm)
+    if post is None:
+        return _ONEDNN_LINEAR[0](x, weight, bias, "none", [], "")
+    if _post_op_wins(activation, x, weight, bias):
+        return _ONEDNN_LINEAR[0](x, weight, bias, post[0], [], post[1])
+    return _activation_after(activation, _ONEDNN_LINEAR[0](x, weight, bias, "none", [], ""))
+
+
+# `torch_linear`'s activations on oneDNN's path (see there): "auto" times the post-op against
+# the torch ops after the product, "fused" always takes the post-op, "separate" never.
+ONEDNN_ACTIVATION_MODES = ("auto", "fused", "separate")
+_ACTIVATION_MODE = ["auto"]
+# (activation, in features, out features, has bias) -> whether the post-op was faster.
+_ACTIVATION_CHOICE = {}
+# Products with fewer rows take the post-op untimed; the timing runs on at most
+# `2 * ACTIVATION_TIMING_ROWS` rows of the product that asks, each way 1 + 3 times.
+ACTIVATION_TIMING_ROWS = 256
+_ACTIVATION_TIMING_CALLS = 3
+
+
+def set_onednn_activation(mode):
+    """How `torch_linear` applies its activation on oneDNN's path, for the rest of the
+    process: "auto" (the default: time both ways once per activation and shape, keep the
+    faster), "fused" (oneDNN's post-op inside the product) or "separate" (torch ops after
+    it). Returns the previous mode. The ways differ by rounding only; "fused" or "separate"
+    make a process' choice independent of timing."""
+    if mode not in ONEDNN_ACTIVATION_MODES:
+        raise ValueError(f"`mode` must be one of {list(ONEDNN_ACTIVATION_MODES)}; got "
+                         f"mode={mode!r}.")
+    previous = _ACTIVATION_MODE[0]
+    _ACTIVATION_MODE[0] = mode
+    _ACTIVATION_CHOICE.clear()
+    return previous
+
+
+def _activation_after(activation, y):
+    """`activation` of a product's fresh output `y` (no autograd) as torch ops."""
+    import torch.nn.functional as F
+
+    if activation == "relu":
+        return y.relu_()
+    if activation == "gelu_tanh":
+        from kzoo.layers import feedforward
+
+        if y.numel() < feedforward._TORCH_GELU_PASSES_FROM:
+            return F.gelu(y, approximate="tanh")
+        return feedforward._torch_gelu_tanh_sigmoid(y).mul_(y)
+    return F.gelu(y)
+
+
+def _post_op_wins(activation, x, weight, bias):
+    """Whether `torch_linear` applies `activation` as oneDNN's post-op for this product."""
+    import torch
+
+    mode = _ACTIVATION_MODE[0]
+    if mode != "auto":
+        return mode == "fused"
+    rows = x.reshape(-1, x.shape[-1])
+    if (rows.shape[0] < ACTIVATION_TIMING_ROWS or type(x) is not torch.Tensor
+            or torch.compiler.is_compiling()):  # (nothing to time on a traced tensor)
+        return True
+    key = (activation, int(weight.shape[1]), int(weight.shape[0]), bias is not None)
+    won = _ACTIVATION_CHOICE.get(key)
+    if won is None:
+        won = _ACTIVATION_CHOICE[key] = _time_post_op(activation, rows, weight, bias)
+    return won
+
+
+def _time_post_op(activation, rows, weight, bias, clock=None):
+    """Whether oneDNN's post-op computed `activation(rows @ weight^T + bias)` faster than the
+    product then `_activation_after`, on up to `2 * ACTIVATION_TIMING_ROWS` of `rows`: the
+    two ways alternate, each 1 + `_ACTIVATION_TIMING_CALLS` times (the first untimed), and
+    their medians compare. `clock`: the timer (`time.perf_counter`)."""
+    import statistics
+    import time
+
+    clock = clock or time.perf_counter
+    op = _ONEDNN_LINEAR[0]
+    attr, algorithm = _TORCH_LINEAR_ACTIVATIONS[activation][:2]
+    sample = rows[:2 * ACTIVATION_TIMING_ROWS]
+    ways = {True: lambda: op(sample, weight, bias, attr, [], algorithm),
+            False: lambda: _activation_after(activation, op(sample, weight, bias, "none", [],
+                                                            ""))}
+    seconds = {True: [], False: []}
+    for call in range(1 + _ACTIVATION_TIMING_CALLS):
+        for fused, way in ways.items():
+            start = clock()
+            way()
+            seconds[fused].append(clock() - start)
+    seconds = {fused: times[1:] for fused, times in seconds.items()}
+    return statistics.median(seconds[True]) <= statistics.median(seconds[False])
 
 
 def torch_linear_uses_onednn(x, weight, bias=None):
