@@ -489,13 +489,21 @@ def test_torch_linear_trains_through_onednn_and_equals_numpy(monkeypatch, use_bi
     assert taken == []
 
 
+def _activation_reference(activation, pre):
+    import math
+
+    return {
+        "gelu": 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))),
+        "gelu_tanh": 0.5 * pre * (1 + np.tanh(math.sqrt(2 / math.pi) * (pre + 0.044715 * pre ** 3))),
+        "relu": np.maximum(pre, 0),
+    }[activation]
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 def test_torch_linear_activation_equals_numpy_on_both_paths(monkeypatch, activation):
     """`torch_linear(..., activation=...)`: oneDNN's post-op (no autograd) and `F.linear`
     then the torch function (autograd on) both give NumPy's exact GELU (erf), tanh GELU or
     ReLU of `x @ W.T + b` in float64; an unknown name is refused naming it."""
-    import math
-
     import torch
 
     from kzoo.layers import utils
@@ -508,12 +516,8 @@ def test_torch_linear_activation_equals_numpy_on_both_paths(monkeypatch, activat
     x = r.normal(size=(2, 9, 16)).astype("float32")
     kernel = r.normal(scale=0.5, size=(16, 24)).astype("float32")
     bias = r.normal(size=(24,)).astype("float32")
-    pre = x.astype(np.float64) @ kernel.astype(np.float64) + bias
-    want = {
-        "gelu": 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))),
-        "gelu_tanh": 0.5 * pre * (1 + np.tanh(math.sqrt(2 / math.pi) * (pre + 0.044715 * pre ** 3))),
-        "relu": np.maximum(pre, 0),
-    }[activation]
+    want = _activation_reference(
+        activation, x.astype(np.float64) @ kernel.astype(np.float64) + bias)
     weight = torch.from_numpy(kernel).t()
     with torch.no_grad():
         got = utils.torch_linear(torch.from_numpy(x), weight, torch.from_numpy(bias),
@@ -528,16 +532,6 @@ def test_torch_linear_activation_equals_numpy_on_both_paths(monkeypatch, activat
     assert len(taken) == 1
     with pytest.raises(ValueError, match="activation='swish'"):
         utils.torch_linear(torch.from_numpy(x), weight, activation="swish")
-
-
-def _activation_reference(activation, pre):
-    import math
-
-    return {
-        "gelu": 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))),
-        "gelu_tanh": 0.5 * pre * (1 + np.tanh(math.sqrt(2 / math.pi) * (pre + 0.044715 * pre ** 3))),
-        "relu": np.maximum(pre, 0),
-    }[activation]
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])

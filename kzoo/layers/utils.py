@@ -533,7 +533,7 @@ def _time_post_op(activation, rows, weight, bias, clock=None):
             False: lambda: _activation_after(activation, op(sample, weight, bias, "none", [],
                                                             ""))}
     seconds = {True: [], False: []}
-    for call in range(1 + _ACTIVATION_TIMING_CALLS):
+    for _ in range(1 + _ACTIVATION_TIMING_CALLS):
         for fused, way in ways.items():
             start = clock()
             way()
