@@ -331,3 +331,154 @@ def test_row_dense_is_a_dense_over_rows():
     assert type(restored) is RowDense and restored.units == 5
     symbolic = layer(keras.Input((None, 4)))  # (symbolic sizes: Dense's own product)
     assert tuple(symbolic.shape) == (None, None, 5)
+
+
+# === TensorFlow's tied head: the forms of its products (TensorFlow is installed with every
+# backend, so these run under each; they call TensorFlow directly) ===
+
+
+@pytest.fixture
+def tf_head_forms():
+    """Restores `set_tf_head_products`' mode and the timed choices after a test."""
+    from kzoo.layers import embedding
+
+    previous = embedding.set_tf_head_products("auto")
+    yield embedding
+    embedding.set_tf_head_products(*previous)
+
+
+def _np_tied_head(h, table, bias, w):
+    """NumPy float64: logits h @ E^T (+ b) and the gradients of sum(logits * w) with respect
+    to h, E and b."""
+    h, table, w = (a.astype(np.float64) for a in (h, table, w))
+    flat_h, flat_w = h.reshape(-1, h.shape[-1]), w.reshape(-1, w.shape[-1])
+    logits = h @ table.T + (0.0 if bias is None else bias.astype(np.float64))
+    return logits, (flat_w @ table).reshape(h.shape), flat_w.T @ flat_h, flat_w.sum(0)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunks,table_gradient", [
+    (1, "product_transposed"), (1, "d_transposed"), (3, "product_transposed"),
+    (4, "d_transposed"), (16, "d_transposed")])  # (16 > the 11 rows: one row a slice)
+def test_tf_tied_head_forms_values_and_gradients(tf_head_forms, chunks, table_gradient,
+                                                 with_bias, graph):
+    """Every fixed form of TensorFlow's tied head (the logits over slices of the table, the
+    table's gradient either way), eager and in a graph, with and without the bias column:
+    logits and the gradients of sum(logits * w) against NumPy's float64 formula."""
+    import tensorflow as tf
+
+    tf_head_forms.set_tf_head_products("fixed", chunks, table_gradient)
+    r = rng(11)
+    h = r.normal(size=(2, 3, 4)).astype("float32")
+    table = r.normal(size=(11, 4)).astype("float32")
+    bias = r.normal(size=(11,)).astype("float32") if with_bias else None
+    w = r.normal(size=(2, 3, 11)).astype("float32")
+
+    def run(h, table, bias):
+        with tf.GradientTape() as tape:
+            tape.watch([h, table] + ([] if bias is None else [bias]))
+            logits = tf_head_forms._tf_tied_logits(h, table, bias)
+            total = tf.reduce_sum(logits * w)
+        return [logits] + tape.gradient(total, [h, table] + ([] if bias is None else [bias]))
+
+    run = tf.function(run) if graph else run
+    got = run(tf.constant(h), tf.constant(table), None if bias is None else tf.constant(bias))
+    want = _np_tied_head(h, table, bias, w)
+    assert tuple(got[0].shape) == (2, 3, 11)
+    for g, expected in zip(got, want):
+        assert_close(g.numpy(), expected, atol=1e-5)
+
+
+def test_tf_head_forms_timed_once_per_shape_and_not_small_or_under_xla(tf_head_forms,
+                                                                        monkeypatch):
+    """The forms are timed once per (rows, dim, vocab, dtype); heads with fewer logits than
+    `TF_HEAD_TIMING_LOGITS`, unknown sizes and XLA-compiled graphs take the plain forms
+    untimed; "fixed" takes the given ones."""
+    import tensorflow as tf
+
+    calls = []
+
+    def fake_timing(rows, dim, vocab, dtype):
+        calls.append((rows, dim, vocab, dtype))
+        return (32, "d_transposed")
+
+    monkeypatch.setattr(tf_head_forms, "_time_tf_head", fake_timing)
+    big = tf_head_forms.TF_HEAD_TIMING_LOGITS // 64
+    plain = (1, "product_transposed")
+    assert tf_head_forms._tf_head_forms(big - 1, 8, 64, "float32") == plain
+    assert tf_head_forms._tf_head_forms(None, 8, 1 << 20, "float32") == plain
+    assert calls == []
+    for _ in range(2):
+        assert tf_head_forms._tf_head_forms(big, 8, 64, "float32") == (32, "d_transposed")
+    assert calls == [(big, 8, 64, "float32")]
+    assert tf_head_forms._tf_head_forms(big, 8, 64, "bfloat16") == (32, "d_transposed")
+    assert len(calls) == 2
+    seen = []
+    tf.function(lambda: seen.append(tf_head_forms._tf_head_forms(2 * big, 8, 64, "float32"))
+                or tf.constant(0.0), jit_compile=True).get_concrete_function()
+    assert seen == [plain] and len(calls) == 2
+    tf_head_forms.set_tf_head_products("fixed", 5, "d_transposed")
+    assert tf_head_forms._tf_head_forms(big, 8, 64, "float32") == (5, "d_transposed")
+    assert len(calls) == 2
+
+
+def test_tf_head_timing_inside_a_traced_step(tf_head_forms, monkeypatch):
+    """With the timing threshold lowered, a head traced in a `tf.function` times its forms
+    eagerly (outside the graph) once, keeps a valid choice and still computes the logits
+    and gradients of NumPy's formula."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(tf_head_forms, "TF_HEAD_TIMING_LOGITS", 64)
+    monkeypatch.setattr(tf_head_forms, "TF_HEAD_CHUNKS", (1, 2))
+    r = rng(12)
+    h = r.normal(size=(4, 8, 6)).astype("float32")
+    table = r.normal(size=(256, 6)).astype("float32")
+    w = r.normal(size=(4, 8, 256)).astype("float32")
+
+    @tf.function
+    def step(h, table):
+        with tf.GradientTape() as tape:
+            tape.watch([h, table])
+            logits = tf_head_forms._tf_tied_logits(h, table)
+            total = tf.reduce_sum(logits * w)
+        return [logits] + tape.gradient(total, [h, table])
+
+    got = step(tf.constant(h), tf.constant(table))
+    choice = tf_head_forms._TF_HEAD_CHOICE
+    assert list(choice) == [(32, 6, 256, "float32")]
+    chunks, form = choice[(32, 6, 256, "float32")]
+    assert chunks in (1, 2) and form in tf_head_forms.TF_TABLE_GRADIENTS
+    for g, expected in zip(got, _np_tied_head(h, table, None, w)[:3]):
+        assert_close(g.numpy(), expected, atol=1e-5)
+
+
+def test_tf_head_fastest_form_needs_a_margin(tf_head_forms):
+    """`_fastest` (fake clock): the first call of each way is not counted, medians compare,
+    and a way other than the first wins only below `_TF_HEAD_MARGIN` of the first's median."""
+    def clock_of(durations):
+        ticks, now = [], 0.0
+        for d in durations:
+            ticks += [now, now + d]
+            now += d + 1.0
+        it = iter(ticks)
+        return lambda: next(it)
+
+    ways = {"first": lambda: None, "second": lambda: None}
+    # rounds alternate first, second; the first round (100 s each) is not counted
+    slow_first = [100.0, 100.0] + [1.0, 0.9] * 3
+    assert tf_head_forms._fastest(ways, 3, clock_of(slow_first)) == "second"
+    close = [0.1, 100.0] + [1.0, 0.97] * 3
+    assert tf_head_forms._fastest(ways, 3, clock_of(close)) == "first"
+    assert tf_head_forms._fastest(ways, 3, clock_of([1.0, 2.0] * 4)) == "first"
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(mode="fast"), "mode"), (dict(mode="fixed", forward_chunks=0), "forward_chunks"),
+    (dict(mode="fixed", forward_chunks=2.0), "forward_chunks"),
+    (dict(mode="fixed", forward_chunks=True), "forward_chunks"),
+    (dict(mode="fixed", table_gradient="hidden"), "table_gradient")])
+def test_set_tf_head_products_refuses_bad_arguments(tf_head_forms, kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        tf_head_forms.set_tf_head_products(**kwargs)
+    assert tf_head_forms._TF_HEAD["mode"] == "auto"

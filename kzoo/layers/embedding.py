@@ -285,36 +285,185 @@ def _jax_tied_logits_with_bias():
 _JAX_TIED_BIAS = []
 
 
+# === TensorFlow's tied head: the forms of its two large products, per machine and shape ===
+
+# How `_tf_tied_logits` multiplies: "auto" (time the forms once per shape, keep the fastest)
+# or "fixed" (the forms given to `set_tf_head_products`).
+TF_HEAD_MODES = ("auto", "fixed")
+# The two forms of the table's gradient `(vocab, dim)` from the logits' gradient `d`
+# `(rows, vocab)` and the hidden states `h` `(rows, dim)`: `(h^T @ d)^T` (`d` read
+# row-major, the small product transposed) or `d^T @ h` (TensorFlow's `transpose_a` of `d`).
+TF_TABLE_GRADIENTS = ("product_transposed", "d_transposed")
+_TF_HEAD = {"mode": "auto", "fixed": (1, "product_transposed")}
+# (rows, dim, vocab, dtype) -> (forward chunks, table gradient form), timed once a process.
+_TF_HEAD_CHOICE = {}
+# Heads with fewer `rows * vocab` logits take the plain forms untimed (a product of a few
+# milliseconds); larger ones are timed on at most `TF_HEAD_TIMING_ROWS` rows (the forms
+# ranked alike at 512, 1024 and 2048 rows); the forward pass may split the table into this
+# many slices.
+TF_HEAD_TIMING_LOGITS = 1 << 22
+TF_HEAD_TIMING_ROWS = 1024
+TF_HEAD_CHUNKS = (1, 32)
+_TF_HEAD_TIMING_CALLS = 3
+# A form other than the first (one product; `product_transposed`) is kept only when its
+# median is below this fraction of the first's: timing noise does not change the graph.
+_TF_HEAD_MARGIN = 0.95
+
+
+def set_tf_head_products(mode="auto", forward_chunks=1, table_gradient="product_transposed"):
+    """How TensorFlow's tied output projection (`TokenEmbedding.reverse_logits`) multiplies
+    in graphs not compiled by XLA, for the rest of the process: `mode="auto"` (the default)
+    times its forms once per shape and keeps the fastest (see `_tf_tied_logits`);
+    `mode="fixed"` takes `forward_chunks` (the table split into that many slices for the
+    logits, 1: one product) and `table_gradient` (one of `TF_TABLE_GRADIENTS`). The forms
+    differ by rounding only. Returns the previous `(mode, forward_chunks, table_gradient)`."""
+    if mode not in TF_HEAD_MODES:
+        raise ValueError(f"`mode` must be one of {list(TF_HEAD_MODES)}; got mode={mode!r}.")
+    if isinstance(forward_chunks, bool) or not isinstance(forward_chunks, int) \
+            or forward_chunks < 1:
+        raise ValueError("`forward_chunks` must be a positive int (1: one product); got "
+                         f"forward_chunks={forward_chunks!r}.")
+    if table_gradient not in TF_TABLE_GRADIENTS:
+        raise ValueError(f"`table_gradient` must be one of {list(TF_TABLE_GRADIENTS)}; got "
+                         f"table_gradient={table_gradient!r}.")
+    previous = (_TF_HEAD["mode"],) + _TF_HEAD["fixed"]
+    _TF_HEAD["mode"], _TF_HEAD["fixed"] = mode, (forward_chunks, table_gradient)
+    _TF_HEAD_CHOICE.clear()
+    return previous
+
+
+def _tf_slices(table, chunks):
+    """`table` split into `chunks` row slices of near-equal sizes (at most its row count)."""
+    import tensorflow as tf
+
+    rows = table.shape[0]
+    chunks = max(1, min(chunks, rows))
+    sizes = [rows // chunks + (i < rows % chunks) for i in range(chunks)]
+    return tf.split(table, sizes, axis=0)
+
+
+def _tf_head_logits(flat, table, chunks):
+    """`flat @ table^T`, as one product or `chunks` products over slices of the table's
+    rows, concatenated."""
+    import tensorflow as tf
+
+    if chunks <= 1 or table.shape[0] is None:
+        return tf.matmul(flat, table, transpose_b=True)
+    return tf.concat([tf.matmul(flat, part, transpose_b=True)
+                      for part in _tf_slices(table, chunks)], axis=1)
+
+
+def _tf_table_gradient(flat, flat_d, form):
+    import tensorflow as tf
+
+    if form == "d_transposed":
+        return tf.matmul(flat_d, flat, transpose_a=True)
+    return tf.transpose(tf.matmul(flat, flat_d, transpose_a=True))
+
+
+def _tf_head_forms(rows, dim, vocab, dtype):
+    """(forward chunks, table gradient form) of `_tf_tied_logits` for a `(rows, dim)` by
+    `(vocab, dim)` product: the fixed forms, the plain ones for small or unknown shapes and
+    inside XLA, else the fastest measured (once per shape and dtype)."""
+    if _TF_HEAD["mode"] == "fixed":
+        return _TF_HEAD["fixed"]
+    plain = (1, "product_transposed")
+    if rows is None or dim is None or vocab is None or rows * vocab < TF_HEAD_TIMING_LOGITS:
+        return plain
+    from tensorflow.python.framework import ops as tf_ops
+    from tensorflow.python.ops import control_flow_util
+
+    if control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()):
+        return plain  # (XLA emits its own products)
+    key = (rows, dim, vocab, dtype)
+    if key not in _TF_HEAD_CHOICE:
+        _TF_HEAD_CHOICE[key] = _time_tf_head(rows, dim, vocab, dtype)
+    return _TF_HEAD_CHOICE[key]
+
+
+def _fastest(ways, calls, clock):
+    """The key of the fastest of `ways` ({key: function}, the first the default): each run
+    1 + `calls` times, alternating, the first run untimed; a way other than the first wins
+    only below `_TF_HEAD_MARGIN` times the first's median."""
+    import statistics
+
+    seconds = {key: [] for key in ways}
+    for _ in range(1 + calls):
+        for key, way in ways.items():
+            start = clock()
+            way()
+            seconds[key].append(clock() - start)
+    medians = {key: statistics.median(times[1:]) for key, times in seconds.items()}
+    first = next(iter(ways))
+    best = min(medians, key=medians.get)
+    return best if medians[best] < _TF_HEAD_MARGIN * medians[first] else first
+
+
+def _time_tf_head(rows, dim, vocab, dtype, clock=None):
+    """Time `_tf_tied_logits`' forms eagerly (outside any graph being traced) on random
+    operands of the head's shape (at most `TF_HEAD_TIMING_ROWS` rows), as `tf.function`s:
+    the logits as one product or over `TF_HEAD_CHUNKS` slices of the table, and the table's
+    gradient in both `TF_TABLE_GRADIENTS` forms. `clock`: the timer (`time.perf_counter`)."""
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    clock = clock or time.perf_counter
+    rows = min(rows, TF_HEAD_TIMING_ROWS)
+    with tf.init_scope():
+        generator = np.random.default_rng(0)
+        flat, table, d = (tf.constant(generator.standard_normal(shape), dtype=dtype)
+                          for shape in ((rows, dim), (vocab, dim), (rows, vocab)))
+
+        def run(function):
+            return lambda: function().numpy()[:1]  # (waits for the result)
+
+        logits = {n: run(tf.function(lambda n=n: _tf_head_logits(flat, table, n)[:1, :1]))
+                  for n in TF_HEAD_CHUNKS if vocab // n >= 128}
+        gradients = {form: run(tf.function(
+            lambda form=form: _tf_table_gradient(flat, d, form)[:1, :1]))
+            for form in TF_TABLE_GRADIENTS}
+        return (_fastest(logits, _TF_HEAD_TIMING_CALLS, clock),
+                _fastest(gradients, _TF_HEAD_TIMING_CALLS, clock))
+
+
 def _tf_tied_logits(hidden, table, bias=None):
-    """`hidden @ table.T (+ bias)` on TensorFlow with the backward pass of
-    `_jax_tied_logits`: `d_hidden = d @ table`, `d_table = (hidden^T @ d)^T` (and `d_bias`,
-    the column sums of `d`). TensorFlow's own gradient computes `d_table` as `d^T @ hidden`
-    (`transpose_a` of the whole `(tokens, vocab)` gradient): measured on the 2-core CPU at
-    2048 tokens, vocabulary 8192, width 256: 33 ms against 26 ms for this form.
+    """`hidden @ table.T (+ bias)` on TensorFlow with a hand-written backward pass:
+    `d_hidden = d @ table`, `d_table` as `d^T @ hidden` or `(hidden^T @ d)^T`, and `d_bias`
+    the column sums of `d`.
+
+    The logits' product and the table's gradient are the two largest products of a language
+    model's training step, and Eigen's speed on them depends on the machine and the form:
+    on the 2-core CPU at 2048 tokens, width 256, vocabulary 8192 (medians in a graph), one
+    machine ran `d_table` in 26 ms as `(hidden^T @ d)^T` against 33 as `d^T @ hidden`;
+    another (an AMD EPYC with AVX2) 116 against 92 ms, and the logits in 151 ms as one
+    product against 80-85 over 8 to 32 slices of the table, concatenated. So in a graph not
+    compiled by XLA the head times the forms once per shape (`_time_tf_head`, ~2-3 s at that
+    size, at the first trace) and keeps the fastest; `set_tf_head_products` fixes them.
 
     A bias is a column of the product, `[hidden, 1] @ [table, bias].T` (as on JAX,
     `_jax_tied_logits_with_bias`), not a second pass over the logits: at those sizes
     47.2-50.2 -> 45.1-45.8 ms in a graph, 49.8-50.2 -> 49.2-49.5 ms under XLA."""
     import tensorflow as tf
 
-    def product(flat, table, bias):
-        if bias is None:
-            return tf.matmul(flat, table, transpose_b=True)
-        ones = tf.ones(tf.stack([tf.shape(flat)[0], 1]), flat.dtype)
-        return tf.matmul(tf.concat([flat, ones], 1), tf.concat([table, bias[:, None]], 1),
-                         transpose_b=True)
-
     def logits_of(h, table, bias):
         flat = tf.reshape(h, [-1, tf.shape(h)[-1]])
-        logits = product(flat, table, bias)
+        extended, full = flat, table
+        if bias is not None:  # (the bias' gradient is then the last column of the table's)
+            ones = tf.ones(tf.stack([tf.shape(flat)[0], 1]), flat.dtype)
+            extended, full = tf.concat([flat, ones], 1), tf.concat([table, bias[:, None]], 1)
+        chunks, table_gradient = _tf_head_forms(
+            h.shape[:-1].num_elements(), full.shape[1], full.shape[0], flat.dtype.name)
+        logits = _tf_head_logits(extended, full, chunks)
 
         def grad(d):
             flat_d = tf.reshape(d, [-1, tf.shape(d)[-1]])
             d_hidden = tf.reshape(tf.matmul(flat_d, table), tf.shape(h))
-            d_table = tf.transpose(tf.matmul(flat, flat_d, transpose_a=True))
+            d_table = _tf_table_gradient(extended, flat_d, table_gradient)
             if bias is None:
                 return d_hidden, d_table
-            return d_hidden, d_table, tf.reduce_sum(flat_d, axis=0)
+            return d_hidden, d_table[:, :-1], d_table[:, -1]
 
         out = tf.reshape(logits, tf.concat([tf.shape(h)[:-1], tf.shape(table)[:1]], 0))
         out.set_shape(h.shape[:-1].concatenate(table.shape[:1]))  # (the static shape)
