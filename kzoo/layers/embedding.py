@@ -437,10 +437,12 @@ def _tf_tied_logits(hidden, table, bias=None):
     model's training step, and Eigen's speed on them depends on the machine and the form:
     on the 2-core CPU at 2048 tokens, width 256, vocabulary 8192 (medians in a graph), one
     machine ran `d_table` in 26 ms as `(hidden^T @ d)^T` against 33 as `d^T @ hidden`;
-    another (an AMD EPYC with AVX2) 116 against 92 ms, and the logits in 151 ms as one
-    product against 80-85 over 8 to 32 slices of the table, concatenated. So in a graph not
-    compiled by XLA the head times the forms once per shape (`_time_tf_head`, ~2-3 s at that
-    size, at the first trace) and keeps the fastest; `set_tf_head_products` fixes them.
+    another (an AMD EPYC with AVX2) 116 against 92 ms, and the logits in 136-160 ms as one
+    product against 80-85 over 8 to 64 slices of the table, concatenated. So in a graph not
+    compiled by XLA, a head of `TF_HEAD_TIMING_LOGITS` logits or more times the forms once
+    per shape at its first trace (`_time_tf_head`: 1.2-2.1 s at that size) and keeps the
+    fastest (GPT training there, interleaved: 2,333 -> 2,559 tokens/s);
+    `set_tf_head_products` fixes them.
 
     A bias is a column of the product, `[hidden, 1] @ [table, bias].T` (as on JAX,
     `_jax_tied_logits_with_bias`), not a second pass over the logits: at those sizes
