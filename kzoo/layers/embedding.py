@@ -6,6 +6,7 @@ from keras import ops
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import clip
+from kzoo.layers.utils import fastest_way
 from kzoo.layers.utils import over_rows
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
@@ -382,21 +383,9 @@ def _tf_head_forms(rows, dim, vocab, dtype):
 
 
 def _fastest(ways, calls, clock):
-    """The key of the fastest of `ways` ({key: function}, the first the default): each run
-    1 + `calls` times, alternating, the first run untimed; a way other than the first wins
-    only below `_TF_HEAD_MARGIN` times the first's median."""
-    import statistics
-
-    seconds = {key: [] for key in ways}
-    for _ in range(1 + calls):
-        for key, way in ways.items():
-            start = clock()
-            way()
-            seconds[key].append(clock() - start)
-    medians = {key: statistics.median(times[1:]) for key, times in seconds.items()}
-    first = next(iter(ways))
-    best = min(medians, key=medians.get)
-    return best if medians[best] < _TF_HEAD_MARGIN * medians[first] else first
+    """`fastest_way` with `_TF_HEAD_MARGIN`: a way other than the first (the old form) must
+    be clearly faster to change the graph."""
+    return fastest_way(ways, calls, clock, _TF_HEAD_MARGIN)
 
 
 def _time_tf_head(rows, dim, vocab, dtype, clock=None):

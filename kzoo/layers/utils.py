@@ -517,12 +517,30 @@ def _post_op_wins(activation, x, weight, bias):
     return won
 
 
+def fastest_way(ways, calls, clock, margin=1.0):
+    """The key of the fastest of `ways` ({key: function}; the first is the default): each
+    runs 1 + `calls` times, the ways alternating, the first run of each untimed; another way
+    wins only when its median time is below `margin` times the first's (`margin=1.0`: a tie
+    to the first). `clock`: the timer."""
+    import statistics
+
+    seconds = {key: [] for key in ways}
+    for _ in range(1 + calls):
+        for key, way in ways.items():
+            start = clock()
+            way()
+            seconds[key].append(clock() - start)
+    medians = {key: statistics.median(times[1:]) for key, times in seconds.items()}
+    first = next(iter(ways))
+    best = min(medians, key=medians.get)
+    return best if medians[best] < margin * medians[first] else first
+
+
 def _time_post_op(activation, rows, weight, bias, clock=None):
     """Whether oneDNN's post-op computed `activation(rows @ weight^T + bias)` faster than the
     product then `_activation_after`, on up to `2 * ACTIVATION_TIMING_ROWS` of `rows`: the
     two ways alternate, each 1 + `_ACTIVATION_TIMING_CALLS` times (the first untimed), and
     their medians compare. `clock`: the timer (`time.perf_counter`)."""
-    import statistics
     import time
 
     clock = clock or time.perf_counter
@@ -532,14 +550,7 @@ def _time_post_op(activation, rows, weight, bias, clock=None):
     ways = {True: lambda: op(sample, weight, bias, attr, [], algorithm),
             False: lambda: _activation_after(activation, op(sample, weight, bias, "none", [],
                                                             ""))}
-    seconds = {True: [], False: []}
-    for _ in range(1 + _ACTIVATION_TIMING_CALLS):
-        for fused, way in ways.items():
-            start = clock()
-            way()
-            seconds[fused].append(clock() - start)
-    seconds = {fused: times[1:] for fused, times in seconds.items()}
-    return statistics.median(seconds[True]) <= statistics.median(seconds[False])
+    return fastest_way(ways, _ACTIVATION_TIMING_CALLS, clock)  # (a tie to the post-op)
 
 
 def torch_linear_uses_onednn(x, weight, bias=None):
