@@ -12,7 +12,9 @@ ratios of every backend). Every system runs each model in a fresh process (this 
 started with KERAS_BACKEND set), one process per system, model and round, the systems
 interleaved (the order rotates each round) so that a change of the machine's load hits them
 alike, and no model's figures (its memory above all) depend on another model run before it
-in the same process. The table gives the median over the rounds.
+in the same process. The table gives the median over the rounds; with two rounds or more
+a second table gives each ratio round by round (a round's kzoo over the same round's peer)
+as its median and range, which shows how far the machine moved the ratios in that run.
 
 Models (random initialisation, float32, no dropout, same sizes everywhere):
 - GPT-2 style: vocabulary 8192, 4 pre-LN layers, width 256, 4 heads, feed-forward 1024,
@@ -283,6 +285,48 @@ def comparison_rows(medians, backends, models):
     return rows
 
 
+def _spread(values):
+    """(median, lowest, highest) of the values that are not None, or None."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values), min(values), max(values)
+
+
+def round_ratio_rows(per_round, backends, models):
+    """Rows (model, metric, backend, kzoo/transformers, kzoo/keras-hub), each ratio taken
+    round by round (a round's kzoo value over the same round's peer value, processes of one
+    round minutes apart) and given as (median, lowest, highest) over the rounds, or None
+    where no round measured both. Beside the table of medians, it says how far one run's
+    ratios move: a target inside the range is one the run cannot decide."""
+    hf_key = system_key("transformers", "torch")
+    rows = []
+
+    def value(result, key, model, metric):
+        return result.get(key, {}).get(model, {}).get(metric)
+
+    for model in models:
+        for metric in METRICS[model]:
+            for backend in backends:
+                kz_key = system_key("kzoo", backend)
+                kh_key = system_key("keras-hub", backend)
+                rows.append((model, metric, backend,
+                             _spread([ratio(value(r, kz_key, model, metric),
+                                            value(r, hf_key, model, metric))
+                                      for r in per_round]),
+                             _spread([ratio(value(r, kz_key, model, metric),
+                                            value(r, kh_key, model, metric))
+                                      for r in per_round])))
+    return rows
+
+
+def _fmt_spread(spread):
+    if spread is None:
+        return "n/a"
+    mid, low, high = spread
+    return f"{mid:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def floor_rows(medians, backends, models):
     """Rows (model, metric, backend, floor, kzoo, kzoo/floor, floor/transformers,
     floor/keras-hub): how close kzoo runs to a step (a decode loop) of nothing but its matmuls
@@ -390,8 +434,10 @@ def format_table(header, rows, left=3):
     return "\n".join(out)
 
 
-def report(medians, backends, models, size, rounds, notes=()):
-    """The text the benchmark prints: the comparison table, then training utilisation."""
+def report(medians, backends, models, size, rounds, notes=(), per_round=None):
+    """The text the benchmark prints: the comparison table, the per-round ratios (with
+    `per_round`, the rounds' results, when there are two rounds or more), then training
+    utilisation, memory and the matmul floors."""
     rows = [(m, f"{metric} ({UNITS[metric]})", b, _fmt(kz), _fmt(kh), _fmt(hf),
              _fmt(r1, "ratio"), _fmt(r2, "ratio"))
             for m, metric, b, kz, kh, hf, r1, r2 in comparison_rows(medians, backends, models)]
@@ -399,6 +445,15 @@ def report(medians, backends, models, size, rounds, notes=()):
             format_table(("model", "metric", "backend", "kzoo", "keras-hub",
                           "transformers(torch)", "kzoo/transformers", "kzoo/keras-hub"),
                          rows)]
+    if per_round is not None and len(per_round) >= 2:
+        text.extend(["", f"Ratios round by round: each round's kzoo over the same round's peer, "
+                     f"median (lowest-highest) of {len(per_round)} rounds; a target inside a "
+                     "range is one this run cannot decide.",
+                     format_table(("model", "metric", "backend", "kzoo/transformers",
+                                   "kzoo/keras-hub"),
+                                  [(m, metric, b, _fmt_spread(r1), _fmt_spread(r2))
+                                   for m, metric, b, r1, r2 in round_ratio_rows(
+                                       per_round, backends, models)], left=3)])
     peak, per_backend = matmul_peak(medians)
     util = utilisation_rows(medians, size, models, peak)
     if util:
@@ -1093,11 +1148,11 @@ def main(argv=None):
     size = SIZES[size_name]
     notes += token_count_notes(medians, models, size["prompts"] * size["new_tokens"])
     notes.append(allocator_note(args.same_allocator))
-    print(report(medians, backends, models, size, rounds, notes))
+    print(report(medians, backends, models, size, rounds, notes, per_round))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "rounds": rounds, "medians": medians}, f,
-                      indent=1)
+            json.dump({"size": size, "rounds": rounds, "medians": medians,
+                       "per_round": per_round}, f, indent=1)
 
 
 if __name__ == "__main__":

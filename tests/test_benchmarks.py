@@ -115,6 +115,32 @@ def test_format_table_and_report_text():
     assert util == [["gpt", "kzoo/jax", "10,000,000", "11.0", "18.4%"]]
 
 
+def test_round_ratios_pair_each_round_with_itself():
+    rows = {(m, k, b): (r1, r2) for m, k, b, r1, r2 in peers.round_ratio_rows(
+        ROUNDS, ["jax", "torch"], ["gpt"])}
+    # train, kzoo/transformers: 100/80, 120/60, 90/100 -> 1.25, 2.0, 0.9 (the ratio of the
+    # medians, 100/80, is the middle one only by chance); kzoo/keras-hub: 2.0, 3.0, 1.5.
+    assert rows["gpt", "train", "jax"] == ((1.25, 0.9, 2.0), (2.0, 1.5, 3.0))
+    # forward: 400/500, 300/600, 350/700 -> 0.8, 0.5, 0.5; keras-hub: 2.0, 1.2, 2.333...
+    (mid, low, high), kh = rows["gpt", "forward", "jax"]
+    assert (mid, low, high) == (0.5, 0.5, 0.8)
+    assert kh[0] == 2.0 and kh[1] == 1.2 and abs(kh[2] - 350 / 150) < 1e-12
+    # keras-hub never decoded, and no round has kzoo on torch: no ratio.
+    assert rows["gpt", "decode", "jax"][1] is None
+    assert rows["gpt", "train", "torch"] == (None, None)
+    text = peers.report(peers.median_results(ROUNDS), ["jax"], ["gpt"], TINY, 3,
+                        per_round=ROUNDS)
+    section = text.split("Ratios round by round")[1].splitlines()
+    assert section[3].split() == ["gpt", "train", "jax", "1.25x", "(0.90-2.00)", "2.00x",
+                                  "(1.50-3.00)"]
+    assert section[5].split() == ["gpt", "decode", "jax", "0.48x", "(0.47-0.50)", "n/a"]
+    assert "Ratios round by round" in text
+    # One round: nothing to pair, no section.
+    one = peers.report(peers.median_results(ROUNDS[:1]), ["jax"], ["gpt"], TINY, 1,
+                       per_round=ROUNDS[:1])
+    assert "Ratios round by round" not in one
+
+
 def test_count_new_tokens_of_lists_and_arrays():
     assert peers.count_new_tokens([[1, 2, 3], [4], []]) == 4
     assert peers.count_new_tokens(np.zeros((4, 128), "int32")) == 512
