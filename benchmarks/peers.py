@@ -148,8 +148,8 @@ def median_results(rounds):
                     slot.setdefault(model, []).append(values)
 
     def med(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
+        spread = _spread(values)
+        return spread[0] if spread else None
 
     return {s: {m: ({k: med(v) for k, v in vals.items()} if isinstance(vals, dict) else med(vals))
                 for m, vals in per.items()} for s, per in out.items()}
