@@ -35,6 +35,12 @@ CONFIGS = {
                                    rope_scaling_factor=4.0, rope_low_freq_factor=1.0,
                                    rope_high_freq_factor=4.0,
                                    rope_original_max_position_embeddings=4),
+    # YaRN: its ramp over the frequencies and its attention factor (the default, 1.14) on
+    # cos and sin, the original context (4) shorter than the prompts and steps
+    "rotary_yarn": dict(norm="rmsnorm", position="rotary", feedforward="gated",
+                        activation="silu", use_bias=False, rope_scaling_type="yarn",
+                        rope_scaling_factor=4.0, rope_original_max_position_embeddings=4,
+                        rope_beta_fast=8.0),
     # the paper's pairing and linear position interpolation, set on the layers below
     "rotary_interleaved_scaled_geglu": dict(position="rotary", feedforward="gated",
                                             activation="gelu_tanh"),

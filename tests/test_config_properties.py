@@ -76,11 +76,14 @@ KINDS = {
         attention_scale=(POS_FLOAT, True), initializer_range=(POS_FLOAT, False),
         **ATTENTION_FIELDS, packed_inputs=(BOOL, False), **SAVERS,
         head_dim=(POS_INT, True),  # even with rotary positions (see CROSS)
-        rope_scaling_type=(CHOICE_OR_NONE, ("linear", "llama3")),  # rotary only
+        rope_scaling_type=(CHOICE_OR_NONE, ("linear", "llama3", "yarn")),  # rotary only
         rope_scaling_factor=(POS_FLOAT, False),  # 1.0 without a scaling type (see CROSS)
         # the llama3 settings: required by it, None otherwise; high > low (see CROSS)
         rope_low_freq_factor=(POS_FLOAT, True), rope_high_freq_factor=(POS_FLOAT, True),
-        rope_original_max_position_embeddings=(POS_INT, True),
+        rope_original_max_position_embeddings=(POS_INT, True),  # llama3 and yarn
+        # the other yarn settings: None otherwise; beta_fast > beta_slow (see CROSS)
+        rope_beta_fast=(POS_FLOAT, True), rope_beta_slow=(POS_FLOAT, True),
+        rope_attention_factor=(POS_FLOAT, True), rope_truncate=(BOOL, True),
     ),
     "bert": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -212,7 +215,7 @@ def gpt_config(draw, exportable=False):
     )
     if rotary:  # heads of another size than width / heads, RoPE scaling
         config["head_dim"] = draw(st.sampled_from([None, 2, 6]))
-        kind = draw(st.sampled_from([None, "linear", "llama3"]))
+        kind = draw(st.sampled_from([None, "linear", "llama3", "yarn"]))
         if kind is not None:
             config.update(rope_scaling_type=kind,
                           rope_scaling_factor=draw(st.sampled_from([2.0, 8, 0.5])))
@@ -220,6 +223,12 @@ def gpt_config(draw, exportable=False):
             config.update(rope_low_freq_factor=draw(st.sampled_from([1.0, 0.5])),
                           rope_high_freq_factor=draw(st.sampled_from([4.0, 2])),
                           rope_original_max_position_embeddings=draw(st.sampled_from([4, 16])))
+        if kind == "yarn":
+            config.update(rope_original_max_position_embeddings=draw(st.sampled_from([4, 16])),
+                          rope_beta_fast=draw(st.sampled_from([None, 32.0, 8])),
+                          rope_beta_slow=draw(st.sampled_from([None, 1.0, 2])),
+                          rope_attention_factor=draw(st.sampled_from([None, 1.0, 1.5])),
+                          rope_truncate=draw(st.sampled_from([None, True, False])))
     return config
 
 
@@ -451,7 +460,7 @@ def cross_field_invalid(family, field, config):
         if field == "head_dim" and rotary:
             return st.sampled_from([1, 3, 5])  # odd: RoPE rotates pairs
         if field == "rope_scaling_type" and not rotary:
-            return st.sampled_from(["linear", "llama3"])
+            return st.sampled_from(["linear", "llama3", "yarn"])
         if field == "rope_scaling_factor" and c.get("rope_scaling_type") is None:
             return st.sampled_from([2.0, 0.5, 8])
         llama3 = c.get("rope_scaling_type") == "llama3"
@@ -459,8 +468,15 @@ def cross_field_invalid(family, field, config):
             return st.just(c["rope_low_freq_factor"])  # must be greater
         if field in ("rope_low_freq_factor", "rope_high_freq_factor") and not llama3:
             return st.sampled_from([1.0, 4.0])  # (only used by llama3)
-        if field == "rope_original_max_position_embeddings" and not llama3:
+        yarn = c.get("rope_scaling_type") == "yarn"
+        if field == "rope_original_max_position_embeddings" and not (llama3 or yarn):
             return st.just(8192)
+        if field == "rope_beta_fast" and yarn:  # must be greater than beta_slow (default 1)
+            return st.just(c.get("rope_beta_slow") or 1.0)
+        if field in ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor") and not yarn:
+            return st.sampled_from([1.0, 32.0])  # (only used by yarn)
+        if field == "rope_truncate" and not yarn:
+            return st.booleans()
         if field == "num_kv_heads":
             return _not_dividing(c["num_heads"], 2)
         if field == "num_experts":

@@ -1186,7 +1186,7 @@ def test_gpt_head_dim_and_rope_scaling_config_round_trip_and_errors():
     for bad, field in (
             (dict(head_dim=0), "head_dim"),
             (dict(head_dim=7, **rotary), "head_dim"),
-            (dict(rope_scaling_type="yarn", **rotary), "rope_scaling_type"),
+            (dict(rope_scaling_type="dynamic", **rotary), "rope_scaling_type"),
             (dict(rope_scaling_type="linear"), "rope_scaling_type"),  # learned positions
             (dict(rope_scaling_factor=2.0, **rotary), "rope_scaling_factor"),
             (dict(rope_scaling_type="linear", rope_scaling_factor=0, **rotary),
@@ -1204,7 +1204,12 @@ def test_gpt_head_dim_and_rope_scaling_config_round_trip_and_errors():
 
 @pytest.mark.parametrize("model_type, field, value", [
     ("llama", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
-    ("llama", "rope_scaling", {"type": "yarn", "factor": 4.0}),
+    ("llama", "rope_scaling", {"type": "yarn"}),  # no factor
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1.0,
+                               "beta_slow": 32.0}),  # the ramp's ends swapped
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1.0}),
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}),
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1.0}),
     ("mistral", "rope_scaling", {"rope_type": "longrope", "factor": 2.0}),
     ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0}),  # original_max_position_embeddings?

@@ -33,6 +33,7 @@ The sweeps (mark `sweep`) run on torch by default and on JAX and TensorFlow too 
 `make test-all` (tests/conftest.py).
 """
 
+import json
 import os
 import tempfile
 
@@ -215,7 +216,7 @@ def modern_configs(draw, model_type=None):
     head_dim = draw(st.one_of(st.none(), st.sampled_from(HEAD_DIMS)), label="explicit head_dim")
     if head_dim is not None:
         config["head_dim"] = head_dim
-    scaling = draw(st.sampled_from([None, "linear", "llama3"]), label="rope_scaling")
+    scaling = draw(st.sampled_from([None, "linear", "llama3", "yarn"]), label="rope_scaling")
     if scaling is not None:
         key = draw(st.sampled_from(["rope_type", "type"]), label="rope_scaling key")
         config["rope_scaling"] = {key: scaling, "factor": draw(
@@ -227,6 +228,24 @@ def modern_configs(draw, model_type=None):
                 high_freq_factor=low + draw(st.sampled_from([0.5, 3.0]), label="high - low"),
                 original_max_position_embeddings=draw(st.integers(4, 24),
                                                       label="original_max_position_embeddings"))
+        if scaling == "yarn":  # each setting given or left to transformers' default
+            yarn = dict(
+                original_max_position_embeddings=draw(st.one_of(st.none(), st.integers(
+                    4, 24)), label="original_max_position_embeddings"),
+                beta_fast=draw(st.sampled_from([None, 8.0, 32.0]), label="beta_fast"),
+                beta_slow=draw(st.sampled_from([None, 0.5, 1.0]), label="beta_slow"),
+                attention_factor=draw(st.sampled_from([None, 0.8, 1.3]),
+                                      label="attention_factor"),
+                truncate=draw(st.sampled_from([None, True, False]), label="truncate"))
+            if draw(st.booleans(), label="DeepSeek's mscales"):
+                yarn.update(mscale=draw(st.sampled_from([0.707, 1.0]), label="mscale"),
+                            mscale_all_dim=draw(st.sampled_from([0.707, 1.0]),
+                                                label="mscale_all_dim"))
+            config["rope_scaling"].update(
+                {key: value for key, value in yarn.items() if value is not None})
+            # (transformers' YaRN reads `head_dim` from the config, None in Mistral's and
+            # Mixtral's unless given)
+            config.setdefault("head_dim", hidden // heads)
     if model_type == "mixtral":
         experts = draw(st.integers(1, 4), label="num_local_experts")
         config.update(num_local_experts=experts,
@@ -341,6 +360,45 @@ def test_llama_default_rope_scaling_loads_as_none(tmp_path, scaling):
     model = kzoo.presets.load(tmp_path)
     ids = np.random.default_rng(2).integers(0, 64, (2, 12)).astype("int32")
     _assert_decoder_matches(model, hf, ids, np.ones_like(ids), f"llama rope_scaling {scaling}")
+
+
+@pytest.mark.parametrize("model_type, scaling", [
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    ("mistral", {"type": "yarn", "factor": 8.0, "beta_fast": 8.0, "beta_slow": 0.5,
+                 "truncate": False}),
+    ("mixtral", {"rope_type": "yarn", "factor": 2.0, "mscale": 0.707, "mscale_all_dim": 1.0,
+                 "original_max_position_embeddings": 6}),
+    ("llama", {"rope_type": "yarn", "factor": 16.0, "attention_factor": 1.5}),
+])
+def test_yarn_rope_scaling_matches_transformers(model_type, scaling, tmp_path):
+    """YaRN (`rope_scaling` type "yarn", Qwen2.5 / DeepSeek style settings): the forward pass
+    past the original context, greedy decoding of left-padded prompts (the decode loops
+    rotate with their own tables) and the checkpoint written back."""
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=32, rope_theta=50.0, rope_scaling=scaling,
+                  initializer_range=0.2, eos_token_id=None, bos_token_id=None)
+    if model_type == "mixtral":
+        config.update(num_local_experts=3, num_experts_per_tok=2)
+    hf = _hf_modern(tmp_path / "hf", model_type, config, seed=5)
+    model = kzoo.presets.load(tmp_path / "hf")
+    assert model.backbone.rope_scaling_type == "yarn"
+    ids = np.random.default_rng(5).integers(0, 64, (3, 24)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[2, 17:] = 0
+    _assert_decoder_matches(model, hf, ids, mask, f"{model_type} {scaling}")
+    prompts = [[5, 9, 11, 3, 40, 2, 7], [17, 8], [60, 61, 62, 1]]
+    expected = _hf_greedy(hf, prompts, 16, eos=None)
+    got = model.generate(prompts, max_new_tokens=16, strategy="greedy", stop_token_ids=None,
+                         compile=QUICKER_LOOP)
+    assert got == expected
+    assert min(len(set(row)) for row in got) >= 3, got  # (not one token repeated)
+    # written back (every setting explicit), read by transformers: the same logits
+    kzoo.presets.save(model, tmp_path / "again", format="hf")
+    written = json.loads((tmp_path / "again" / "config.json").read_text())["rope_scaling"]
+    assert written["rope_type"] == "yarn" and written["factor"] == scaling["factor"]
+    again = type(hf).from_pretrained(tmp_path / "again").eval()
+    _assert_decoder_matches(model, again, ids, mask, f"{model_type} {scaling} written back")
 
 
 # === Greedy decoding (both decoder kinds) ===
@@ -538,9 +596,10 @@ UNSUPPORTED = {
                      "activation_function"),
     "gpt2 mish": (lambda: _tiny_gpt2(activation_function="mish"), "activation_function"),
     "gpt2 relu6": (lambda: _tiny_gpt2(activation_function="relu6"), "activation_function"),
-    "llama rope_scaling yarn": (
+    "llama rope_scaling longrope": (
         lambda: _tiny_modern("llama", rope_scaling={
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+            "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
         "rope_scaling"),
     "llama rope_scaling dynamic": (
         lambda: _tiny_modern("llama", rope_scaling={"type": "dynamic", "factor": 2.0}),
@@ -552,10 +611,10 @@ UNSUPPORTED = {
     "llama mlp_bias only": (lambda: _tiny_modern("llama", mlp_bias=True), "mlp_bias"),
     "llama hidden_act gelu_10": (lambda: _tiny_modern("llama", hidden_act="gelu_10"),
                                  "hidden_act"),
-    "mixtral rope_scaling yarn": (
+    "mixtral rope_scaling dynamic": (
         # (transformers' Mixtral computes a scaled RoPE from `head_dim` alone)
         lambda: _tiny_modern("mixtral", head_dim=8, rope_scaling={
-            "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}),
+            "rope_type": "dynamic", "factor": 2.0}),
         "rope_scaling"),
     "bert relative_key": (lambda: _tiny_bert(position_embedding_type="relative_key"),
                           "position_embedding_type"),

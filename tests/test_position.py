@@ -210,6 +210,69 @@ def test_rope_llama3_inverse_frequencies_match_numpy(base, dim, factor, low, hig
     assert_close(out, np_rotate_half(x, np.arange(start, start + 4), expected), atol=2e-5)
 
 
+def np_yarn(base, dim, factor, original, beta_fast=32.0, beta_slow=1.0, truncate=True,
+            attention_factor=None):
+    """YaRN (Peng et al. 2023, as its reference code and transformers compute it), one
+    frequency at a time: the dimension index where a frequency makes `beta` turns over the
+    original context is `dim * ln(original / (2 pi beta)) / (2 ln base)`; between the
+    index for beta_fast (floor when truncating) and for beta_slow (ceil), frequency i moves
+    linearly from kept to divided by the factor. Returns (inverse frequencies, the factor
+    cos and sin are multiplied by: 0.1 ln(factor) + 1 unless given)."""
+    def index(beta):
+        return dim * math.log(original / (2 * math.pi * beta)) / (2 * math.log(base))
+
+    start, stop = index(beta_fast), index(beta_slow)
+    if truncate:
+        start, stop = math.floor(start), math.ceil(stop)
+    start, stop = max(start, 0), min(stop, dim - 1)
+    if start == stop:
+        stop += 0.001
+    out = []
+    for i in range(dim // 2):
+        freq = base ** (-2 * i / dim)
+        weight = min(max((i - start) / (stop - start), 0.0), 1.0)  # 0: kept, 1: divided
+        out.append((1 - weight) * freq + weight * freq / factor)
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
+    return np.array(out), attention_factor
+
+
+@pytest.mark.parametrize("base, dim, factor, original, settings", [
+    (10000.0, 128, 4.0, 4096, {}),  # Qwen2.5's YaRN settings (factor 4 over 32768 in theirs)
+    (500000.0, 64, 8.0, 8192, dict(beta_fast=16.0, beta_slow=2.0, truncate=False)),
+    (10000.0, 16, 2.0, 16, dict(attention_factor=1.25)),
+    (100.0, 8, 0.5, 64, {}),  # a factor below 1: no attention factor
+    (10.0, 4, 4.0, 1, {}),  # every index clipped to 0: an empty band
+])
+def test_rope_yarn_matches_numpy_and_transformers(base, dim, factor, original, settings):
+    expected, scale = np_yarn(base, dim, factor, original, **settings)
+    got = rope_inverse_frequencies(base, dim, "yarn", factor,
+                                   original_max_position_embeddings=original, **settings)
+    assert got.dtype == np.float32 and got.shape == (dim // 2,)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    layer = RotaryEmbedding(max_wavelength=base, scaling_factor=factor, scaling_type="yarn",
+                            original_max_position_embeddings=original, **settings)
+    assert layer.rotation_scale() == pytest.approx(scale, rel=1e-12)
+    x = rng(4).normal(size=(2, 5, 2, dim)).astype("float32")
+    start = min(original + 2, 40)  # (float32 angles of thousands of radians: ~1e-3 only)
+    out = layer(x, start_index=start)
+    assert_close(out, scale * np_rotate_half(x, np.arange(start, start + 5), expected),
+                 atol=2e-5)
+    # transformers' own YaRN (the frequencies and the factor its rotary layer multiplies cos
+    # and sin by)
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(
+        hidden_size=dim * 2, num_attention_heads=2, rope_theta=base,
+        max_position_embeddings=original, rope_scaling={
+            "rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": original, **settings})
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    np.testing.assert_allclose(got, theirs.numpy(), rtol=2e-6)
+    assert layer.rotation_scale() == pytest.approx(their_scale, rel=1e-7)
+
+
 def test_rope_conventions_by_hand():
     # head_dim 4, position 1, base 1 => every pair is rotated by exactly 1 radian.
     x = np.zeros((1, 2, 1, 4), "float32")
@@ -394,7 +457,19 @@ def test_relative_position_bias_values(hf_t5, bidirectional):
         (lambda: PositionEmbedding(sequence_length=8, initializer="nope"), "initializer"),
         (lambda: RotaryEmbedding(max_wavelength=-1), "max_wavelength"),
         (lambda: RotaryEmbedding(scaling_factor=0), "scaling_factor"),
-        (lambda: RotaryEmbedding(scaling_type="yarn"), "scaling_type"),
+        (lambda: RotaryEmbedding(scaling_type="dynamic"), "scaling_type"),
+        (lambda: RotaryEmbedding(scaling_type="yarn"), "original_max_position_embeddings"),
+        (lambda: RotaryEmbedding(scaling_type="yarn", original_max_position_embeddings=8,
+                                 beta_fast=1.0, beta_slow=2.0), "beta_fast"),
+        (lambda: RotaryEmbedding(scaling_type="yarn", original_max_position_embeddings=8,
+                                 attention_factor=0.0), "attention_factor"),
+        (lambda: RotaryEmbedding(scaling_type="yarn", original_max_position_embeddings=8,
+                                 truncate=1), "truncate"),
+        (lambda: RotaryEmbedding(scaling_type="yarn", original_max_position_embeddings=8,
+                                 low_freq_factor=1.0), "low_freq_factor"),
+        (lambda: RotaryEmbedding(scaling_type="llama3", beta_fast=32.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=8),
+         "beta_fast"),
         (lambda: RotaryEmbedding(scaling_type="llama3", high_freq_factor=4.0,
                                  original_max_position_embeddings=8), "low_freq_factor"),
         (lambda: RotaryEmbedding(scaling_type="llama3", low_freq_factor=2.0,

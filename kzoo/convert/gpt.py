@@ -29,12 +29,16 @@ run on sequences longer than `max_position_embeddings`, where a window that long
 bites; LLaMA's attention ignores the field, and so does kzoo), `head_dim` (heads of any
 size: the query projection `num_attention_heads * head_dim`, Mistral-Nemo style; kzoo's
 `head_dim` field), `rope_scaling` (its type under "rope_type" or the older "type") of type
-"default" (no scaling), "linear" (`factor`: kzoo's `rope_scaling_type="linear"`) and
+"default" (no scaling), "linear" (`factor`: kzoo's `rope_scaling_type="linear"`),
 "llama3" (Llama 3.1 / 3.2: `factor`, `low_freq_factor`, `high_freq_factor`,
-`original_max_position_embeddings`, each required); warned about (training only):
-`attention_dropout` > 0 (kzoo's one `dropout` also drops embeddings and sub-layer outputs),
-Mixtral's `router_jitter_noise` > 0 (not implemented); rejected: any other `rope_scaling` type
-("dynamic", "yarn", "longrope", ...: named in the error), a `partial_rotary_factor` other than
+`original_max_position_embeddings`, each required) and "yarn" (`factor` required;
+`original_max_position_embeddings`, `beta_fast`, `beta_slow`, `attention_factor` or
+DeepSeek's `mscale` / `mscale_all_dim`, and `truncate` read with transformers' defaults);
+warned about (training only): `attention_dropout` > 0 (kzoo's one `dropout` also drops
+embeddings and sub-layer outputs), Mixtral's `router_jitter_noise` > 0 (not implemented);
+rejected: any other `rope_scaling` type ("dynamic", "longrope", ...: named in the error;
+"dynamic" changes the frequencies with the length of each call, which a compiled decode
+loop of fixed shapes does not see), a `partial_rotary_factor` other than
 1, `attention_bias != mlp_bias`. `to_hf` writes `head_dim` (always) and `rope_scaling` back.
 
 Example:
@@ -51,6 +55,7 @@ import numpy as np
 
 from kzoo import registry
 from kzoo.convert import assign, hf_token_ids
+from kzoo.layers.position import yarn_attention_factor, yarn_settings
 from kzoo.models.gpt import GPTConfig
 
 FAMILY = "gpt"
@@ -264,26 +269,37 @@ _MODERN_HF_NAMES = dict(
     top_k="num_experts_per_tok", head_dim="head_dim", rope_scaling_type="rope_scaling",
     rope_scaling_factor="rope_scaling", rope_low_freq_factor="rope_scaling",
     rope_high_freq_factor="rope_scaling", rope_original_max_position_embeddings="rope_scaling",
+    rope_beta_fast="rope_scaling", rope_beta_slow="rope_scaling",
+    rope_attention_factor="rope_scaling", rope_truncate="rope_scaling",
 )
 
-# transformers' `rope_scaling` types that kzoo computes: "default" (none), "linear" and
-# "llama3" (their settings -> GPTConfig fields). The others ("dynamic", "yarn", "longrope",
-# ...) are refused by name.
-_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' `rope_scaling` types that kzoo computes: "default" (none), "linear", "llama3"
+# and "yarn" (their settings -> GPTConfig fields). The others ("dynamic", "longrope", ...)
+# are refused by name.
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_KEYS = dict(low_freq_factor="rope_low_freq_factor",
                     high_freq_factor="rope_high_freq_factor",
                     original_max_position_embeddings="rope_original_max_position_embeddings")
+_YARN_KEYS = dict(original_max_position_embeddings="rope_original_max_position_embeddings",
+                  beta_fast="rope_beta_fast", beta_slow="rope_beta_slow",
+                  attention_factor="rope_attention_factor", truncate="rope_truncate")
+# transformers' other "yarn" keys: DeepSeek's two `mscale`s, which set the attention factor
+# when `attention_factor` is not given.
+_YARN_MSCALE_KEYS = ("mscale", "mscale_all_dim")
 
 
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _rope_scaling_from_hf(model_type, scaling):
+def _rope_scaling_from_hf(model_type, scaling, max_position_embeddings=None):
     """The GPTConfig RoPE scaling fields of a config.json's `rope_scaling` (its type under
     "rope_type" or the older "type"): {} for None / "default", else `rope_scaling_type`,
-    `rope_scaling_factor` and for "llama3" its three settings (their values are checked by
-    `GPTConfig`, whose errors then name `rope_scaling`)."""
+    `rope_scaling_factor` and for "llama3" its three settings, for "yarn" its settings as
+    transformers reads them (`original_max_position_embeddings` falling back to
+    `max_position_embeddings`, `beta_fast` / `beta_slow` of 0 or null meaning the defaults,
+    the attention factor from `factor` and the `mscale`s when not given). Their values are
+    checked by `GPTConfig`, whose errors then name `rope_scaling`."""
     if scaling is None:
         return {}
     field = f"{model_type} config field `rope_scaling`={scaling!r}"
@@ -293,8 +309,8 @@ def _rope_scaling_from_hf(model_type, scaling):
     if kind not in _ROPE_TYPES:
         raise ValueError(
             f"{field}: rope_type {kind!r} is not supported; kzoo computes rope_type "
-            f"{list(_ROPE_TYPES)} (\"dynamic\", \"yarn\", \"longrope\" and the others are "
-            "not implemented)."
+            f"{list(_ROPE_TYPES)} (\"dynamic\", \"longrope\" and the others are not "
+            "implemented)."
         )
     if kind == "default":
         return {}  # (transformers' name for no scaling: the plain rotary frequencies)
@@ -305,6 +321,22 @@ def _rope_scaling_from_hf(model_type, scaling):
     rope = dict(rope_scaling_type=kind, rope_scaling_factor=scaling["factor"])
     if kind == "llama3":
         rope.update({ours: scaling[key] for key, ours in _LLAMA3_KEYS.items()})
+    if kind == "yarn":
+        unknown = sorted(set(scaling) - {"rope_type", "type", "factor", *_YARN_KEYS,
+                                         *_YARN_MSCALE_KEYS})
+        if unknown:
+            raise ValueError(f"{field}: unknown \"yarn\" key(s) {unknown}; transformers "
+                             f"reads {['factor', *_YARN_KEYS, *_YARN_MSCALE_KEYS]}.")
+        rope.update({ours: scaling.get(key) for key, ours in _YARN_KEYS.items()})
+        # (transformers: `x or default` for these three)
+        rope["rope_original_max_position_embeddings"] = (
+            scaling.get("original_max_position_embeddings") or max_position_embeddings)
+        rope["rope_beta_fast"] = scaling.get("beta_fast") or None
+        rope["rope_beta_slow"] = scaling.get("beta_slow") or None
+        factor, mscales = scaling["factor"], [scaling.get(key) for key in _YARN_MSCALE_KEYS]
+        if rope["rope_attention_factor"] is None and all(mscales) and isinstance(
+                factor, (int, float)) and not isinstance(factor, bool) and factor > 0:
+            rope["rope_attention_factor"] = yarn_attention_factor(factor, *mscales)
     return rope
 
 
@@ -319,6 +351,14 @@ def _rope_scaling_to_hf(backbone):
                        high_freq_factor=float(backbone.rope_high_freq_factor),
                        original_max_position_embeddings=int(
                            backbone.rope_original_max_position_embeddings))
+    if kind == "yarn":  # (every setting written, the defaults filled in)
+        beta_fast, beta_slow, attention_factor, truncate = yarn_settings(
+            backbone.rope_scaling_factor, backbone.rope_beta_fast, backbone.rope_beta_slow,
+            backbone.rope_attention_factor, backbone.rope_truncate)
+        scaling.update(original_max_position_embeddings=int(
+                           backbone.rope_original_max_position_embeddings),
+                       beta_fast=float(beta_fast), beta_slow=float(beta_slow),
+                       attention_factor=float(attention_factor), truncate=bool(truncate))
     return scaling
 
 
@@ -332,7 +372,8 @@ def _modern_config_from_hf(hf_config, source):
             f"Unsupported {model_type} architecture {arch!r} (config field `architectures`); "
             f"kzoo reads {sorted(archs)}."
         )
-    rope = _rope_scaling_from_hf(model_type, cfg.get("rope_scaling"))
+    rope = _rope_scaling_from_hf(model_type, cfg.get("rope_scaling"),
+                                 cfg.get("max_position_embeddings"))
     partial = cfg.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         # (transformers' rotary frequencies read it for any model type: only the first

@@ -15,7 +15,7 @@ from kzoo.layers import efficient_attention as efficient
 from kzoo.layers import fast_decode
 from kzoo.layers.masks import causal_mask, merge_masks, normalize_mask
 from kzoo.layers.taps import active_tap
-from kzoo.layers.position import LLAMA3_ROPE_FIELDS, check_rope_scaling
+from kzoo.layers.position import ROPE_SCALING_FIELDS, check_rope_scaling
 from kzoo.layers.utils import (
     FieldError,
     check_bool,
@@ -54,15 +54,15 @@ def _check_float_mask(mask):
         )
 
 
-_ROPE_SCALING_KEYS = ("scaling_type",) + LLAMA3_ROPE_FIELDS
+_ROPE_SCALING_KEYS = ("scaling_type",) + ROPE_SCALING_FIELDS
 
 
 def check_rope_scaling_options(rope_scaling, rope_scaling_factor=1.0):
     """A `rope_scaling` argument (of `MultiHeadAttention` / `TransformerBlock`) checked with
-    `rope_scaling_factor`: None, or a dict with keys among `scaling_type`, `low_freq_factor`,
-    `high_freq_factor`, `original_max_position_embeddings` (`RotaryEmbedding`'s arguments,
-    see `kzoo.layers.position.check_rope_scaling`); returned as a plain dict (None for
-    none or `{}`)."""
+    `rope_scaling_factor`: None, or a dict with keys among `scaling_type` and
+    `kzoo.layers.position.ROPE_SCALING_FIELDS` (`RotaryEmbedding`'s arguments, see
+    `kzoo.layers.position.check_rope_scaling`); returned as a plain dict (None for none or
+    `{}`)."""
     if rope_scaling is None:
         return None
     if not isinstance(rope_scaling, dict):
@@ -111,7 +111,8 @@ class MultiHeadAttention(keras.layers.Layer):
             interpolation by default; 1.0 = none).
         rope_scaling: None or a dict of the rotary embedding's other scaling arguments
             (`RotaryEmbedding`'s `scaling_type`, `low_freq_factor`, `high_freq_factor`,
-            `original_max_position_embeddings`), e.g. Llama 3.1's `{"scaling_type": "llama3",
+            `original_max_position_embeddings`, and YaRN's `beta_fast`, `beta_slow`,
+            `attention_factor`, `truncate`), e.g. Llama 3.1's `{"scaling_type": "llama3",
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}` with `rope_scaling_factor=8.0`.
         kernel: attention kernel ("auto", "reference", "fused", "chunked").

@@ -144,12 +144,14 @@ class _Block(NamedTuple):
 
 
 def _rotary_spec(attention):
-    """(max_wavelength, scaling settings (`RotaryEmbedding.scaling`), interleaved) of a
-    self-attention's rotary positions, None without them."""
+    """(max_wavelength, scaling settings (`RotaryEmbedding.scaling`), interleaved, the
+    factor of cos and sin (`RotaryEmbedding.rotation_scale`)) of a self-attention's rotary
+    positions, None without them."""
     rotary = attention.rotary
     if rotary is None:
         return None
-    return (float(rotary.max_wavelength), rotary.scaling(), bool(rotary.interleaved))
+    return (float(rotary.max_wavelength), rotary.scaling(), bool(rotary.interleaved),
+            rotary.rotation_scale())
 
 
 def _inverse_frequencies(attention):
@@ -161,15 +163,18 @@ def _inverse_frequencies(attention):
     return torch.from_numpy(attention.rotary.inverse_frequencies(attention._head_dim))
 
 
-def rope_tables(angles, interleaved):
+def rope_tables(angles, interleaved, scale=1.0):
     """torch: the `(cos, sin)` that `rope_apply` multiplies by, from float32 `angles (...,
     head_dim / 2)`: for the "rotate half" pairing (`interleaved=False`) `[cos, cos]` and
     `[-sin, sin]` over the whole head, as `RotaryEmbedding.call` makes them; for
-    interleaved pairs the half-width `cos` and `sin`. Shared by the compiled step and the
-    eager loop (`fast_decode._rotate`, which keeps a step's tables for all its layers)."""
+    interleaved pairs the half-width `cos` and `sin`; both multiplied by `scale` (YaRN's
+    attention factor) unless it is 1. Shared by the compiled step and the eager loop
+    (`fast_decode._rotate`, which keeps a step's tables for all its layers)."""
     import torch
 
     cos, sin = torch.cos(angles), torch.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     if interleaved:
         return cos, sin
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
@@ -484,7 +489,7 @@ def _rotate(spec, inverse_frequencies, x, slot):
 
     interleaved = spec[2]
     position = slot.to(torch.float32)
-    cos, sin = rope_tables(position * inverse_frequencies, interleaved)
+    cos, sin = rope_tables(position * inverse_frequencies, interleaved, spec[3])
     return rope_apply(x, cos, sin, interleaved)
 
 

@@ -768,7 +768,8 @@ def _rotate(rotary, x, start):
     if cached is not None and cached[0] == key:
         cos, sin = cached[1]
     else:
-        # (the scaling, linear or llama3, is in the frequencies: `rope_inverse_frequencies`)
+        # (the scaling is in the frequencies, `rope_inverse_frequencies`, and YaRN's factor
+        # in the tables)
         inv_freq = torch.as_tensor(rotary.inverse_frequencies(head_dim), device=x.device)
         positions = torch.arange(seq, dtype=torch.int32, device=x.device)
         if not start_is_int:
@@ -777,7 +778,7 @@ def _rotate(rotary, x, start):
             positions = positions + start
         positions = positions.to(torch.float32)[None, :]
         angles = (positions[..., None] * inv_freq).reshape(1, seq, 1, half)
-        cos, sin = rope_tables(angles, rotary.interleaved)
+        cos, sin = rope_tables(angles, rotary.interleaved, rotary.rotation_scale())
         if keep:
             _STATE.rotary = (key, (cos, sin))
     return rope_apply(x.to(torch.float32), cos, sin, rotary.interleaved).to(x.dtype)

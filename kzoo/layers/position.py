@@ -342,25 +342,57 @@ class PositionEmbedding(_StartIndexLayer):
 
 
 # RoPE scaling types (`RotaryEmbedding.scaling_type`): "linear" position interpolation
-# (Chen et al. 2023: every frequency divided by `scaling_factor`) and Llama 3.1's
+# (Chen et al. 2023: every frequency divided by `scaling_factor`), Llama 3.1's
 # frequency-dependent rescaling ("llama3": low frequencies divided by the factor, high ones
-# kept, a smooth blend between).
-ROPE_SCALING_TYPES = ("linear", "llama3")
+# kept, a smooth blend between) and YaRN ("yarn", Peng et al. 2023: a linear ramp between
+# interpolated and kept frequencies over a band of dimensions, and the rotated vectors
+# scaled by an attention factor).
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
 # The settings of "llama3" besides the factor (Meta's Llama 3.1: 1.0, 4.0, 8192).
 LLAMA3_ROPE_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The settings of "yarn" besides the factor (the paper's defaults: beta_fast 32, beta_slow 1,
+# attention factor 0.1 ln(factor) + 1; `truncate` rounds the ramp's ends to whole
+# dimensions, as the paper's code and transformers do by default).
+YARN_ROPE_FIELDS = ("original_max_position_embeddings", "beta_fast", "beta_slow",
+                    "attention_factor", "truncate")
+# Every scaling setting besides the type and the factor, in the order `check_rope_scaling`
+# takes and returns them.
+ROPE_SCALING_FIELDS = ("low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "attention_factor", "truncate")
+_FIELDS_OF_TYPE = {"linear": (), "llama3": LLAMA3_ROPE_FIELDS, "yarn": YARN_ROPE_FIELDS}
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+
+
+def yarn_attention_factor(scaling_factor, mscale=None, mscale_all_dim=None):
+    """YaRN's default attention factor for `scaling_factor`: `0.1 ln(s) + 1` (1 for `s <=
+    1`); with both `mscale` and `mscale_all_dim` (DeepSeek's configurations) the ratio
+    `(0.1 mscale ln(s) + 1) / (0.1 mscale_all_dim ln(s) + 1)`."""
+    def scale(m):
+        return 1.0 if scaling_factor <= 1 else 0.1 * m * math.log(scaling_factor) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(scale(mscale) / scale(mscale_all_dim))
+    return float(scale(1.0))
 
 
 def check_rope_scaling(scaling_type="linear", scaling_factor=1.0, low_freq_factor=None,
                        high_freq_factor=None, original_max_position_embeddings=None,
+                       beta_fast=None, beta_slow=None, attention_factor=None, truncate=None,
                        names=None):
-    """The validated RoPE scaling settings `(scaling_type, scaling_factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings)`; a bad one raises a `FieldError`
-    naming it (by `names[argument]` where given: a config's field names).
+    """The validated RoPE scaling settings `(scaling_type, scaling_factor, *settings)`, the
+    settings in `ROPE_SCALING_FIELDS` order, None where the type does not use one; a bad
+    one raises a `FieldError` naming it (by `names[argument]` where given: a config's field
+    names).
 
-    `scaling_type` is one of `ROPE_SCALING_TYPES`; `scaling_factor` a positive number; the
-    three "llama3" settings are required by "llama3" (positive numbers, `high_freq_factor >
-    low_freq_factor`, a positive integer `original_max_position_embeddings`) and must be None
-    for "linear"."""
+    `scaling_type` is one of `ROPE_SCALING_TYPES`; `scaling_factor` a positive number.
+    "llama3" requires its three settings (positive numbers, `high_freq_factor >
+    low_freq_factor`, a positive integer `original_max_position_embeddings`). "yarn"
+    requires `original_max_position_embeddings` (the context length before scaling); its
+    others may be None for their defaults (`yarn_settings`): `beta_fast` 32.0 and
+    `beta_slow` 1.0 (positive, `beta_fast > beta_slow`), `attention_factor`
+    `yarn_attention_factor(scaling_factor)` (positive) and `truncate` True. A setting its
+    type does not use must be None."""
     names = names or {}
 
     def name(argument):
@@ -369,45 +401,106 @@ def check_rope_scaling(scaling_type="linear", scaling_factor=1.0, low_freq_facto
     scaling_type = check_choice(name("scaling_type"), scaling_type, ROPE_SCALING_TYPES)
     scaling_factor = check_positive_float(name("scaling_factor"), scaling_factor)
     given = dict(low_freq_factor=low_freq_factor, high_freq_factor=high_freq_factor,
-                 original_max_position_embeddings=original_max_position_embeddings)
-    if scaling_type != "llama3":
-        for argument, value in given.items():
-            if value is not None:
-                raise FieldError(
-                    f"`{name(argument)}` is only used with {name('scaling_type')}='llama3'; "
-                    f"got {name(argument)}={value!r} with "
-                    f"{name('scaling_type')}={scaling_type!r} (leave it None).",
-                    name(argument),
-                )
-        return scaling_type, scaling_factor, None, None, None
+                 original_max_position_embeddings=original_max_position_embeddings,
+                 beta_fast=beta_fast, beta_slow=beta_slow, attention_factor=attention_factor,
+                 truncate=truncate)
+    used = _FIELDS_OF_TYPE[scaling_type]
     for argument, value in given.items():
-        if value is None:
+        if argument not in used and value is not None:
+            users = [kind for kind, fields in _FIELDS_OF_TYPE.items() if argument in fields]
             raise FieldError(
-                f"`{name(argument)}` is required by {name('scaling_type')}='llama3' (Llama "
-                f"3.1 uses low_freq_factor=1.0, high_freq_factor=4.0, "
-                f"original_max_position_embeddings=8192); got {name(argument)}=None.",
+                f"`{name(argument)}` is only used with {name('scaling_type')} in {users}; "
+                f"got {name(argument)}={value!r} with {name('scaling_type')}="
+                f"{scaling_type!r} (leave it None).",
                 name(argument),
             )
-    low = check_positive_float(name("low_freq_factor"), low_freq_factor)
-    high = check_positive_float(name("high_freq_factor"), high_freq_factor)
+    settings = dict.fromkeys(ROPE_SCALING_FIELDS)
+    if scaling_type == "linear":
+        return (scaling_type, scaling_factor) + tuple(settings.values())
+    required = LLAMA3_ROPE_FIELDS if scaling_type == "llama3" else (
+        "original_max_position_embeddings",)
+    for argument in required:
+        if given[argument] is None:
+            raise FieldError(
+                f"`{name(argument)}` is required by {name('scaling_type')}="
+                f"{scaling_type!r} ("
+                + ("Llama 3.1 uses low_freq_factor=1.0, high_freq_factor=4.0, "
+                   "original_max_position_embeddings=8192" if scaling_type == "llama3" else
+                   "the context length the model was trained at before scaling")
+                + f"); got {name(argument)}=None.",
+                name(argument),
+            )
     original = check_positive_int(name("original_max_position_embeddings"),
-                                  original_max_position_embeddings)
-    if high <= low:
+                                  given["original_max_position_embeddings"])
+    settings["original_max_position_embeddings"] = original
+    if scaling_type == "llama3":
+        low, high = "low_freq_factor", "high_freq_factor"
+    else:
+        low, high = "beta_slow", "beta_fast"
+        settings["attention_factor"] = check_positive_float(
+            name("attention_factor"), given["attention_factor"], allow_none=True)
+        settings["truncate"] = check_bool(name("truncate"), given["truncate"], allow_none=True)
+    for argument in (low, high):
+        settings[argument] = check_positive_float(
+            name(argument), given[argument], allow_none=scaling_type == "yarn")
+    bounds = {key: _YARN_DEFAULTS[key] if settings[key] is None else settings[key]
+              for key in (low, high)}
+    if bounds[high] <= bounds[low]:
         raise FieldError(
-            f"`{name('high_freq_factor')}` must be greater than {name('low_freq_factor')}="
-            f"{low} (the llama3 blend divides by their difference); got "
-            f"{name('high_freq_factor')}={high}.",
-            name("high_freq_factor"),
+            f"`{name(high)}` must be greater than {name(low)}={bounds[low]} (the "
+            f"{scaling_type} blend runs between them); got {name(high)}={bounds[high]}.",
+            name(high),
         )
-    return scaling_type, scaling_factor, low, high, original
+    return (scaling_type, scaling_factor) + tuple(settings.values())
+
+
+def yarn_settings(scaling_factor, beta_fast=None, beta_slow=None, attention_factor=None,
+                  truncate=None):
+    """YaRN's `(beta_fast, beta_slow, attention_factor, truncate)` with the defaults in
+    place of None: 32.0, 1.0, `yarn_attention_factor(scaling_factor)` and True."""
+    return (_YARN_DEFAULTS["beta_fast"] if beta_fast is None else beta_fast,
+            _YARN_DEFAULTS["beta_slow"] if beta_slow is None else beta_slow,
+            yarn_attention_factor(scaling_factor) if attention_factor is None
+            else attention_factor,
+            _YARN_DEFAULTS["truncate"] if truncate is None else truncate)
+
+
+def rope_rotation_scale(scaling_type="linear", scaling_factor=1.0, *settings,
+                        **named_settings):
+    """The factor RoPE's cos and sin are multiplied by for these scaling settings (those of
+    `check_rope_scaling`): YaRN's attention factor (its default filled in), 1.0 for the
+    other scalings."""
+    scaling_type, factor, *values = check_rope_scaling(
+        scaling_type, scaling_factor, *settings, **named_settings)
+    if scaling_type != "yarn":
+        return 1.0
+    values = dict(zip(ROPE_SCALING_FIELDS, values))
+    return float(yarn_settings(factor, values["beta_fast"], values["beta_slow"],
+                               values["attention_factor"], values["truncate"])[2])
+
+
+def _yarn_ramp_band(head_dim, max_wavelength, original, beta_fast, beta_slow, truncate):
+    """YaRN's band of dimensions `(low, high)` over which the ramp runs: the dimensions
+    whose wavelengths make `beta_fast` and `beta_slow` turns over `original` positions
+    (`d(r) = head_dim ln(original / (2 pi r)) / (2 ln base)`), rounded outward when
+    `truncate`, clipped to `[0, head_dim - 1]`."""
+    def dimension(turns):
+        return (head_dim * math.log(original / (turns * 2 * math.pi))
+                / (2 * math.log(max_wavelength)))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, head_dim - 1)
 
 
 def rope_inverse_frequencies(max_wavelength, head_dim, scaling_type="linear",
-                             scaling_factor=1.0, low_freq_factor=None, high_freq_factor=None,
-                             original_max_position_embeddings=None):
+                             scaling_factor=1.0, *settings, **named_settings):
     """RoPE's inverse frequencies, `i < head_dim / 2`, with the scaling applied: float64,
     then float32 (NumPy). The one place they are computed: `RotaryEmbedding` and the torch
     decode paths (`kzoo.layers.fast_decode`, `kzoo.layers.compiled_decode`) all call it.
+    `settings` are those of `check_rope_scaling` after the factor (`ROPE_SCALING_FIELDS`,
+    positional or by name; validated here too).
 
     - unscaled: `theta_i = max_wavelength ** (-2i / head_dim)`;
     - "linear": `theta_i / scaling_factor` (dividing the frequencies divides the angles
@@ -416,21 +509,25 @@ def rope_inverse_frequencies(max_wavelength, head_dim, scaling_type="linear",
       original_max_position_embeddings`, wavelengths longer than `L / low_freq_factor` are
       divided by the factor, those shorter than `L / high_freq_factor` kept, and those
       between blended: `(1 - s) theta_i / factor + s theta_i` with `s = (L / wavelength_i -
-      low_freq_factor) / (high_freq_factor - low_freq_factor)`.
-
-    The settings are those of `check_rope_scaling` (validated here too).
+      low_freq_factor) / (high_freq_factor - low_freq_factor)`;
+    - "yarn": `r_i theta_i / factor + (1 - r_i) theta_i` with the ramp `r_i = clip((i -
+      low) / (high - low), 0, 1)` over the band `_yarn_ramp_band` gives (`high` nudged by
+      0.001 when the band is empty); the attention factor is applied to the rotation, not
+      here (`RotaryEmbedding.attention_factor`).
 
     Example:
     >>> rope_inverse_frequencies(500000.0, 128, "llama3", 8.0, 1.0, 4.0, 8192)
     """
-    scaling_type, factor, low, high, original = check_rope_scaling(
-        scaling_type, scaling_factor, low_freq_factor, high_freq_factor,
-        original_max_position_embeddings)
+    scaling_type, factor, *values = check_rope_scaling(
+        scaling_type, scaling_factor, *settings, **named_settings)
+    values = dict(zip(ROPE_SCALING_FIELDS, values))
     theta = float(max_wavelength) ** (-np.arange(0, head_dim, 2) / head_dim)
     if scaling_type == "linear":
         if factor != 1.0:
             theta = theta / factor
-    else:
+    elif scaling_type == "llama3":
+        low, high = values["low_freq_factor"], values["high_freq_factor"]
+        original = values["original_max_position_embeddings"]
         wavelength = 2 * math.pi / theta
         low_wavelength, high_wavelength = original / low, original / high
         scaled = np.where(wavelength > low_wavelength, theta / factor, theta)
@@ -438,6 +535,16 @@ def rope_inverse_frequencies(max_wavelength, head_dim, scaling_type="linear",
         blended = (1 - smooth) * theta / factor + smooth * theta
         between = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
         theta = np.where(between, blended, scaled)
+    else:
+        beta_fast, beta_slow, _, truncate = yarn_settings(
+            factor, values["beta_fast"], values["beta_slow"], None, values["truncate"])
+        low, high = _yarn_ramp_band(
+            head_dim, float(max_wavelength), values["original_max_position_embeddings"],
+            beta_fast, beta_slow, truncate)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0.0, 1.0)
+        theta = ramp * (theta / factor) + (1 - ramp) * theta
     return theta.astype("float32")
 
 
@@ -463,17 +570,25 @@ class RotaryEmbedding(_StartIndexLayer):
     interpolation, Chen et al. 2023: the same as dividing the positions); "llama3" is Llama
     3.1's frequency-dependent rescaling (low frequencies divided by `scaling_factor`, high
     ones kept, a blend between; it needs `low_freq_factor`, `high_freq_factor` and
-    `original_max_position_embeddings`). Angles and the rotation are computed in float32;
-    the result is cast back to the inputs' dtype.
+    `original_max_position_embeddings`); "yarn" is YaRN (Peng et al. 2023: a linear ramp
+    between divided and kept frequencies over the dimensions between `beta_fast` and
+    `beta_slow` turns in `original_max_position_embeddings` positions, and cos and sin
+    multiplied by `attention_factor`, which scales every attention logit by its square).
+    Angles and the rotation are computed in float32; the result is cast back to the
+    inputs' dtype.
 
     Args:
         max_wavelength: positive number, the RoPE base (10000; LLaMA-3 uses 500000).
         scaling_factor: positive number, the scaling factor (1.0 with "linear" = no
             scaling).
         interleaved: bool, the pairing convention (see above).
-        scaling_type: "linear" (default) or "llama3".
+        scaling_type: "linear" (default), "llama3" or "yarn".
         low_freq_factor, high_freq_factor, original_max_position_embeddings: the "llama3"
-            settings (None otherwise; Llama 3.1 uses 1.0, 4.0 and 8192).
+            settings (None otherwise; Llama 3.1 uses 1.0, 4.0 and 8192);
+            `original_max_position_embeddings` is also required by "yarn".
+        beta_fast, beta_slow, attention_factor, truncate: the other "yarn" settings (None
+            otherwise; None with "yarn" takes the defaults 32.0, 1.0, `0.1 ln(factor) + 1`
+            and True, see `check_rope_scaling`).
         **kwargs: standard `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -501,11 +616,13 @@ class RotaryEmbedding(_StartIndexLayer):
 
     def __init__(self, max_wavelength=10000, scaling_factor=1.0, interleaved=False,
                  scaling_type="linear", low_freq_factor=None, high_freq_factor=None,
-                 original_max_position_embeddings=None, **kwargs):
+                 original_max_position_embeddings=None, beta_fast=None, beta_slow=None,
+                 attention_factor=None, truncate=None, **kwargs):
         super().__init__(**kwargs)
         check_positive_float("max_wavelength", max_wavelength)
         check_rope_scaling(scaling_type, scaling_factor, low_freq_factor, high_freq_factor,
-                           original_max_position_embeddings)
+                           original_max_position_embeddings, beta_fast, beta_slow,
+                           attention_factor, truncate)
         check_bool("interleaved", interleaved)
         self.max_wavelength = max_wavelength
         self.scaling_factor = scaling_factor
@@ -514,13 +631,21 @@ class RotaryEmbedding(_StartIndexLayer):
         self.low_freq_factor = low_freq_factor
         self.high_freq_factor = high_freq_factor
         self.original_max_position_embeddings = original_max_position_embeddings
+        self.beta_fast = beta_fast
+        self.beta_slow = beta_slow
+        self.attention_factor = attention_factor
+        self.truncate = truncate
 
     def scaling(self):
-        """The scaling settings as a tuple `(scaling_type, scaling_factor, low_freq_factor,
-        high_freq_factor, original_max_position_embeddings)` (read at each call: what the
+        """The scaling settings as a tuple `(scaling_type, scaling_factor, *settings)`,
+        the settings in `ROPE_SCALING_FIELDS` order as given (read at each call: what the
         torch decode paths key their tables on)."""
-        return (self.scaling_type, float(self.scaling_factor), self.low_freq_factor,
-                self.high_freq_factor, self.original_max_position_embeddings)
+        return (self.scaling_type, float(self.scaling_factor)) + tuple(
+            getattr(self, field) for field in ROPE_SCALING_FIELDS)
+
+    def rotation_scale(self):
+        """The factor cos and sin are multiplied by (`rope_rotation_scale`)."""
+        return rope_rotation_scale(*self.scaling())
 
     def inverse_frequencies(self, head_dim):
         """float32 NumPy `(head_dim / 2,)`: `rope_inverse_frequencies` of this layer's base
@@ -564,6 +689,9 @@ class RotaryEmbedding(_StartIndexLayer):
         # Broadcast over [heads]: (batch|1, seq, [1,] half).
         angles = ops.reshape(angles, (ops.shape(angles)[0], -1) + (1,) * (rank - 3) + (half,))
         cos, sin = ops.cos(angles), ops.sin(angles)
+        scale = self.rotation_scale()
+        if scale != 1.0:  # (YaRN's attention factor, as transformers applies it)
+            cos, sin = cos * scale, sin * scale
 
         x = ops.cast(inputs, "float32")
         if not self.interleaved:
@@ -593,6 +721,10 @@ class RotaryEmbedding(_StartIndexLayer):
                 "low_freq_factor": self.low_freq_factor,
                 "high_freq_factor": self.high_freq_factor,
                 "original_max_position_embeddings": self.original_max_position_embeddings,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                "attention_factor": self.attention_factor,
+                "truncate": self.truncate,
             }
         )
         return config

@@ -44,6 +44,7 @@ from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import (
     LLAMA3_ROPE_FIELDS,
+    ROPE_SCALING_FIELDS,
     PositionEmbedding,
     ROPE_SCALING_TYPES,
     check_rope_scaling,
@@ -143,6 +144,10 @@ class GPTConfig(FamilyConfig):
     rope_low_freq_factor: Optional[float] = None
     rope_high_freq_factor: Optional[float] = None
     rope_original_max_position_embeddings: Optional[int] = None
+    rope_beta_fast: Optional[float] = None
+    rope_beta_slow: Optional[float] = None
+    rope_attention_factor: Optional[float] = None
+    rope_truncate: Optional[bool] = None
 
     def __post_init__(self):
         check = self._check
@@ -209,8 +214,9 @@ class GPTConfig(FamilyConfig):
         check_packed_attention(self.packed_inputs, self.attention)
 
     def _check_rope_scaling(self):
-        """`rope_scaling_type` None (no scaling: factor 1.0, no llama3 settings), "linear" or
-        "llama3" (with its three settings), rotary positions only."""
+        """`rope_scaling_type` None (no scaling: factor 1.0, no settings), "linear", "llama3"
+        (with its three settings) or "yarn" (its original length; None for its other
+        settings' defaults), rotary positions only."""
         kind = self.rope_scaling_type
         names = {"scaling_type": "rope_scaling_type", "scaling_factor": "rope_scaling_factor",
                  **_ROPE_FIELDS}
@@ -233,37 +239,41 @@ class GPTConfig(FamilyConfig):
         else:
             for key, field in _ROPE_FIELDS.items():
                 if getattr(self, field) is not None:
+                    users = "'llama3' or 'yarn'" if key == "original_max_position_embeddings" \
+                        else ("'llama3'" if key in LLAMA3_ROPE_FIELDS else "'yarn'")
                     raise FieldError(
-                        f"`{field}` is only used with rope_scaling_type='llama3'; got "
+                        f"`{field}` is only used with rope_scaling_type {users}; got "
                         f"{field}={getattr(self, field)!r} with rope_scaling_type=None.",
                         field,
                     )
-        _, factor, low, high, original = check_rope_scaling(
+        _, factor, *settings = check_rope_scaling(
             kind or "linear", self.rope_scaling_factor,
             *(getattr(self, field) for field in _ROPE_FIELDS.values()), names=names)
         if kind is None and factor != 1.0:
             raise FieldError(
-                "`rope_scaling_factor` is only used with rope_scaling_type 'linear' or "
-                f"'llama3'; got rope_scaling_factor={self.rope_scaling_factor!r} with "
-                "rope_scaling_type=None (set rope_scaling_type='linear' to scale positions).",
+                "`rope_scaling_factor` is only used with a rope_scaling_type ("
+                f"{', '.join(map(repr, ROPE_SCALING_TYPES))}); got rope_scaling_factor="
+                f"{self.rope_scaling_factor!r} with rope_scaling_type=None (set "
+                "rope_scaling_type='linear' to scale positions).",
                 "rope_scaling_factor",
             )
         for field, value in zip(("rope_scaling_factor",) + tuple(_ROPE_FIELDS.values()),
-                                (factor, low, high, original)):
+                                [factor] + settings):
             object.__setattr__(self, field, value)
 
     @property
     def rope_scaling(self):
         """The rotary embedding's scaling arguments other than the factor, as
         `TransformerBlock(rope_scaling=...)` takes them (None: linear or no scaling)."""
-        if self.rope_scaling_type != "llama3":
+        if self.rope_scaling_type not in ("llama3", "yarn"):
             return None
-        return {"scaling_type": "llama3",
-                **{key: getattr(self, field) for key, field in _ROPE_FIELDS.items()}}
+        return {"scaling_type": self.rope_scaling_type,
+                **{key: getattr(self, field) for key, field in _ROPE_FIELDS.items()
+                   if getattr(self, field) is not None}}
 
 
-# RotaryEmbedding's llama3 argument -> its GPTConfig field.
-_ROPE_FIELDS = {key: f"rope_{key}" for key in LLAMA3_ROPE_FIELDS}
+# RotaryEmbedding's scaling argument -> its GPTConfig field.
+_ROPE_FIELDS = {key: f"rope_{key}" for key in ROPE_SCALING_FIELDS}
 
 
 # === Backbone ===
@@ -336,13 +346,17 @@ class GPTBackbone(FilledInputs, Backbone):
             `hidden_dim` (Mistral-Nemo: width 5120, 32 heads of 128). Even with rotary
             positions. `backbone.head_size` is the size in use.
         rope_scaling_type: RoPE scaling (rotary positions only): None (none), "linear"
-            (position interpolation: every frequency divided by `rope_scaling_factor`) or
-            "llama3" (Llama 3.1's frequency-dependent rescaling; see
-            `kzoo.layers.position.rope_inverse_frequencies`).
+            (position interpolation: every frequency divided by `rope_scaling_factor`),
+            "llama3" (Llama 3.1's frequency-dependent rescaling) or "yarn" (YaRN, Peng et
+            al. 2023; see `kzoo.layers.position.rope_inverse_frequencies`).
         rope_scaling_factor: the scaling factor (1.0 with rope_scaling_type None).
         rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings:
             the "llama3" settings (required by it, None otherwise; Llama 3.1: 1.0, 4.0,
-            8192).
+            8192); "yarn" requires `rope_original_max_position_embeddings` too (the
+            context length before scaling).
+        rope_beta_fast, rope_beta_slow, rope_attention_factor, rope_truncate: the other
+            "yarn" settings (None otherwise; with "yarn" None means the defaults 32.0, 1.0,
+            `0.1 ln(rope_scaling_factor) + 1` and True).
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
@@ -411,6 +425,10 @@ class GPTBackbone(FilledInputs, Backbone):
         rope_low_freq_factor=None,
         rope_high_freq_factor=None,
         rope_original_max_position_embeddings=None,
+        rope_beta_fast=None,
+        rope_beta_slow=None,
+        rope_attention_factor=None,
+        rope_truncate=None,
         dtype=None,
         **kwargs,
     ):
@@ -449,6 +467,10 @@ class GPTBackbone(FilledInputs, Backbone):
             rope_low_freq_factor=rope_low_freq_factor,
             rope_high_freq_factor=rope_high_freq_factor,
             rope_original_max_position_embeddings=rope_original_max_position_embeddings,
+            rope_beta_fast=rope_beta_fast,
+            rope_beta_slow=rope_beta_slow,
+            rope_attention_factor=rope_attention_factor,
+            rope_truncate=rope_truncate,
         )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
