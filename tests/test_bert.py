@@ -296,7 +296,7 @@ def test_get_config_is_exactly_the_arguments():
     expected = {**TINY, "dropout": 0.2, "attention_dropout": None, "layer_norm_epsilon": 1e-12,
                 "activation": "gelu", "initializer_range": 0.02, "attention": "full",
                 "attention_options": None, "packed_inputs": False, "remat": False,
-                "layerdrop": 0.0}
+                "layerdrop": 0.0, "position_padding_id": None}
     assert {k: v for k, v in config.items() if k not in ("name", "trainable", "dtype")} \
         == expected
     clone = BertBackbone.from_config(config)

@@ -93,6 +93,7 @@ KINDS = {
         layer_norm_epsilon=(POS_FLOAT, False), activation=("choice", ACTIVATIONS),
         initializer_range=(POS_FLOAT, False), **ATTENTION_FIELDS,
         packed_inputs=(BOOL, False), **SAVERS,
+        position_padding_id=(NONNEG_INT, True),  # not with packed_inputs (see CROSS)
     ),
     "t5": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),

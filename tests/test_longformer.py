@@ -26,9 +26,11 @@ LENGTHS = (13, 9)  # right padding; 13 tokens: > attention_window 4, not a multi
 SEQ = 13
 
 
-def hf_model(cls_name, seed=0):
+def hf_model(cls_name, seed=0, padding_row=0.0):
     """A tiny randomly initialised transformers Longformer, every weight of scale ~0.2 (the
-    global projections too, so they differ from the normal ones)."""
+    global projections too, so they differ from the normal ones), but the position table's
+    row of `pad_token_id` `padding_row` (zeros in RoBERTa-style checkpoints: `padding_idx`
+    initialises it so and its gradient is zero)."""
     import torch
     import transformers
 
@@ -39,6 +41,8 @@ def hf_model(cls_name, seed=0):
             p.normal_(0.0, 0.2)
             if "LayerNorm.weight" in name or "layer_norm.weight" in name:
                 p.add_(1.0)
+            if name.endswith("position_embeddings.weight"):
+                p[PAD] = padding_row
     return model
 
 
@@ -107,6 +111,7 @@ def test_config_maps_the_window_and_positions(checkpoints):
                                                 "global_projections": True,
                                                 "max_global": None}
     assert backbone.max_sequence_length == HF_TINY["max_position_embeddings"] - PAD - 1
+    assert backbone.config.position_padding_id == PAD
     assert registry.for_model_type("longformer") is registry.family("bert")
     assert "global_attention_mask" in backbone.input
 
@@ -123,6 +128,58 @@ def test_masked_lm_matches_transformers(checkpoints, case):
     inputs = make_inputs(GLOBAL[case])
     assert_matches_transformers(model, reference, inputs, hf_kwargs(inputs),
                                 mask=inputs["padding_mask"], label=f"masked_lm {case}")
+
+
+def np_roberta_positions(token_ids, pad):
+    """Hugging Face's `create_position_ids_from_input_ids`, in NumPy: the running count of
+    the tokens whose id is not `pad`, `pad` on those tokens, plus `pad`."""
+    real = (np.asarray(token_ids) != pad).astype(np.int64)
+    return np.cumsum(real, axis=1) * real + pad
+
+
+@pytest.mark.parametrize("case", ["left padded", "padding id inside", "no padding id"])
+def test_positions_count_the_tokens_that_are_not_padding(checkpoints, case):
+    """transformers numbers RoBERTa-style positions over the tokens whose id is not
+    `pad_token_id`, whatever the attention mask: left padding shifts every real position,
+    and a real token with the padding id (mask 1) takes the padding row and no count."""
+    from kzoo.models.bert import NonPaddingPositions
+
+    inputs = make_inputs(GLOBAL["global"])
+    ids, mask = inputs["token_ids"].copy(), inputs["padding_mask"].copy()
+    if case == "left padded":  # the same rows, their padding moved to the front
+        for i, n in enumerate(LENGTHS):
+            ids[i] = np.roll(ids[i], SEQ - n)
+            mask[i] = np.roll(mask[i], SEQ - n)
+        inputs["global_attention_mask"] = np.roll(inputs["global_attention_mask"][:, :],
+                                                  0, axis=1) * mask
+    elif case == "padding id inside":
+        ids[0, [2, 5]] = PAD  # real tokens (mask 1) with the padding id
+    inputs.update(token_ids=ids, padding_mask=mask)
+    # the layer against transformers' formula (kzoo's table starts at its row PAD + 1)
+    theirs = np_roberta_positions(ids, PAD)
+    ours = to_numpy(NonPaddingPositions(PAD)(ids))
+    real = ids != PAD
+    np.testing.assert_array_equal(ours[real], theirs[real] - PAD - 1)
+    reference, model, _ = checkpoints["backbone"]
+    assert_matches_transformers(model, reference, inputs, hf_kwargs(inputs),
+                                select=lambda o: o.last_hidden_state,
+                                kzoo_select=lambda o: o["sequence_output"], mask=mask,
+                                label=f"{case} sequence_output")
+    # the pooled output of the rows whose first token is real (a left-padded row pools a
+    # padding token: nothing to compare)
+    first = mask[:, 0] == 1
+    assert first.any()
+    assert_matches_transformers(model, reference, inputs, hf_kwargs(inputs),
+                                select=lambda o: o.pooler_output[first],
+                                kzoo_select=lambda o: to_numpy(o["pooled_output"])[first],
+                                label=f"{case} pooled_output")
+
+
+def test_a_nonzero_padding_row_warns(tmp_path):
+    reference = hf_model("LongformerModel", padding_row=0.5)
+    path = hf_checkpoint(str(tmp_path / "hf"), reference)
+    with pytest.warns(UserWarning, match="row of pad_token_id is not zero"):
+        kzoo.presets.load(path)
 
 
 def test_global_mask_given_as_zeros_equals_left_out(checkpoints):
@@ -251,8 +308,23 @@ def test_bad_configs_and_inputs_raise(checkpoints):
     with pytest.raises(ValueError, match="hidden_act='relu'.*LongformerForMaskedLM"):
         convert.config_from_hf({**hf, "hidden_act": "relu",
                                 "architectures": ["LongformerForMaskedLM"]})
+    from kzoo.models.bert import BertConfig
+
+    with pytest.raises(ValueError, match="`position_padding_id`.*packed_inputs"):
+        BertConfig(position_padding_id=1, packed_inputs=True)
+    with pytest.raises(ValueError, match="`position_padding_id` must be a non-negative"):
+        BertConfig(position_padding_id=-1)
     _, model, _ = checkpoints["masked_lm"]
     inputs = make_inputs()
     bad = {**inputs, "global_attention_mask": np.zeros((len(LENGTHS), SEQ - 1), "int32")}
     with pytest.raises(ValueError, match=r"global_attention_mask.*\(batch, seq\)"):
         model(bad)
+
+
+def test_bert_export_refuses_roberta_positions(tmp_path):
+    from kzoo.models.bert import BertBackbone
+
+    backbone = BertBackbone(vocabulary_size=20, num_layers=1, num_heads=2, hidden_dim=8,
+                            intermediate_dim=8, max_sequence_length=8, position_padding_id=1)
+    with pytest.raises(ValueError, match="position_padding_id=1 has no Hugging Face BERT"):
+        kzoo.presets.save(backbone, str(tmp_path), format="hf")

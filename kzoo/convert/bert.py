@@ -306,6 +306,13 @@ def to_hf(model):
             f"activation={backbone.activation!r} has no Hugging Face `hidden_act` equivalent; "
             f"allowed: {sorted(KZOO_TO_HF_ACTIVATIONS)}."
         )
+    if backbone.config.position_padding_id is not None:
+        raise ValueError(
+            f"position_padding_id={backbone.config.position_padding_id!r} has no Hugging Face "
+            "BERT equivalent: BertModel numbers positions 0, 1, 2, ... along each row "
+            "(allowed: position_padding_id=None; RoBERTa-style numbering is written as "
+            "Longformer, with attention='longformer')."
+        )
     hf_config = {
         "architectures": [TASK_ARCHITECTURE[task]],
         "model_type": "bert",

@@ -22,14 +22,16 @@ and raise `ValueError`, as do the task heads other than these two.
 
 Positions: RoBERTa's position ids start at `pad_token_id + 1` (`create_position_ids_from_
 input_ids`), so kzoo's table is rows `pad_token_id + 1 ...` of Hugging Face's and
-`max_sequence_length = max_position_embeddings - pad_token_id - 1`. (Hugging Face counts
-positions over the tokens that are not `pad_token_id`; with padding on the right, the
-only kind kzoo's `padding_mask` describes, that is `0, 1, 2, ...` over the real tokens.)
+`max_sequence_length = max_position_embeddings - pad_token_id - 1`. Hugging Face counts
+positions over the tokens whose id is not `pad_token_id` (whatever the attention mask
+says) and gives those tokens its table's row `pad_token_id`, zeros: the backbone's
+`position_padding_id=pad_token_id` does the same (`NonPaddingPositions`), so left-padded
+rows, and real tokens that happen to have the padding id, give transformers' outputs.
 Hugging Face pads a sequence to a multiple of `attention_window` inside its forward pass;
 the padding is masked, so real positions are unaffected and kzoo needs no such padding.
 
-`to_hf` writes such a model back (`pad_token_id=1`, the two position rows before the
-first real position zeros); it takes `attention="longformer"` models with
+`to_hf` writes such a model back (`pad_token_id` its `position_padding_id`, or 1 without
+one, and the position rows up to the first real position zeros); it takes `attention="longformer"` models with
 `global_projections=True` and `global_tokens=0`.
 
 Example:
@@ -37,6 +39,8 @@ Example:
 >>> logits = model({"token_ids": ids, "segment_ids": zeros, "padding_mask": mask,
 ...                 "global_attention_mask": global_mask})
 """
+
+import warnings
 
 import numpy as np
 
@@ -93,6 +97,7 @@ _HF_NAMES = {
     "layer_norm_epsilon": "layer_norm_eps",
     "activation": "hidden_act",
     "initializer_range": "initializer_range",
+    "position_padding_id": "pad_token_id",
 }
 
 
@@ -185,6 +190,7 @@ def config_from_hf(hf_config, source="config.json"):
               if kzoo not in ("activation", "max_sequence_length")}
     config["activation"] = activation
     config["max_sequence_length"] = positions - pad - 1
+    config["position_padding_id"] = pad
     config["attention"] = "longformer"
     config["attention_options"] = {"window": window // 2 + 1, "global_tokens": 0,
                                    "global_projections": True}
@@ -251,6 +257,14 @@ def load_weights(model, weights):
             )
         assign(backbone.position_embedding.embeddings, table[table.shape[0] - rows:],
                e + "position_embeddings.weight")
+        padding_row = np.asarray(table[table.shape[0] - rows - 1])
+        if backbone.config.position_padding_id is not None and np.any(padding_row != 0):
+            warnings.warn(
+                f"{e + 'position_embeddings.weight'!r}: the row of pad_token_id is not zero "
+                f"(max |value| {float(np.abs(padding_row).max()):.3g}); kzoo gives tokens with "
+                "the padding id no position embedding (zeros, as a RoBERTa-style table built "
+                "with `padding_idx` keeps it), so those tokens' outputs differ from "
+                "transformers'.", stacklevel=2)
     assign(backbone.segment_embedding.embeddings,
            weights.take(e + "token_type_embeddings.weight"), e + "token_type_embeddings.weight")
     _norm(weights, backbone.embeddings_layer_norm, e + "LayerNorm")
@@ -333,7 +347,8 @@ def to_hf(model):
             f"activation={backbone.activation!r} has no Hugging Face `hidden_act` equivalent; "
             f"allowed: {sorted(bert_convert.KZOO_TO_HF_ACTIVATIONS)}."
         )
-    pad = PAD_TOKEN_ID
+    pad = PAD_TOKEN_ID if backbone.config.position_padding_id is None else (
+        backbone.config.position_padding_id)
     hf_config = {
         "architectures": [TASK_ARCHITECTURE[task]],
         "model_type": "longformer",

@@ -42,6 +42,8 @@ from kzoo.layers.utils import (
     check_choice,
     check_divides,
     check_instance,
+    check_non_negative_int,
+    FieldError,
     check_positive_float,
     check_positive_int,
     check_rate,
@@ -190,6 +192,41 @@ class NoRows(keras.layers.Layer):
         return keras.KerasTensor((inputs.shape[0], 0), dtype="int32")
 
 
+@keras.saving.register_keras_serializable(package="kzoo")
+class NonPaddingPositions(keras.layers.Layer):
+    """RoBERTa's positions (Hugging Face's `create_position_ids_from_input_ids`, which
+    RoBERTa and Longformer use): a token's position is the number of tokens before it whose
+    id is not `padding_id`, whatever the padding mask says, and a token with that id gets no
+    position embedding (the zero row its table keeps for it).
+
+    Call args:
+        token_ids: `(batch, seq)` int.
+        rows: None, or the position embeddings `(batch, seq, dim)` of the positions this
+            layer returned: then returns them with the rows of `padding_id` tokens zeroed.
+
+    Returns:
+        `(batch, seq)` int32 positions (0 for the `padding_id` tokens), or the zeroed rows.
+    """
+
+    def __init__(self, padding_id, **kwargs):
+        super().__init__(**kwargs)
+        self.padding_id = check_non_negative_int("padding_id", padding_id)
+
+    def call(self, token_ids, rows=None):
+        keep = ops.cast(ops.not_equal(ops.cast(token_ids, "int32"), self.padding_id), "int32")
+        if rows is not None:
+            return rows * ops.cast(keep, rows.dtype)[..., None]
+        return ops.maximum(ops.cumsum(keep, axis=1) * keep - 1, 0)
+
+    def compute_output_spec(self, token_ids, rows=None):
+        if rows is not None:
+            return keras.KerasTensor(rows.shape, dtype=rows.dtype)
+        return keras.KerasTensor(token_ids.shape, dtype="int32")
+
+    def get_config(self):
+        return {**super().get_config(), "padding_id": self.padding_id}
+
+
 # What a left-out input of BERT holds for every token (`FilledInputs`; transformers'
 # defaults): segment 0, every token real.
 _INPUT_FILLS = {"segment_ids": ("token_ids", 0), "padding_mask": ("token_ids", 1)}
@@ -228,6 +265,7 @@ class BertConfig(FamilyConfig):
     packed_inputs: bool = False
     remat: bool = False
     layerdrop: float = 0.0
+    position_padding_id: Optional[int] = None
 
     def __post_init__(self):
         check = self._check
@@ -249,6 +287,14 @@ class BertConfig(FamilyConfig):
         self._check_attention_fields()
         check("packed_inputs", check_bool)
         check_packed_attention(self.packed_inputs, self.attention)
+        if self.position_padding_id is not None:
+            check("position_padding_id", check_non_negative_int)
+            if self.packed_inputs:
+                raise FieldError(
+                    "`position_padding_id` numbers positions over the tokens that are not "
+                    "padding, `packed_inputs` within each document; set one of them; got "
+                    f"position_padding_id={self.position_padding_id!r} with "
+                    "packed_inputs=True.", "position_padding_id")
 
 
 # === Backbone ===
@@ -290,6 +336,12 @@ class BertBackbone(FilledInputs, Backbone):
         layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
             (is the identity) with this probability, one draw per block and batch; in
             inference every block runs.
+        position_padding_id: None (positions 0, 1, 2, ... along each row), or a token id
+            whose tokens do not count as positions: RoBERTa's and Longformer's numbering
+            (`NonPaddingPositions`: a token's position is the number of tokens before it
+            with another id, and tokens with this id get no position embedding), which
+            their Hugging Face checkpoints need for left padding, or a real token with the
+            padding id, to give transformers' outputs.
         dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
 
     The arguments (all but `dtype` and Keras' own) are the fields of `BertConfig`, which
@@ -360,6 +412,7 @@ class BertBackbone(FilledInputs, Backbone):
         packed_inputs=False,
         remat=False,
         layerdrop=0.0,
+        position_padding_id=None,
         dtype=None,
         **kwargs,
     ):
@@ -382,6 +435,7 @@ class BertBackbone(FilledInputs, Backbone):
             packed_inputs=packed_inputs,
             remat=remat,
             layerdrop=layerdrop,
+            position_padding_id=position_padding_id,
         )
         policy = _dtype_policy(dtype)
         init = bert_kernel_initializer(initializer_range)
@@ -453,9 +507,15 @@ class BertBackbone(FilledInputs, Backbone):
             positions = document_positions(document_ids)
             extra["attention_mask"] = document_mask(document_ids)
         tokens = self.token_embedding(token_ids)
+        if config.position_padding_id is not None:
+            self.non_padding_positions = NonPaddingPositions(
+                config.position_padding_id, name="non_padding_positions")
+            positions = self.non_padding_positions(token_ids)
+        position_rows = self.position_embedding(tokens, start_index=positions)
+        if config.position_padding_id is not None:
+            position_rows = self.non_padding_positions(token_ids, position_rows)
         x = self.embeddings_add(
-            [tokens, self.position_embedding(tokens, start_index=positions),
-             self.segment_embedding(segment_ids)]
+            [tokens, position_rows, self.segment_embedding(segment_ids)]
         )
         x = self.embeddings_layer_norm(x)
         x = self.embeddings_dropout(x)
