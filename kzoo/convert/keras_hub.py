@@ -547,6 +547,7 @@ def _bert_from_kzoo(backbone):
     what = "keras-hub's BertBackbone"
     _require("activation", backbone.activation, _TANH_GELU, what)
     _require("layer_norm_epsilon", backbone.layer_norm_epsilon, (_BERT_EPSILON,), what)
+    _require("position_padding_id", backbone.position_padding_id, (None,), what)
     if backbone.attention_dropout not in (None, backbone.dropout):
         warnings.warn(
             f"{what} has one dropout rate: attention_dropout={backbone.attention_dropout} is "
