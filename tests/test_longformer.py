@@ -328,5 +328,8 @@ def test_bert_export_refuses_roberta_positions(tmp_path):
                             intermediate_dim=8, max_sequence_length=8, position_padding_id=1)
     with pytest.raises(ValueError, match="position_padding_id=1 has no Hugging Face BERT"):
         kzoo.presets.save(backbone, str(tmp_path / "hf"), format="hf")
+    tanh = BertBackbone(vocabulary_size=20, num_layers=1, num_heads=2, hidden_dim=8,
+                        intermediate_dim=8, max_sequence_length=8, position_padding_id=1,
+                        activation="gelu_tanh")  # (keras-hub's BERT activation)
     with pytest.raises(ValueError, match="position_padding_id=1 has no keras-hub"):
-        kzoo.presets.save(backbone, str(tmp_path / "hub"), format="keras_hub")
+        kzoo.presets.save(tanh, str(tmp_path / "hub"), format="keras_hub")
