@@ -7,8 +7,9 @@ This module knows formats, not families: `kzoo.registry` says which family reads
 `ValueError` naming the file and what is wrong.
 
 Hugging Face weights come from `model.safetensors` (or a sharded `model.safetensors.index.json`),
-read with the `safetensors` NumPy API (no torch needed), or from `pytorch_model.bin` when torch
-is installed.
+read with the `safetensors` NumPy API (no torch needed), or from `pytorch_model.bin` (or a
+sharded `pytorch_model.bin.index.json`, what `save_pretrained(safe_serialization=False)` writes
+for a large model) when torch is installed.
 
 Files are data, never code: JSON is parsed, safetensors hold raw tensors, `pytorch_model.bin` is
 read with `torch.load(weights_only=True)` (a pickle that would build anything but tensors is
@@ -28,6 +29,7 @@ HF_GENERATION_CONFIG = "generation_config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_TORCH_WEIGHTS = "pytorch_model.bin"
+HF_TORCH_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
 
 
 def read_json(path, what="JSON file"):
@@ -212,58 +214,78 @@ def hf_token_ids(value, vocabulary_size, field="eos_token_id"):
     return ids or None
 
 
+def _shards(path, index, what):
+    """The shard files an index (`model.safetensors.index.json` or
+    `pytorch_model.bin.index.json`) names in its `weight_map`, each checked to be a file
+    inside `path`."""
+    weight_map = read_json(index, what).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(shard, str) for shard in weight_map.values()):
+        raise ValueError(
+            f"The {what} {index!r} has no `weight_map` object naming the shards."
+        )
+    return [require_file(file_in(path, shard, "shard"), what.replace("index", "shard"))
+            for shard in sorted(set(weight_map.values()))]
+
+
 def read_hf_state(path):
     """All tensors of a checkpoint directory as a dict name -> NumPy array."""
     path = os.fspath(path)
     single = file_in(path, HF_WEIGHTS, "weights file")
     index = file_in(path, HF_WEIGHTS_INDEX, "safetensors index")
     binary = file_in(path, HF_TORCH_WEIGHTS, "weights file")
+    binary_index = file_in(path, HF_TORCH_WEIGHTS_INDEX, "torch weights index")
     if os.path.isfile(single) or os.path.isfile(index):
         from safetensors.numpy import load_file  # optional dependency: kzoo[hf]
 
         if os.path.isfile(single):
             return dict(_read_weights(load_file, single))
-        weight_map = read_json(index, "safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(
-                f"The safetensors index {index!r} has no `weight_map` object naming the shards."
-            )
         state = {}
-        for shard in sorted(set(weight_map.values())):
-            shard_path = require_file(file_in(path, shard, "shard"), "safetensors shard")
+        for shard_path in _shards(path, index, "safetensors index"):
             state.update(_read_weights(load_file, shard_path))
         return state
     if os.path.isfile(binary):
-        try:
-            import torch
-        except ImportError as e:  # pragma: no cover - torch is a test dependency
-            raise ValueError(
-                f"{binary!r} needs torch to read; install torch or convert the checkpoint "
-                "to safetensors."
-            ) from e
-        try:
-            # weights_only: tensors and plain containers only; a pickle that would import
-            # or call anything else is refused before it runs.
-            raw = torch.load(binary, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises several types for a damaged pickle/zip
-            raise ValueError(f"The weights file {binary!r} cannot be read: {e}") from e
-        if not isinstance(raw, dict) or not raw:
-            raise ValueError(
-                f"The weights file {binary!r} must hold a non-empty dict name -> tensor (a "
-                f"state dict); got {type(raw).__name__}."
-            )
-        bad = sorted(str(k) for k, v in raw.items()
-                     if not isinstance(k, str) or not isinstance(v, torch.Tensor))
-        if bad:
-            raise ValueError(
-                f"The weights file {binary!r} must map names to tensors; these entries are "
-                f"not: {bad[:10]}."
-            )
-        return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
-                for k, v in raw.items()}
+        return _read_torch_weights(binary)
+    if os.path.isfile(binary_index):
+        state = {}
+        for shard_path in _shards(path, binary_index, "torch weights index"):
+            state.update(_read_torch_weights(shard_path))
+        return state
     raise ValueError(
-        f"No weights in {path!r}: expected {HF_WEIGHTS}, {HF_WEIGHTS_INDEX} or {HF_TORCH_WEIGHTS}."
+        f"No weights in {path!r}: expected {HF_WEIGHTS}, {HF_WEIGHTS_INDEX}, {HF_TORCH_WEIGHTS} "
+        f"or {HF_TORCH_WEIGHTS_INDEX}."
     )
+
+
+def _read_torch_weights(binary):
+    """The tensors of one `pytorch_model.bin` (or one of its shards) as NumPy arrays."""
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a test dependency
+        raise ValueError(
+            f"{binary!r} needs torch to read; install torch or convert the checkpoint "
+            "to safetensors."
+        ) from e
+    try:
+        # weights_only: tensors and plain containers only; a pickle that would import
+        # or call anything else is refused before it runs.
+        raw = torch.load(binary, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a damaged pickle/zip
+        raise ValueError(f"The weights file {binary!r} cannot be read: {e}") from e
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(
+            f"The weights file {binary!r} must hold a non-empty dict name -> tensor (a "
+            f"state dict); got {type(raw).__name__}."
+        )
+    bad = sorted(str(k) for k, v in raw.items()
+                 if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if bad:
+        raise ValueError(
+            f"The weights file {binary!r} must map names to tensors; these entries are "
+            f"not: {bad[:10]}."
+        )
+    return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
+            for k, v in raw.items()}
 
 
 def _read_weights(load_file, path):

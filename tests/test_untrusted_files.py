@@ -301,6 +301,57 @@ def test_damaged_pytorch_bin_names_the_file(tmp_path, damage):
     assert str(path) in str(err.value)
 
 
+def _sharded_torch_bin(directory):
+    """A GPT-2 checkpoint written by transformers as `pytorch_model-0000k-of-0000n.bin`
+    shards with `pytorch_model.bin.index.json` (`save_pretrained(safe_serialization=False)`
+    with a small `max_shard_size`, as many older Hub checkpoints are); returns the model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)).eval()
+    hf.save_pretrained(directory, safe_serialization=False, max_shard_size="20KB")
+    return hf
+
+
+def test_sharded_pytorch_bin_loads_and_matches_transformers(tmp_path):
+    import torch
+
+    hf = _sharded_torch_bin(tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("pytorch_model-*.bin"))
+    assert len(shards) >= 2 and (tmp_path / "pytorch_model.bin.index.json").is_file()
+    model = kzoo.presets.load(tmp_path)
+    ids = np.random.default_rng(0).integers(0, 64, (2, 9)).astype("int32")
+    ours = to_numpy(model({"token_ids": ids, "padding_mask": np.ones_like(ids)}))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_sharded_pytorch_bin_problems_are_named(tmp_path, canary):
+    import torch
+
+    _sharded_torch_bin(tmp_path)
+    index_path = tmp_path / "pytorch_model.bin.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    # a shard that would run code when unpickled
+    state = torch.load(tmp_path / first, weights_only=True)
+    torch.save({**state, "payload": _Payload(_writes(canary))}, tmp_path / first)
+    with pytest.raises(ValueError, match="cannot be read") as err:
+        kzoo.presets.load(tmp_path)
+    assert first in str(err.value) and not canary.exists()
+    # a shard outside the directory, a missing shard, an index without a weight map
+    for weight_map, problem in (
+            ({k: "../outside.bin" for k in index["weight_map"]}, r"\.\."),
+            ({k: "nope.bin" for k in index["weight_map"]}, "torch weights shard.*missing"),
+            ({}, "no `weight_map`")):
+        index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
+        with pytest.raises(ValueError, match=problem):
+            kzoo.presets.load(tmp_path)
+
+
 # === No unpickling anywhere: read from the source ===
 
 
