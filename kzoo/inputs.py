@@ -124,6 +124,30 @@ class PositionInput:
     axes: tuple = ("batch row", "entry")
 
 
+@dataclasses.dataclass(frozen=True)
+class FloatInput:
+    """A real-valued input (ViT's `images`, Graphormer's `attn_bias`).
+
+    Rules: a number dtype (bool, complex and object arrays refused); `len(axes)` axes (one
+    example without its batch axis is named as such); every value finite (a NaN or
+    infinite pixel made every output NaN, and `fit` turned every weight NaN in silence),
+    except -inf where `negative_infinity` (an additive mask's "never attend"); and with
+    `pair_of`, the shape `(batch, n + 1, n + 1)` for the `(batch, n, ...)` of that input
+    (Graphormer's graph token plus its nodes).
+
+    Args:
+        key: the input's key (its only key for a model of one input).
+        axes: names of the array's axes, for messages.
+        negative_infinity: whether -inf is allowed.
+        pair_of: the key of the input whose axis 1 sizes this one's last two axes (+1).
+    """
+
+    key: str
+    axes: tuple
+    negative_infinity: bool = False
+    pair_of: Optional[str] = None
+
+
 def is_optional_input(tensor):
     """True for a functional model's `keras.Input(..., optional=True)` (e.g. BERT's
     `mask_positions`): a model runs without it, so checks and exports may leave it out."""
@@ -161,6 +185,60 @@ def check_positions(values, spec, source="model input"):
         f"{_where(index, spec.axes)}; positions must lie in [0, {length}) (the length of "
         f"`{spec.like}`). A gather would silently clip or wrap it."
     )
+
+
+def check_rank(array, spec, source="model input"):
+    """Raise `ValueError` unless `array` has one axis per name of `spec.axes`; one example
+    without its batch axis (one axis short) is named as such."""
+    if array.ndim == len(spec.axes):
+        return
+    hint = ""
+    if array.ndim == len(spec.axes) - 1:
+        hint = (f" It looks like one example without its batch axis: add it, e.g. "
+                f"`x[None]` for a batch of one.")
+    raise ValueError(
+        f"`{spec.key}` ({source}) must have {len(spec.axes)} axes "
+        f"({', '.join(spec.axes)}); got shape {tuple(array.shape)}.{hint}")
+
+
+def check_float_input(values, spec, source="model input"):
+    """Raise `ValueError` unless `values[spec.key]` (if given, not symbolic) follows the
+    rules of its `FloatInput` spec."""
+    value = values.get(spec.key)
+    if value is None or is_symbolic(value):
+        return
+    array = to_host(value)
+    if array.dtype == object or array.dtype == bool or not (
+            np.issubdtype(array.dtype, np.number) and not np.iscomplexobj(array)):
+        raise ValueError(
+            f"`{spec.key}` ({source}) must hold real numbers; got an array of dtype "
+            f"{array.dtype} and shape {tuple(array.shape)}.")
+    check_rank(array, spec, source)
+    if spec.pair_of is not None:
+        like = values.get(spec.pair_of)
+        if like is not None and not is_symbolic(like):
+            batch, nodes = np.shape(to_host(like))[:2]
+            expected = (batch, nodes + 1, nodes + 1)
+            if tuple(array.shape) != expected:
+                raise ValueError(
+                    f"`{spec.key}` ({source}) must have shape (batch, n + 1, n + 1) = "
+                    f"{expected} for the {nodes} entries a row of `{spec.pair_of}` (shape "
+                    f"{tuple(np.shape(to_host(like)))}) plus the graph token; got shape "
+                    f"{tuple(array.shape)}.")
+    if not np.issubdtype(array.dtype, np.floating) or array.size == 0:
+        return
+    bad = ~np.isfinite(array)
+    if spec.negative_infinity:
+        bad &= ~np.isneginf(array)
+    if not bad.any():
+        return
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), array.shape))
+    allowed = ("finite numbers, or -inf for a pair that must not attend"
+               if spec.negative_infinity else "finite numbers")
+    raise ValueError(
+        f"`{spec.key}` ({source}) holds {array[index]} at {_where(index, spec.axes)}; it "
+        f"must hold {allowed} (a NaN or infinity would spread to every output and, in "
+        "`fit`, to the weights).")
 
 
 def check_document_ids(values, spec, source="model input"):
@@ -385,11 +463,15 @@ def check_inputs(inputs, specs, source="model input"):
         if isinstance(spec, PositionInput):
             check_positions(values, spec, source)
             continue
+        if isinstance(spec, FloatInput):
+            check_float_input(values, spec, source)
+            continue
         value = values.get(spec.key)
         if value is None or is_symbolic(value):
             continue
         array = to_host(value)
         check_integer_dtype(array, spec.key, source)
+        check_rank(array, spec, source)
         # (a row of no tokens failed inside attention: JAX with a ZeroDivisionError from a
         # reshape, torch and TensorFlow naming `query`)
         if array.ndim >= 2 and spec.axes[1:2] == ("token",) and array.shape[1] == 0:
@@ -500,7 +582,8 @@ def _checked_tf_dataset(dataset, specs, source):
         x = features(batch)
         if isinstance(x, dict):
             keys = [k for s in specs
-                    for k in (s.key, getattr(s, "mask", None), getattr(s, "like", None))
+                    for k in (s.key, getattr(s, "mask", None), getattr(s, "like", None),
+                              getattr(s, "pair_of", None))
                     if k is not None and k in x]
             keys = list(dict.fromkeys(keys))
             tensors = [x[k] for k in keys]

@@ -913,3 +913,98 @@ def test_masked_lm_fit_leaves_the_unused_pooler_alone_and_a_classifier_trains_it
     assert not [w for w in caught if "Gradients do not exist" in str(w.message)]
     for old, new in zip(before, pooler_values()):
         assert not np.array_equal(old, new)
+
+
+# === Training entry points: no examples, default losses ===
+
+import keras  # noqa: E402
+
+import kzoo.presets  # noqa: E402
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate", "train_on_batch", "test_on_batch"])
+def test_training_and_evaluating_on_no_examples_is_refused(method):
+    """A batch of 0 rows: torch's data adapter had said "num_samples should be a positive
+    integer", JAX a bare StopIteration, TensorFlow nothing (no step, a warning)."""
+    lm = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                           intermediate_dim=32, max_sequence_length=16)
+    lm.compile(optimizer="sgd")
+    ids = np.zeros((0, 8), "int32")
+    with pytest.raises(ValueError, match=f"{method}'s x has no rows \\(a batch of 0"):
+        getattr(lm, method)({"token_ids": ids, "padding_mask": np.ones_like(ids)}, ids)
+    assert lm.predict({"token_ids": ids}, verbose=0).shape == (0, 8, lm.backbone.vocabulary_size)
+
+
+def test_classifiers_and_predictors_have_a_default_loss():
+    """`compile(optimizer)` alone, as for the token models: transformers' choice of loss for
+    its heads (JAX had trained on a loss of 0 without one, the other backends said "No loss
+    to compute" at `fit`)."""
+    from kzoo.models.graphormer import GraphormerPredictor
+
+    bert = dict(num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=16,
+                vocabulary_size=50, max_sequence_length=8)
+    x = {"token_ids": np.arange(16, dtype="int32").reshape(2, 8)}
+    clf = kzoo.presets.load("bert_tiny_uncased", task="classifier", num_classes=3, **bert)
+    clf.compile(optimizer="adamw")
+    assert isinstance(clf.loss, keras.losses.SparseCategoricalCrossentropy)
+    assert clf.loss.get_config()["from_logits"]
+    loss = clf.fit(x, np.array([0, 2]), verbose=0).history["loss"][0]
+    assert np.isfinite(loss) and loss > 0.1  # ~ln 3 for a fresh head
+    with pytest.raises(ValueError, match="holds 5"):
+        clf.fit(x, np.array([0, 5]), verbose=0)
+    one = kzoo.presets.load("bert_tiny_uncased", task="classifier", num_classes=1, **bert)
+    one.compile(optimizer="adamw")
+    assert isinstance(one.loss, keras.losses.MeanSquaredError)
+    vit = kzoo.presets.load("vit_tiny_patch16_224", num_classes=4, image_size=32,
+                            num_layers=1)
+    vit.compile(optimizer="adamw")
+    assert isinstance(vit.loss, keras.losses.SparseCategoricalCrossentropy)
+    from kzoo.models.graphormer import GraphormerBackbone
+
+    backbone = GraphormerBackbone(num_layers=1, hidden_dim=8, intermediate_dim=8,
+                                  num_heads=2)
+    for classes, kind in ((1, keras.losses.MeanSquaredError),
+                          (3, keras.losses.SparseCategoricalCrossentropy)):
+        predictor = GraphormerPredictor(backbone, num_classes=classes)
+        predictor.compile(optimizer="adam")
+        assert isinstance(predictor.loss, kind)
+
+
+def test_images_graph_biases_and_unbatched_inputs_are_checked_at_the_model():
+    """Model-level wiring of `kzoo.inputs`' rank and float checks: a NaN pixel had made
+    every ViT output NaN and `fit` every weight NaN; a NaN or +inf in Graphormer's
+    `attn_bias` had been read as -inf (never attend), and one of the wrong shape failed in
+    each backend's own words; one example without its batch axis got Keras' input-spec
+    error naming the filled-in `padding_mask`."""
+    vit = kzoo.presets.load("vit_tiny_patch16_224", num_classes=3, image_size=32,
+                            num_layers=1)
+    vit.compile(optimizer="sgd")
+    images = np.zeros((2, 32, 32, 3), "float32")
+    bad = images.copy()
+    bad[1, 5, 6, 2] = np.nan
+    for call in (lambda: vit.predict(bad, verbose=0), lambda: vit(bad),
+                 lambda: vit.fit(bad, np.array([0, 1]), verbose=0)):
+        with pytest.raises(ValueError, match=r"`images` \(.*\) holds nan at image 1, row 5, "
+                                             r"column 6, channel 2"):
+            call()
+    with pytest.raises(ValueError, match=r"`images` .* must have 4 axes .*one example "
+                                         r"without its batch axis"):
+        vit.predict(images[0], verbose=0)
+    graph = kzoo.presets.load("graphormer_slim", num_layers=1)
+    x = graphs.batch([dict(_GRAPH, y=None)])
+    masked = dict(x, attn_bias=x["attn_bias"].copy())
+    masked["attn_bias"][0, 0, 1] = -np.inf  # allowed: a pair that must not attend
+    graph.predict(masked, verbose=0)
+    for value in (np.nan, np.inf):
+        bad = dict(x, attn_bias=x["attn_bias"].copy())
+        bad["attn_bias"][0, 0, 1] = value
+        with pytest.raises(ValueError, match=rf"`attn_bias` .* holds {value} at graph 0"):
+            graph.predict(bad, verbose=0)
+    with pytest.raises(ValueError, match=r"`attn_bias` .* must have shape \(batch, n \+ 1, "
+                                         r"n \+ 1\) = \(1, 4, 4\)"):
+        graph.predict(dict(x, attn_bias=x["attn_bias"][:, :3, :3]), verbose=0)
+    lm = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                           intermediate_dim=32, max_sequence_length=16)
+    with pytest.raises(ValueError, match=r"`token_ids` .* must have 2 axes \(batch row, "
+                                         r"token\); got shape \(3,\)\. It looks like one"):
+        lm.predict({"token_ids": np.array([1, 2, 3])}, verbose=0)

@@ -475,8 +475,48 @@ def test_check_inputs_reports_the_first_bad_id_and_respects_masks():
     check_inputs({"ids": np.zeros((0, 3), "int32")}, spec)  # empty: nothing to check
     check_inputs({"other": ids}, spec)  # not an id input
     check_inputs({"ids": np.array([[0, 9]], "uint8")}, spec)
-    with pytest.raises(ValueError, match=r"id 200 at index \(0, 0, 1\)"):  # other ranks
+    with pytest.raises(ValueError, match=r"must have 2 axes \(batch row, token\); got "
+                                         r"shape \(1, 1, 2\)\.$"):  # other ranks
         check_inputs({"ids": np.array([[[0, 200]]], "uint8")}, spec)
+    with pytest.raises(ValueError, match=r"shape \(3,\)\. It looks like one example without "
+                                         r"its batch axis"):
+        check_inputs({"ids": np.array([1, 2, 3])}, spec)
+
+
+def test_float_inputs_are_numbers_of_their_rank_and_finite():
+    from kzoo.inputs import FloatInput
+
+    images = (FloatInput("images", axes=("image", "row", "column", "channel")),)
+    x = np.zeros((2, 4, 4, 3), "float32")
+    check_inputs(x, images)
+    check_inputs(x.astype("uint8"), images)  # integer pixels: nothing to be infinite
+    check_inputs(np.zeros((0, 4, 4, 3), "float32"), images)
+    for bad, match in (
+            (x[0], r"must have 4 axes .*shape \(4, 4, 3\)\. It looks like one example"),
+            (x.astype(bool), "must hold real numbers; got an array of dtype bool"),
+            (x.astype(complex), "must hold real numbers; got an array of dtype complex128"),
+            (np.where(np.arange(96).reshape(x.shape) == 50, np.nan, x),
+             r"holds nan at image 0, row 0, column 4|holds nan at image 1"),
+            (np.where(np.arange(96).reshape(x.shape) == 95, -np.inf, x),
+             r"holds -inf at image 1, row 3, column 3, channel 2; it must hold finite numbers")):
+        with pytest.raises(ValueError, match=match):
+            check_inputs(bad, images)
+    # an additive mask: -inf allowed, NaN and +inf not; its shape from another input's
+    bias = (FloatInput("attn_bias", axes=("graph", "from", "to"), negative_infinity=True,
+                       pair_of="nodes"),)
+    nodes = np.zeros((2, 3, 1), "int32")
+    good = np.zeros((2, 4, 4), "float32")
+    good[1, :, 3] = -np.inf
+    check_inputs({"nodes": nodes, "attn_bias": good}, bias)
+    for value in (np.nan, np.inf):
+        bad = good.copy()
+        bad[0, 2, 1] = value
+        with pytest.raises(ValueError, match=rf"holds {value} at graph 0, from 2, to 1; it "
+                                             "must hold finite numbers, or -inf"):
+            check_inputs({"nodes": nodes, "attn_bias": bad}, bias)
+    with pytest.raises(ValueError, match=r"must have shape \(batch, n \+ 1, n \+ 1\) = "
+                                         r"\(2, 4, 4\) .*got shape \(2, 3, 3\)"):
+        check_inputs({"nodes": nodes, "attn_bias": good[:, :3, :3]}, bias)
 
 
 @pytest.mark.parametrize("family", ["gpt", "bert", "t5"])

@@ -30,7 +30,7 @@ import numpy as np
 
 from kzoo import allocator
 from kzoo import inputs as input_checks
-from kzoo.inputs import IdInput  # noqa: F401  (the families declare their ids with it)
+from kzoo.inputs import FloatInput, IdInput  # noqa: F401  (the families declare their inputs)
 from kzoo.layers.feedforward import get_activation
 from kzoo.layers.utils import FieldError, check_positive_float, serialize_initializer
 
@@ -543,6 +543,13 @@ class FunctionalModel(keras.Model):
                 return keras_method(*args, **kwargs)
         specs = self.id_inputs()
         bound = _signature(method).bind(None, *args, **kwargs)
+        if method in _TRAINING_OR_TESTING and _empty_batch(bound.arguments.get("x")):
+            # (torch's data adapter said "num_samples should be a positive integer", JAX's a
+            # bare StopIteration, and TensorFlow's ran no step and only warned)
+            raise ValueError(
+                f"{method}'s x has no rows (a batch of 0 examples): there is nothing to "
+                f"{'train on' if method in ('fit', 'train_on_batch') else 'evaluate'}; "
+                "give at least one example.")
         self._check_targets(method, bound.arguments)
         for name, batch in data_arguments.items():
             data = bound.arguments.get(name)
@@ -976,6 +983,9 @@ def _dtype_name(value):
         return "int32"
 
 
+_TRAINING_OR_TESTING = ("fit", "evaluate", "train_on_batch", "test_on_batch")
+
+
 def _empty_batch(x):
     """Whether `x` is arrays (a dict, list or tuple of them, or one) whose batch axis is
     empty: what `predict` answers with the model's empty outputs."""
@@ -1058,11 +1068,23 @@ class Backbone(FunctionalModel):
         return {**self._base_config(), **self.config.to_dict()}
 
 
+def class_loss(num_classes):
+    """The default loss of a head with `num_classes` outputs, as transformers' sequence and
+    image classifiers and its Graphormer pick theirs: one output is a regression (mean
+    squared error), more are the logits of one class an example (sparse categorical
+    cross-entropy on class ids). Several binary tasks per example need an explicit
+    `keras.losses.BinaryCrossentropy(from_logits=True)`."""
+    if num_classes == 1:
+        return keras.losses.MeanSquaredError()
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
 class TaskModel(FunctionalModel):
     """A task model on a backbone: config = base entries, the backbone, `_task_config()`.
 
     `compile(optimizer, loss="auto", ...)`: "auto" is the task's `default_loss()` (the token
-    models: `kzoo.losses.TokenCrossentropy`; None elsewhere, i.e. pass one).
+    models: `kzoo.losses.TokenCrossentropy`; the classifiers and Graphormer's predictor:
+    `class_loss`, as transformers' heads choose theirs).
     """
 
     family = None

@@ -55,6 +55,7 @@ from kzoo.models.base import (
     HeadTransform,
     IdInput,
     TaskModel,
+    class_loss,
 )
 
 FAMILY = "bert"
@@ -676,6 +677,11 @@ class BertClassifier(_BertTask):
     """
 
     task_name = "classifier"
+
+    def default_loss(self):
+        """`compile`'s loss when given none: `kzoo.models.base.class_loss` (sparse
+        categorical cross-entropy on the logits; mean squared error with one output)."""
+        return class_loss(self.num_classes)
 
     def __init__(self, backbone, num_classes=2, dropout=0.1, dtype=None, **kwargs):
         _check_backbone(backbone)

@@ -69,7 +69,9 @@ from kzoo.layers.utils import (
     check_rate,
     serialize_initializer,
 )
-from kzoo.models.base import Backbone, FamilyConfig, HeadTransform, IdInput, TaskModel
+from kzoo.models.base import (Backbone, FamilyConfig, FloatInput, HeadTransform, IdInput,
+                              TaskModel,
+                              class_loss)
 
 FAMILY = "graphormer"
 EDGE_TYPES = ("multi_hop", "single_hop")
@@ -774,6 +776,10 @@ class GraphormerBackbone(Backbone):
             IdInput("out_degree", c.num_out_degree, "num_out_degree", axes=("graph", "node")),
             IdInput("spatial_pos", c.num_spatial, "num_spatial", axes=pair),
         )
+        # the additive attention bias over the graph token and the nodes: 0 or -inf from
+        # the collator; a NaN or +inf had been read as -inf (never attend) in silence
+        ids += (FloatInput("attn_bias", axes=("graph", "from token", "to token"),
+                           negative_infinity=True, pair_of="input_nodes"),)
         if c.edge_type == "multi_hop":
             return ids + (IdInput("input_edges", c.num_edges + 1, "num_edges + 1",
                                   axes=pair + ("hop", "feature")),)
@@ -817,6 +823,13 @@ class GraphormerPredictor(TaskModel):
 
     family = FAMILY
     task_name = "predictor"
+
+    def default_loss(self):
+        """`compile`'s loss when given none: `kzoo.models.base.class_loss` (mean squared
+        error with one output, a regression; sparse categorical cross-entropy on the
+        logits with more; several binary tasks a graph need
+        `keras.losses.BinaryCrossentropy(from_logits=True)` given to `compile`)."""
+        return class_loss(self.num_classes)
 
     def __init__(self, backbone, num_classes=1, dtype=None, **kwargs):
         check_instance("backbone", backbone, GraphormerBackbone)

@@ -38,7 +38,7 @@ from kzoo.layers.utils import check_int_pair
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
-from kzoo.models.base import Backbone, FamilyConfig, TaskModel
+from kzoo.models.base import Backbone, FamilyConfig, FloatInput, TaskModel, class_loss
 
 FAMILY = "vit"
 POOLINGS = ("token", "mean")
@@ -533,6 +533,11 @@ class ViTBackbone(Backbone):
         self.encoder_layers = encoder_layers
         self.final_norm = final_norm
 
+    def id_inputs(self):
+        """The checks of the model's input at every entry point (`kzoo.inputs`): `images`
+        of real numbers, `(batch, height, width, channels)`, every pixel finite."""
+        return (FloatInput("images", axes=("image", "row", "column", "channel")),)
+
 
 @keras.saving.register_keras_serializable(package="kzoo")
 class ViTClassifier(TaskModel):
@@ -564,6 +569,11 @@ class ViTClassifier(TaskModel):
 
     family = FAMILY
     task_name = "classifier"
+
+    def default_loss(self):
+        """`compile`'s loss when given none: `kzoo.models.base.class_loss` (sparse
+        categorical cross-entropy on the logits; mean squared error with one output)."""
+        return class_loss(self.num_classes)
 
     def __init__(self, backbone, num_classes=1000, pooling="token", dropout=0.0, dtype=None,
                  **kwargs):
