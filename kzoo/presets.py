@@ -322,6 +322,30 @@ def _read_keras_weights(model, path, overrides=None):
         ) from e
 
 
+def _in_stored_dtype(model, hf_config, state):
+    """A Hugging Face checkpoint of a model whose variables are bfloat16 or float16 (dtype
+    policy "bfloat16" / "float16", not the mixed ones, whose variables are float32): each
+    float tensor written in that dtype where it holds exactly (the converters hand out
+    float32; a variable the model keeps in float32, e.g. a router's, stays float32), and
+    `torch_dtype` set to it, as transformers' `save_pretrained` of such a model writes it."""
+    import numpy as np
+
+    stored = keras.backend.standardize_dtype(model.dtype_policy.variable_dtype)
+    if stored not in ("bfloat16", "float16"):
+        return hf_config, state
+    import ml_dtypes  # (a dependency of Keras)
+
+    dtype = ml_dtypes.bfloat16 if stored == "bfloat16" else np.float16
+
+    def narrow(array):
+        if not np.issubdtype(np.asarray(array).dtype, np.floating):
+            return array
+        cast = np.asarray(array).astype(dtype)
+        return cast if np.array_equal(cast.astype(np.float32), array) else array
+
+    return {**hf_config, "torch_dtype": stored}, {k: narrow(v) for k, v in state.items()}
+
+
 def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
          max_shard_size=None, metrics=None):
     """Write `model` to `directory` so that `load(directory)` rebuilds it, with a model card.
@@ -331,7 +355,8 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     (`config.json` + `model.safetensors`) that transformers loads, in shards
     `model-00001-of-0000N.safetensors` with `model.safetensors.index.json` when the weights
     are larger than `max_shard_size` (bytes or a string such as "200MB", "5GB"; default
-    "5GB", as transformers); `format="keras_hub"` a keras-hub preset. With
+    "5GB", as transformers; a model whose variables are bfloat16 or float16 in that dtype,
+    with `torch_dtype` set to it); `format="keras_hub"` a keras-hub preset. With
     `overwrite=False` a directory that already holds a checkpoint of that format is
     refused before anything is written. Each writes `README.md`, a model card (see
     `model_card`), with `metrics` (name -> number, e.g. `{"val_accuracy": 0.91}`) when
@@ -381,6 +406,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     family = registry.for_model(model)
     if format == "hf":
         hf_config, state = family.to_hf(model)  # (first: a model it refuses leaves no folder)
+        hf_config, state = _in_stored_dtype(model, hf_config, state)
         _warn_training_settings_dropped(model, "Hugging Face checkpoint", written=hf_config)
         os.makedirs(directory, exist_ok=True)
         checkpoints.write_hf(directory, hf_config, state,

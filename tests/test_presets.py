@@ -456,3 +456,32 @@ def test_a_saved_directory_loads_with_the_dtype_it_was_saved_with(dtype, tmp_pat
     for bad in ("int32", "float8", "fp32"):
         with pytest.raises(ValueError, match=r"`dtype` must be a floating-point"):
             kzoo.presets.load("gpt_mini", dtype=bad, **SMALL["gpt_mini"])
+
+
+@pytest.mark.parametrize("dtype, stored, code", [
+    ("bfloat16", "bfloat16", "BF16"), ("float16", "float16", "F16"),
+    ("mixed_bfloat16", "float32", "F32"),  # (mixed: the variables are float32)
+])
+def test_hf_save_keeps_the_variables_dtype(dtype, stored, code, tmp_path):
+    """A bfloat16 / float16 model is written in its own dtype, as `save_pretrained` writes
+    one (it had been float32 with `torch_dtype: float32`): exact, and read by transformers
+    in that dtype with `dtype="auto"`."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    model = kzoo.presets.load("gpt_modern_mini", num_layers=1, dtype=dtype)
+    kzoo.presets.save(model, tmp_path, format="hf")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == stored
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {code}
+    again = kzoo.presets.load(tmp_path)
+    for ours, back in zip(model.get_weights(), again.get_weights()):
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), back)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    assert hf.dtype == getattr(torch, stored)
+    table = hf.model.embed_tokens.weight.detach().float().numpy()
+    ours = keras.ops.cast(model.backbone.token_embedding.embeddings, "float32")
+    np.testing.assert_array_equal(table, keras.ops.convert_to_numpy(ours))
