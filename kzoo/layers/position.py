@@ -360,7 +360,8 @@ YARN_ROPE_FIELDS = ("original_max_position_embeddings", "beta_fast", "beta_slow"
 ROPE_SCALING_FIELDS = ("low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings", "beta_fast", "beta_slow",
                        "attention_factor", "truncate")
-_FIELDS_OF_TYPE = {"linear": (), "llama3": LLAMA3_ROPE_FIELDS, "yarn": YARN_ROPE_FIELDS}
+# The settings each scaling type reads.
+ROPE_FIELDS_OF_TYPE = {"linear": (), "llama3": LLAMA3_ROPE_FIELDS, "yarn": YARN_ROPE_FIELDS}
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 
 
@@ -404,10 +405,10 @@ def check_rope_scaling(scaling_type="linear", scaling_factor=1.0, low_freq_facto
                  original_max_position_embeddings=original_max_position_embeddings,
                  beta_fast=beta_fast, beta_slow=beta_slow, attention_factor=attention_factor,
                  truncate=truncate)
-    used = _FIELDS_OF_TYPE[scaling_type]
+    used = ROPE_FIELDS_OF_TYPE[scaling_type]
     for argument, value in given.items():
         if argument not in used and value is not None:
-            users = [kind for kind, fields in _FIELDS_OF_TYPE.items() if argument in fields]
+            users = [kind for kind, fields in ROPE_FIELDS_OF_TYPE.items() if argument in fields]
             raise FieldError(
                 f"`{name(argument)}` is only used with {name('scaling_type')} in {users}; "
                 f"got {name(argument)}={value!r} with {name('scaling_type')}="

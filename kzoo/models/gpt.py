@@ -43,7 +43,7 @@ from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
 from kzoo.layers.position import (
-    LLAMA3_ROPE_FIELDS,
+    ROPE_FIELDS_OF_TYPE,
     ROPE_SCALING_FIELDS,
     PositionEmbedding,
     ROPE_SCALING_TYPES,
@@ -239,8 +239,8 @@ class GPTConfig(FamilyConfig):
         else:
             for key, field in _ROPE_FIELDS.items():
                 if getattr(self, field) is not None:
-                    users = "'llama3' or 'yarn'" if key == "original_max_position_embeddings" \
-                        else ("'llama3'" if key in LLAMA3_ROPE_FIELDS else "'yarn'")
+                    users = " or ".join(repr(kind) for kind, fields in
+                                        ROPE_FIELDS_OF_TYPE.items() if key in fields)
                     raise FieldError(
                         f"`{field}` is only used with rope_scaling_type {users}; got "
                         f"{field}={getattr(self, field)!r} with rope_scaling_type=None.",
