@@ -174,7 +174,9 @@ def _kzoo_models(size):
 
     shape = dict(num_layers=size["layers"], num_heads=size["heads"], hidden_dim=size["width"],
                  intermediate_dim=size["ff"], vocabulary_size=size["vocab"],
-                 max_sequence_length=size["context"], dropout=0.0)
+                 max_sequence_length=size["context"], dropout=0.0,
+                 stop_token_ids=None)  # (decoding runs to its length; GPT-2's id 50256
+    # lies outside the quick size's vocabulary)
     return lambda dtype: kzoo.presets.load("gpt2", dtype=dtype, **shape)
 
 

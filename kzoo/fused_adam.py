@@ -95,7 +95,7 @@ def fused_update(optimizer, grads, trainable_variables, learning_rate):
 
     fused = getattr(torch, "_fused_adam_", None)
     betas = _float_betas(optimizer)
-    if fused is None or betas is None or not trainable_variables:
+    if fused is None or betas is None or not trainable_variables or _compiling(torch):
         return False
     index = [optimizer._get_variable_index(v) for v in trainable_variables]
     values = [v.value for v in trainable_variables]
@@ -119,6 +119,14 @@ def fused_update(optimizer, grads, trainable_variables, learning_rate):
               beta1=beta_1, beta2=beta_2, weight_decay=0.0,
               eps=epsilon / math.sqrt(correction), amsgrad=False, maximize=False)
     return True
+
+
+def _compiling(torch):
+    """Whether torch.compile is tracing this call (`compile(jit_compile=True)` on torch):
+    the fused kernel's host-side step and learning rate cannot be traced there, and Keras'
+    own update compiles into the step."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 def tf_fused_update(optimizer, gradient, variable, learning_rate):

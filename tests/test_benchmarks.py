@@ -429,3 +429,20 @@ def test_decode_families_models_are_the_kinds_named(kind):
             assert (moe.num_experts, moe.top_k) == (size["experts"], size["top_k"])
     out = model.generate(prompts, max_new_tokens=size["new_tokens"], stop_token_ids=None)
     assert peers.count_new_tokens(out) == size["prompts"] * size["new_tokens"]
+
+
+def test_gpu_quick_worker_trains_and_decodes_kzoo():
+    """The GPU benchmark's kzoo worker at its quick size (what `--quick` runs on a CPU): it
+    trains (a finite loss near ln(vocabulary) for random tokens), decodes every asked token
+    and reports the matmul peak. The quick size's vocabulary (512) holds no GPT-2 stop id:
+    building it once failed on `stop_token_ids=[50256]`."""
+    import keras
+
+    from benchmarks import gpu
+
+    size = gpu.SIZES["quick"]
+    out = gpu.run_worker(f"kzoo/{keras.config.backend()}", size)
+    assert out["train"] > 0 and out["decode"] > 0 and out["matmul_tflops"] > 0
+    assert abs(out["loss"] - np.log(size["vocab"])) < 1.0
+    assert out["new_tokens"] == size["prompts"] * size["new_tokens"]
+    assert out["device"]

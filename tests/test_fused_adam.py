@@ -170,3 +170,20 @@ def test_kzoo_model_compile_installs_it_and_trains():
         assert calls and len(calls) % len(model.trainable_variables) == 0
     else:
         assert calls == []
+
+
+def test_torch_compile_tracing_takes_keras_update(monkeypatch):
+    """While torch.compile traces the step (`compile(jit_compile=True)` on torch) the fused
+    kernel, whose step count and learning rate are read on the host, is not called: Keras'
+    own update runs, equal to Keras' formula. Before, tracing the fused call failed the whole
+    training step. (JAX / TensorFlow: nothing traces with torch; their update is checked.)"""
+    if TORCH:
+        import torch
+
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    init, grads = problem(seed=4, steps=3)
+    got, installed, calls = run_keras(keras.optimizers.Adam(1e-2), init, grads)
+    assert installed == FUSED
+    assert calls == (0 if TORCH or not FUSED else 3 * len(SHAPES))
+    for a, b in zip(got, numpy_adamw(init, grads, lambda s: 1e-2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
