@@ -80,11 +80,15 @@ def problem(seed=0, steps=6, scale=1.0):
     return init, grads
 
 
-def test_adamw_with_schedule_decay_and_exclusion_equals_numpy():
+@pytest.mark.parametrize("lr_on_device", [False, True])
+def test_adamw_with_schedule_decay_and_exclusion_equals_numpy(lr_on_device, monkeypatch):
     """AdamW with a decaying learning rate, weight decay (one variable excluded by name) and
     a large epsilon (so its place in the formula shows): NumPy's Keras AdamW after 6 steps;
     on torch and TensorFlow all three variables went through the fused kernel at every
-    step."""
+    step. `lr_on_device`: torch's CUDA form, the learning rate handed to the kernel as a
+    tensor (`fused_adam.LR_ON_DEVICE`), taken here on the CPU."""
+    if lr_on_device:
+        monkeypatch.setattr(fused_adam, "LR_ON_DEVICE", ("cpu", "cuda"))
     init, grads = problem()
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=2, decay_rate=0.5)
     optimizer = keras.optimizers.AdamW(learning_rate=schedule, weight_decay=0.1, epsilon=1e-3)
@@ -98,9 +102,13 @@ def test_adamw_with_schedule_decay_and_exclusion_equals_numpy():
     assert calls == (3 * 6 if FUSED else 0)
 
 
-def test_adam_with_clipping_and_small_gradients_equals_numpy():
+@pytest.mark.parametrize("lr_on_device", [False, True])
+def test_adam_with_clipping_and_small_gradients_equals_numpy(lr_on_device, monkeypatch):
     """Adam (no decay) with `clipnorm` (Keras clips before the fused update) and gradients
-    of 1e-4 (the bias-corrected epsilon dominates): NumPy's."""
+    of 1e-4 (the bias-corrected epsilon dominates): NumPy's. `lr_on_device`: as above, a
+    constant learning rate (a Keras variable) handed over as a tensor."""
+    if lr_on_device:
+        monkeypatch.setattr(fused_adam, "LR_ON_DEVICE", ("cpu", "cuda"))
     init, grads = problem(seed=1, steps=4, scale=1e-4)
     grads[1][0] *= 1e5  # (a large one for the clip)
     optimizer = keras.optimizers.Adam(learning_rate=3e-3, clipnorm=0.5)
@@ -187,3 +195,19 @@ def test_torch_compile_tracing_takes_keras_update(monkeypatch):
     assert calls == (0 if TORCH or not FUSED else 3 * len(SHAPES))
     for a, b in zip(got, numpy_adamw(init, grads, lambda s: 1e-2)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_device_scalar_keeps_numbers_and_moves_tensors():
+    """`_device_scalar` (torch): a Python number stays a float, a Keras variable and a
+    tensor become a float32 0-d tensor on the device, with the same value."""
+    if not TORCH:
+        assert not fused_adam.install(keras.optimizers.SGD(1e-2))
+        return
+    import torch
+
+    cpu = torch.device("cpu")
+    assert fused_adam._device_scalar(torch, 0.25, cpu) == 0.25
+    for value in (keras.Variable(0.5), torch.tensor([0.5], dtype=torch.float64)):
+        got = fused_adam._device_scalar(torch, value, cpu)
+        assert isinstance(got, torch.Tensor) and got.shape == () and got.dtype == torch.float32
+        assert float(got) == 0.5

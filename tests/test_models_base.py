@@ -501,3 +501,40 @@ def test_class_id_targets_out_of_range_are_refused(name):
             with pytest.raises(ValueError, match=pattern):
                 run(bad)
     assert np.isfinite(model.train_on_batch(x, y.astype("float32")))  # whole floats: fine
+
+
+def test_train_step_walks_trainable_weights_once_and_sees_freezing(monkeypatch):
+    """On torch one training step lists the trainable weights once (Keras' step asks three
+    times; each is a walk over every layer), and the list is the step's own: a layer frozen
+    between two steps (then compiled again, as JAX and TensorFlow need) keeps its weights,
+    the others move. Outside a step the property answers afresh."""
+    from kzoo.models import base
+
+    walks = []
+    original = base.TaskModel._without_unused
+
+    def counted(self, trainable, non_trainable):
+        walks.append(1)
+        return original(self, trainable, non_trainable)
+
+    monkeypatch.setattr(base.TaskModel, "_without_unused", counted)
+    r = np.random.default_rng(4)
+    ids, mask = _tokens(r)
+    x, y = {"token_ids": ids, "padding_mask": mask}, np.roll(ids, -1, axis=1)
+    model = _gpt()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=CE)
+    model.train_on_batch(x, y)  # (builds)
+    walks.clear()
+    model.train_on_batch(x, y)
+    if backend() == "torch":
+        assert len(walks) == 1
+    frozen = model.backbone.token_embedding
+    frozen.trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=CE)
+    before = {v.path: to_numpy(v) for v in model.weights}
+    model.train_on_batch(x, y)
+    frozen_paths = {v.path for v in frozen.weights}
+    assert frozen_paths and not frozen_paths & {v.path for v in model.trainable_weights}
+    for v in model.weights:
+        moved = not np.array_equal(to_numpy(v), before[v.path])
+        assert moved == (v.path not in frozen_paths and v.trainable), v.path
