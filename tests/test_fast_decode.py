@@ -1148,3 +1148,60 @@ def test_experts_of_a_decode_step_equal_numpy(rows, experts, top_k, capacity_fac
         free = _np_experts(x[:, 0], value["kernel"], w_in, value["output_kernel"], b_in,
                            b_out, top_k, None, gated)
         assert np.abs(free - expected).max() > 1e-3
+
+
+@pytest.mark.torch_path
+def test_no_padding_is_asked_once_per_mask_tensor_where_asking_waits(monkeypatch):
+    """`kernels_torch.no_padding`: where asking waits for the device (CUDA; here the CPU
+    put in its place), a padding mask's "every token real?" is asked once per tensor and
+    remembered with its version counter (an in-place change asks again); never while a CUDA
+    graph is captured; rank-3 masks and non-tensors are never "no padding". A GPT forward
+    of two layers asks once, and its outputs equal those of the same model without the
+    mask, and (with a padded row) those of the path that never asks. (JAX / TensorFlow:
+    the outputs with an all-true mask equal those without one.)"""
+    model = GPTCausalLM(GPTBackbone(vocabulary_size=40, num_layers=2, num_heads=2,
+                                    hidden_dim=8, intermediate_dim=16,
+                                    max_sequence_length=16, dropout=0.0))
+    ids = np.random.default_rng(3).integers(1, 40, (2, 7)).astype("int32")
+    full = np.ones((2, 7), "int32")
+    padded = full.copy()
+    padded[1, :2] = 0
+    with _no_grad():
+        never = {name: to_numpy(model({"token_ids": ids, "padding_mask": m}))
+                 for name, m in (("full", full), ("padded", padded))}
+        unmasked = to_numpy(model({"token_ids": ids}))
+    np.testing.assert_allclose(never["full"], unmasked, rtol=1e-6, atol=1e-6)
+    if not TORCH:
+        return
+    import torch
+
+    from kzoo.layers import kernels_torch
+
+    asked = []
+    original_all = torch.Tensor.all
+
+    def counted_all(self, *args, **kwargs):
+        asked.append(tuple(self.shape))
+        return original_all(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_torch, "ASKED_ONCE", ("cpu", "cuda"))
+    monkeypatch.setattr(torch.Tensor, "all", counted_all)
+    mask = torch.ones((2, 5), dtype=torch.int32)
+    assert kernels_torch.no_padding(mask) and kernels_torch.no_padding(mask)
+    assert asked == [(2, 5)]
+    mask[1, 3] = 0  # (in place: the version counter moves)
+    assert not kernels_torch.no_padding(mask) and len(asked) == 2
+    assert not kernels_torch.no_padding(mask) and len(asked) == 2
+    assert not kernels_torch.no_padding(torch.ones((2, 5, 5), dtype=torch.bool))
+    assert not kernels_torch.no_padding([[1, 1]]) and not kernels_torch.no_padding(None)
+    with monkeypatch.context() as capture:
+        capture.setattr(kernels_torch, "_capturing", lambda device: True)
+        assert not kernels_torch.no_padding(torch.ones((2, 5), dtype=torch.int32))
+
+    asked.clear()
+    with _no_grad():
+        once = to_numpy(model({"token_ids": ids, "padding_mask": full}))
+        assert asked == [(2, 7)]  # (two layers, one question)
+        with_padding = to_numpy(model({"token_ids": ids, "padding_mask": padded}))
+    np.testing.assert_allclose(once, unmasked, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(with_padding, never["padded"], rtol=1e-6, atol=1e-6)

@@ -286,6 +286,8 @@ def block_forward(block, x, padding_mask=None, attention_bias=None, output_posit
     layer = block.self_attention
     batch, length = x.shape[0], x.shape[1]
     mask, causal = normalize_mask(padding_mask, "attention_mask"), block.causal
+    if mask is not None and kernels_torch.no_padding(padding_mask):
+        mask = None  # (every token real: the layers attend unmasked)
     if rows is not None:
         mask, causal = _mask_rows(mask, rows, length, causal), False
 
