@@ -67,6 +67,25 @@ class TokenCrossentropy(keras.losses.Loss):
                  dtype=None):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
 
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        # torch, the default reduction without weights or a mask: the mean divides by the
+        # number of tokens as a Python number. (Keras' reduction makes that count a device
+        # tensor from the host, a copy that waits for the device's queued work: on a GPU the
+        # whole forward pass, with nothing queued for the backward pass meanwhile.)
+        if (keras.backend.backend() != "torch" or sample_weight is not None
+                or self.reduction != "sum_over_batch_size"
+                or getattr(y_pred, "_keras_mask", None) is not None):
+            return super().__call__(y_true, y_pred, sample_weight)
+        with keras.name_scope(self.name):
+            losses = self.call(keras.ops.convert_to_tensor(y_true, dtype=self.dtype),
+                               keras.ops.convert_to_tensor(y_pred, dtype=self.dtype))
+            if getattr(losses, "_keras_mask", None) is not None:  # (none today: Keras' way)
+                return super().__call__(y_true, y_pred, sample_weight)
+            losses = keras.ops.cast(losses, self.dtype)
+            total = losses.sum()
+            count = losses.numel()
+            return total / count if count else total  # (no tokens: 0, as Keras' divide_no_nan)
+
     def call(self, y_true, y_pred):
         if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:
             y_true = ops.squeeze(y_true, -1)  # (..., 1) targets, as Keras' loss takes them

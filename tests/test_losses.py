@@ -463,3 +463,29 @@ def test_train_step_matches_keras_loss_with_and_without_metrics(metrics):
     if metrics:
         hits = (logits.argmax(-1) == y) * w
         np.testing.assert_allclose(got["accuracy"], hits.sum() / w.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 4, 11), (0, 3, 5)])
+def test_unweighted_mean_counts_tokens_on_the_host(shape, monkeypatch):
+    """The default reduction without weights: the mean over every token (NumPy's formula;
+    no tokens: 0, as Keras' `divide_no_nan`), equal to Keras' own loss. On torch the count
+    never becomes a tensor copied from the host (Keras' `reduce_values` is not reached:
+    on a GPU that copy waited for the whole forward pass); elsewhere Keras' reduction runs."""
+    from keras.src.losses import loss as keras_loss_module
+
+    r = np.random.default_rng(sum(shape))
+    logits = (3 * r.normal(size=shape)).astype("float32")
+    y = r.integers(0, shape[-1], shape[:-1]).astype("int32")
+    reduced = []
+    keras_reduce = keras_loss_module.reduce_values
+    monkeypatch.setattr(keras_loss_module, "reduce_values",
+                        lambda *a, **k: reduced.append(1) or keras_reduce(*a, **k))
+    got = to_numpy(TokenCrossentropy()(y, logits))
+    assert reduced == ([] if keras.backend.backend() == "torch" else [1])
+    per_token = _np_token_ce(y, logits)
+    expected = per_token.sum() / per_token.size if per_token.size else 0.0
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6)
+    monkeypatch.undo()
+    keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    np.testing.assert_allclose(got, to_numpy(keras_loss(y, logits)), rtol=2e-6, atol=2e-6)
+    assert got.shape == ()

@@ -538,3 +538,57 @@ def test_train_step_walks_trainable_weights_once_and_sees_freezing(monkeypatch):
     for v in model.weights:
         moved = not np.array_equal(to_numpy(v), before[v.path])
         assert moved == (v.path not in frozen_paths and v.trainable), v.path
+
+
+def test_batches_go_to_the_device_first_where_copies_wait(monkeypatch):
+    """torch, where a copy from the host waits for the device (CUDA; here the CPU put in
+    its place, `base.WAITING_DEVICES`): the batch's arrays become tensors before the step
+    (the loss gets its targets as a tensor, not NumPy), the loss tracker gets the batch
+    size as a tensor, and the losses and weights after three steps equal those of Keras'
+    own path. Other backends: Keras' path, the same on both runs."""
+    from kzoo.models import base
+
+    r = np.random.default_rng(6)
+    ids, mask = _tokens(r)
+    x, y = {"token_ids": ids, "padding_mask": mask}, np.roll(ids, -1, axis=1)
+    seen = {"y": [], "weights": []}
+    keras_compute_loss = keras.Model._compute_loss
+
+    def spied_loss(self, *args, **kwargs):
+        seen["y"].append(type(kwargs.get("y")).__module__.split(".")[0])
+        return keras_compute_loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "_compute_loss", spied_loss)
+
+    def run():
+        keras.utils.set_random_seed(2)
+        model = _gpt()
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss=CE)
+        model.train_on_batch(x, y)  # (builds)
+        tracker_update = type(model._loss_tracker).update_state
+
+        def spied_update(tracker, values, sample_weight=None):
+            seen["weights"].append(type(sample_weight).__name__)
+            return tracker_update(tracker, values, sample_weight=sample_weight)
+
+        with monkeypatch.context() as m:
+            m.setattr(type(model._loss_tracker), "update_state", spied_update)
+            seen["y"].clear()
+            losses = [model.train_on_batch(x, y) for _ in range(3)]
+        assert "update_state" not in vars(model._loss_tracker)
+        return losses, [to_numpy(v) for v in model.weights]
+
+    keras_losses, keras_weights = run()
+    keras_seen = dict(y=list(seen["y"]), weights=list(seen["weights"]))
+    seen["weights"].clear()
+    with monkeypatch.context() as m:
+        m.setattr(base, "WAITING_DEVICES", ("cpu", "cuda"))
+        losses, weights = run()
+    torch_path = backend() == "torch"
+    assert seen["y"] == (["torch"] * 3 if torch_path else keras_seen["y"])
+    assert seen["weights"] == (["Tensor"] * 3 if torch_path else keras_seen["weights"])
+    if torch_path:
+        assert keras_seen == {"y": ["numpy"] * 3, "weights": ["int"] * 3}
+    np.testing.assert_allclose(losses, keras_losses, rtol=1e-6, atol=1e-6)
+    for got, want in zip(weights, keras_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -207,6 +207,36 @@ def _on_torch():
     return keras.config.backend() == "torch"
 
 
+# Device types where Keras' torch tensors live and a copy from the host waits for the
+# device's queued work (torch copies from pageable memory synchronously).
+WAITING_DEVICES = ("cuda",)
+
+
+def _waits_for_device():
+    """torch: whether Keras puts new tensors on a device of `WAITING_DEVICES`."""
+    from keras.src.backend.torch.core import get_device
+
+    return str(get_device()).split(":")[0] in WAITING_DEVICES
+
+
+def _on_device(data):
+    """torch: a training batch `(x, y, sample_weight)` with every NumPy array and host
+    tensor copied to Keras' device up front, as Keras' own conversions would copy them
+    (same dtypes), while the device is idle at the start of a step. Keras copies the
+    targets and weights later, inside the loss, after the forward pass is queued: each copy
+    there waits for the whole forward pass (an H200 training GPT-2 small: ~4 such waits a
+    step, the device idle while the host then queued the backward pass)."""
+    import torch
+
+    def move(value):
+        if isinstance(value, np.ndarray) or (isinstance(value, torch.Tensor)
+                                             and value.device.type == "cpu"):
+            return keras.ops.convert_to_tensor(value)
+        return value
+
+    return keras.tree.map_structure(move, data)
+
+
 # Outputs of `predict_on_batch` at least this large are handed out without a copy (smaller
 # ones are copied as Keras does: nothing to gain there).
 _ZERO_COPY_BYTES = 1 << 20
@@ -1106,7 +1136,9 @@ class TaskModel(FunctionalModel):
         # (`kzoo.losses.logits_released`).
         if not _on_torch():
             return super().train_step(*args, **kwargs)
-        with self._trainable_fixed_for_step():
+        if args and _waits_for_device():
+            args = (_on_device(args[0]),) + args[1:]
+        with self._trainable_fixed_for_step(), self._device_batch_size():
             if self._predictions_unread_after_backward():
                 from kzoo.losses import logits_released
 
@@ -1127,6 +1159,32 @@ class TaskModel(FunctionalModel):
             yield
         finally:
             self.__dict__["_step_trainable"] = outer
+
+    @contextlib.contextmanager
+    def _device_batch_size(self):
+        """torch on CUDA: Keras' step weighs the loss tracker's update by the batch size, a
+        Python int it copies to the device, and a copy from the host waits for the device's
+        queued work: there, for the whole forward pass and the loss, with nothing left queued
+        for the backward pass. The count is made on the device instead (`torch.full`)."""
+        tracker = getattr(self, "_loss_tracker", None)
+        if tracker is None or not _waits_for_device() or "update_state" in vars(tracker):
+            yield
+            return
+        import torch
+
+        keras_update = tracker.update_state
+
+        def update_state(values, sample_weight=None):
+            if isinstance(sample_weight, int) and isinstance(values, torch.Tensor):
+                sample_weight = torch.full((), float(sample_weight), dtype=torch.float32,
+                                           device=values.device)
+            return keras_update(values, sample_weight=sample_weight)
+
+        object.__setattr__(tracker, "update_state", update_state)
+        try:
+            yield
+        finally:
+            del vars(tracker)["update_state"]
 
     def _predictions_unread_after_backward(self):
         return (getattr(self, "_compile_metrics", None) is None
