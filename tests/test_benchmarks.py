@@ -359,6 +359,18 @@ def test_gpu_report_ratios_and_mfu_by_hand():
     assert f"{100 * achieved / 1e-9:.1f}%" in text
     assert f"{100 * achieved / 800.0:.1f}%" in text
     assert gpu._split("kzoo/torch+jit") == ("kzoo", "torch")
+    # The profile table: a step's ms from tokens/s (1e3 * 4 x 2 tokens / 200 = 40 ms; 50
+    # tok/s: 160 ms); bound by the host past 1.15x the kernels' time.
+    results["kzoo/jax"]["profile"] = {"kernels_ms": 30.0, "launches": 120.0, "waits": 13.0}
+    results["transformers/torch"]["profile"] = {"kernels_ms": 150.0, "launches": 9.0,
+                                                "waits": 2.0}
+    results["kzoo/torch+jit"]["profile"] = {"kernels_ms": None, "launches": 0, "waits": 0}
+    text = gpu.report(results, dict(size, batch=4), peak_tflops=1e-9)
+    table = text.split("Where a training step's time goes")[1]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[3:] if line.strip()}
+    assert rows["kzoo/jax"][1:] == ["40.0", "30.0", "120", "13.0", "host"]
+    assert rows["transformers/torch"][1:] == ["160", "150", "9.00", "2.00", "device"]
+    assert rows["kzoo/torch+jit"][-1] == "n/a"
 
 
 def test_gpu_cli_rejects_unknown_systems(capsys):
@@ -441,8 +453,12 @@ def test_gpu_quick_worker_trains_and_decodes_kzoo():
     from benchmarks import gpu
 
     size = gpu.SIZES["quick"]
-    out = gpu.run_worker(f"kzoo/{keras.config.backend()}", size)
+    out = gpu.run_worker(f"kzoo/{keras.config.backend()}", size, profile=True)
     assert out["train"] > 0 and out["decode"] > 0 and out["matmul_tflops"] > 0
+    if keras.config.backend() == "torch":  # (the CPU: no kernels timed, launched or awaited)
+        assert out["profile"] == {"kernels_ms": None, "launches": 0, "waits": 0}
+    else:
+        assert "profile" not in out
     assert abs(out["loss"] - np.log(size["vocab"])) < 1.0
     assert out["new_tokens"] == size["prompts"] * size["new_tokens"]
     assert out["device"]
