@@ -1197,6 +1197,10 @@ def test_no_padding_is_asked_once_per_mask_tensor_where_asking_waits(monkeypatch
     with monkeypatch.context() as capture:
         capture.setattr(kernels_torch, "_capturing", lambda device: True)
         assert not kernels_torch.no_padding(torch.ones((2, 5), dtype=torch.int32))
+    with torch.inference_mode():  # (no version counter: never asked, never remembered)
+        assert not kernels_torch.no_padding(torch.ones((2, 5), dtype=torch.int32))
+        inferred = to_numpy(model({"token_ids": ids, "padding_mask": full}))
+    np.testing.assert_allclose(inferred, unmasked, rtol=1e-6, atol=1e-6)
 
     asked.clear()
     with _no_grad():
