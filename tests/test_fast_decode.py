@@ -1197,6 +1197,10 @@ def test_no_padding_is_asked_once_per_mask_tensor_where_asking_waits(monkeypatch
     with monkeypatch.context() as capture:
         capture.setattr(kernels_torch, "_capturing", lambda device: True)
         assert not kernels_torch.no_padding(torch.ones((2, 5), dtype=torch.int32))
+    answers = torch.func.vmap(  # (a batched tensor cannot be asked: the mask is kept)
+        lambda m: torch.tensor(float(kernels_torch.no_padding(m))))(
+        torch.ones((3, 2, 5), dtype=torch.int32))
+    assert answers.tolist() == [0.0, 0.0, 0.0]
     with torch.inference_mode():  # (no version counter: never asked, never remembered)
         assert not kernels_torch.no_padding(torch.ones((2, 5), dtype=torch.int32))
         inferred = to_numpy(model({"token_ids": ids, "padding_mask": full}))

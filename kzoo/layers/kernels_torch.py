@@ -59,11 +59,15 @@ def no_padding(padding_mask):
         return device.type == "cpu" and _all_true(padding_mask)
     if torch.compiler.is_compiling() or _capturing(device) or padding_mask.is_inference():
         return False  # (an inference tensor has no version counter to remember the answer by)
-    known = getattr(padding_mask, _ANSWER, None)
-    if known is not None and known[0] == padding_mask._version:
-        return known[1]
-    answer = bool(padding_mask.all())
-    setattr(padding_mask, _ANSWER, (padding_mask._version, answer))
+    try:
+        version = padding_mask._version
+        known = getattr(padding_mask, _ANSWER, None)
+        if known is not None and known[0] == version:
+            return known[1]
+        answer = bool(padding_mask.all())
+        setattr(padding_mask, _ANSWER, (version, answer))
+    except RuntimeError:  # (a tensor that cannot be asked here, e.g. under torch.func's
+        return False      # transforms: the layers keep the mask, as they always could)
     return answer
 
 
