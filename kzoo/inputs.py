@@ -47,6 +47,7 @@ ValueError: `token_ids` (model input) holds id 300 at batch row 0, token 2; ids 
 in [0, 260) (vocabulary_size=260) ...
 """
 
+import collections.abc
 import contextlib
 import dataclasses
 import sys
@@ -657,7 +658,13 @@ def checked_data(data, specs, source, batch=False):
 
 
 def integer_array(values, name):
-    """`values` as a NumPy integer array; a float or boolean array is refused, not cast."""
+    """`values` as a NumPy integer array; a float or boolean array is refused, not cast, and
+    so is a one-pass iterator (a generator) or a set, by name."""
+    if isinstance(values, (collections.abc.Iterator, set, frozenset)):
+        raise ValueError(
+            f"`{name}` must be a list, tuple or array of token ids (or token id lists); got a "
+            f"{type(values).__name__}: make it a list first (`list(...)`)."
+        )
     array = np.asarray(to_host(values) if not isinstance(values, (list, tuple)) else values)
     if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(

@@ -342,6 +342,15 @@ def test_generate_prompt_rows_that_are_not_1d_or_mixed_are_refused(family):
     for empty in ([], ()):
         with pytest.raises(ValueError, match=r"`prompts` is empty: give at least one prompt"):
             model.generate(empty, max_new_tokens=1)
+    # One-pass iterators and sets (NumPy made them a 0-d object array: "dtype object and
+    # shape ()"), by name.
+    for one_pass, kind in (((r for r in [[1, 2]]), "generator"), (iter([[1, 2]]),
+                                                                  "list_iterator"),
+                           ({1, 2}, "set")):
+        with pytest.raises(ValueError, match=r"`prompts` must be a list, tuple or array of "
+                                             rf"token ids \(or token id lists\); got a {kind}: "
+                                             r"make it a list first"):
+            model.generate(one_pass, max_new_tokens=1)
 
 
 # === kzoo.interpret ===
