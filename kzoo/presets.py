@@ -25,6 +25,7 @@ Example:
 """
 
 import builtins
+import contextlib
 import os
 import tempfile
 import time
@@ -96,9 +97,10 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
             mode always on).
         task: task model to build ("backbone" for the backbone alone); defaults to the
             preset's / checkpoint's own task.
-        weights: for a preset name, an optional weights file (`.weights.h5`) or Hugging Face
-            checkpoint directory to load into the model; `False` skips the weights of a saved
-            directory.
+        weights: a weights file (`.weights.h5`), a directory written by `save` or a Hugging
+            Face checkpoint directory whose weights to load into the model (for a directory:
+            instead of its own); `False`: no weights (a directory's configuration alone, a
+            fresh model; with overrides that change the shapes, a model of the new shape).
         dtype: dtype policy name (e.g. "float32", "bfloat16", "mixed_bfloat16"); a
             directory written by `save` loads with the policy it was saved with unless
             one is given here.
@@ -138,9 +140,11 @@ def load(name_or_path, *, task=None, weights=None, dtype=None, **overrides):
             return _load_saved(path, task=task, weights=weights, dtype=dtype,
                                overrides=overrides)
         if checkpoints.is_hf_dir(path):
-            return _load_hf(path, task=task, dtype=dtype, overrides=overrides)
+            return _load_hf(path, task=task, dtype=dtype, overrides=overrides,
+                            weights=weights)
         if registry.keras_hub_converter().is_preset(path):
-            return _load_keras_hub(path, task=task, dtype=dtype, overrides=overrides)
+            return _load_keras_hub(path, task=task, dtype=dtype, overrides=overrides,
+                                   weights=weights)
         raise ValueError(
             f"Directory {path!r} is neither a kzoo preset directory (no {CONFIG_FILE}), a "
             "Hugging Face checkpoint (no config.json with a model_type) nor a keras-hub preset "
@@ -311,15 +315,38 @@ def _read_keras_weights(model, path, overrides=None):
     except OSError as e:  # h5py: truncated or not an HDF5 file
         raise ValueError(f"The weights file {path!r} cannot be read: {e}") from e
     except ValueError as e:  # Keras: the file's variables do not fit the model's
-        shaping = sorted(overrides or {})
-        hint = (f" The model was built with the overrides {shaping}: an override that changes "
-                "the number or shapes of the weights (layers, widths, vocabulary, positions) "
-                "cannot take weights saved without it; load without it, or pass "
-                "weights=False for a fresh model of the new shape." if shaping else "")
         raise ValueError(
-            f"The weights file {path!r} does not fit the model {model.name!r}.{hint} "
-            f"Keras said: {e}"
+            f"The weights file {path!r} does not fit the model {model.name!r}."
+            f"{_shaping_hint(overrides, 'pass weights=False')} Keras said: {e}"
         ) from e
+
+
+def _shaping_hint(overrides, fresh):
+    """The sentence added to a weights mismatch when the model was built with overrides
+    (empty without): the overrides by name, and what to do instead (`fresh`: how to get a
+    model of the new shape without the weights)."""
+    shaping = sorted(overrides or {})
+    if not shaping:
+        return ""
+    return (f" The model was built with the overrides {shaping}: an override that changes "
+            "the number or shapes of the weights (layers, widths, vocabulary, positions) "
+            f"cannot take weights saved without it; load without it, or {fresh} for a fresh "
+            "model of the new shape.")
+
+
+@contextlib.contextmanager
+def _naming_overrides(path, overrides):
+    """A checkpoint directory's weights (Hugging Face, keras-hub) that do not fit a model
+    built with `overrides`: the error names them (it named only the first weight whose
+    shape differs, as if the checkpoint were broken)."""
+    try:
+        yield
+    except ValueError as e:
+        if not overrides:
+            raise
+        fresh = "pass weights=False"
+        raise ValueError(f"{str(e).rstrip('.')} (checkpoint {path!r})."
+                         f"{_shaping_hint(overrides, fresh)}") from e
 
 
 def _in_stored_dtype(model, hf_config, state):
@@ -661,19 +688,25 @@ def _backbone(model, task):
     return model if task == registry.BACKBONE_TASK else model.backbone
 
 
-def _load_keras_hub(path, task=None, dtype=None, overrides=None):
-    """The kzoo model of a keras-hub preset directory (`save_to_preset`), with its weights."""
+def _load_keras_hub(path, task=None, dtype=None, overrides=None, weights=None):
+    """The kzoo model of a keras-hub preset directory (`save_to_preset`), with its weights
+    (`weights`: False none, a path those instead; see `load`)."""
     converter = registry.keras_hub_converter()
     family, config, hub_task, task_config = converter.read_preset(path, task=task)
     model = _build(registry.family(family), config, hub_task, task_config, task=task,
                    dtype=dtype, overrides=overrides or {},
                    source=os.path.join(path, "config.json"))
-    converter.load_weights(model, path)
+    if weights is None:
+        with _naming_overrides(path, overrides):
+            converter.load_weights(model, path)
+    elif weights is not False:
+        _load_weights_into(model, weights, overrides)
     return model
 
 
-def _load_hf(path, task=None, dtype=None, overrides=None):
-    """The kzoo model of a Hugging Face checkpoint directory, with its weights (and tokenizer)."""
+def _load_hf(path, task=None, dtype=None, overrides=None, weights=None):
+    """The kzoo model of a Hugging Face checkpoint directory, with its weights (`weights`:
+    False none, a path those instead; see `load`) and tokenizer."""
     # `generate`'s defaults come from generation_config.json first, as in transformers
     hf_config = {**checkpoints.read_hf_config(path),
                  **checkpoints.read_hf_generation_config(path)}
@@ -686,7 +719,11 @@ def _load_hf(path, task=None, dtype=None, overrides=None):
     # Another head than the checkpoint's: its head weights are left over, the new head's
     # are missing; only the backbone's must match.
     strict = family.task_of(model) == hf_task
-    family.load_hf_weights(model, checkpoints.read_hf_state(path), strict=strict)
+    if weights is None:
+        with _naming_overrides(path, overrides):
+            family.load_hf_weights(model, checkpoints.read_hf_state(path), strict=strict)
+    elif weights is not False:
+        _load_weights_into(model, weights, overrides)
     tokenizer = checkpoints.load_tokenizer(path)
     if tokenizer is not None:
         model.tokenizer = tokenizer

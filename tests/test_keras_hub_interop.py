@@ -357,3 +357,25 @@ def test_save_other_families_and_formats(tmp_path):
         kzoo.presets.save(t5, str(tmp_path / "t5"), format="keras_hub")
     with pytest.raises(ValueError, match="'keras_hub'.*format='keras-hub'"):
         kzoo.presets.save(t5, str(tmp_path / "t5"), format="keras-hub")
+
+
+def test_shape_changing_overrides_are_named_and_weights_false_gives_a_fresh_model(
+        tmp_path, gpt2_preset):
+    """A keras-hub preset loaded with an override that changes the weights' shapes: the
+    error names the override and the way out (it named only the first mismatching weight,
+    as if the preset were broken); `weights=False` builds a fresh model of the new shape;
+    a weights file given as `weights` loads instead of the preset's own."""
+    with pytest.raises(ValueError, match=r"\(checkpoint .*\)\. The model was built with "
+                                         r"the overrides \['hidden_dim'\].*pass weights=False"):
+        kzoo.presets.load(gpt2_preset, hidden_dim=16)
+    fresh = kzoo.presets.load(gpt2_preset, weights=False, num_layers=3, hidden_dim=16)
+    assert fresh.config.num_layers == 3 and fresh.config.hidden_dim == 16  # (a backbone)
+    own = kzoo.presets.load(gpt2_preset)
+    other = kzoo.presets.load(gpt2_preset, weights=False)
+    assert any(not np.array_equal(a, b) for a, b in zip(own.get_weights(),
+                                                          other.get_weights()))
+    path = str(tmp_path / "other.weights.h5")
+    other.save_weights(path)
+    again = kzoo.presets.load(gpt2_preset, weights=path)
+    for a, b in zip(again.get_weights(), other.get_weights()):
+        np.testing.assert_array_equal(a, b)

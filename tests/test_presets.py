@@ -485,3 +485,32 @@ def test_hf_save_keeps_the_variables_dtype(dtype, stored, code, tmp_path):
     table = hf.model.embed_tokens.weight.detach().float().numpy()
     ours = keras.ops.cast(model.backbone.token_embedding.embeddings, "float32")
     np.testing.assert_array_equal(table, keras.ops.convert_to_numpy(ours))
+
+
+def test_hf_dir_with_shape_changing_overrides_names_them_and_weights_false_or_a_file(
+        tmp_path):
+    """A Hugging Face checkpoint loaded with overrides that change the weights (more
+    layers, a wider model): the error names the overrides and the way out (it named only the
+    first missing or mismatching weight, as if the checkpoint were broken); `weights=False`
+    builds a fresh model of the new shape; a weights file given as `weights` loads instead
+    of the checkpoint's (the argument was ignored for such directories)."""
+    source = _hf_gpt(tmp_path / "hf")
+    layers = SMALL["gpt_mini"].get("num_layers", 2)
+    for override, needle in (({"num_layers": layers + 1}, r"missing weights"),
+                             ({"hidden_dim": 48}, r"Shape mismatch")):
+        with pytest.raises(ValueError, match=rf"{needle}.*\(checkpoint .*\)\. The model "
+                                             rf"was built with the overrides "
+                                             rf"\['{next(iter(override))}'\].*pass "
+                                             r"weights=False"):
+            kzoo.presets.load(tmp_path / "hf", **override)
+    fresh = kzoo.presets.load(tmp_path / "hf", weights=False, num_layers=layers + 1)
+    assert fresh.backbone.config.num_layers == layers + 1
+    other = kzoo.presets.load(tmp_path / "hf", weights=False)
+    assert any(not np.array_equal(a, b) for a, b in zip(source.get_weights(),
+                                                          other.get_weights()))
+    other.save_weights(str(tmp_path / "other.weights.h5"))
+    again = kzoo.presets.load(tmp_path / "hf", weights=tmp_path / "other.weights.h5")
+    for a, b in zip(again.get_weights(), other.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(kzoo.presets.load(tmp_path / "hf").get_weights(), source.get_weights()):
+        np.testing.assert_array_equal(a, b)
