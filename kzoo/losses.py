@@ -79,9 +79,7 @@ class TokenCrossentropy(keras.losses.Loss):
         with keras.name_scope(self.name):
             losses = self.call(keras.ops.convert_to_tensor(y_true, dtype=self.dtype),
                                keras.ops.convert_to_tensor(y_pred, dtype=self.dtype))
-            if getattr(losses, "_keras_mask", None) is not None:  # (none today: Keras' way)
-                return super().__call__(y_true, y_pred, sample_weight)
-            losses = keras.ops.cast(losses, self.dtype)
+            losses = keras.ops.cast(losses, self.dtype)  # (`call` sets no Keras mask)
             total = losses.sum()
             count = losses.numel()
             return total / count if count else total  # (no tokens: 0, as Keras' divide_no_nan)
