@@ -1073,3 +1073,132 @@ def test_uniform_empty_rows_against_numpy(form):
     assert_close(got, expected, atol=1e-6, rtol=1e-6)
     if form == "none_empty":
         np.testing.assert_array_equal(to_numpy(got), out)
+
+
+# === TensorFlow's reference formula with a hand-written gradient ===
+
+
+def _np_hand_attention_grads(q, k, v, allowed, bias, scale, w):
+    """Output and d(sum(out * w)) / d(q, k, v, full bias) of softmax(q k^T * scale + bias,
+    masked) v in float64, heads-major algebra written out; rows without a key give 0."""
+    qh, kh, vh, wh = (np.transpose(x, (0, 2, 1, 3)).astype(np.float64) for x in (q, k, v, w))
+    scores = qh @ np.swapaxes(kh, -1, -2) * scale + bias
+    scores = np.where(allowed, scores, -np.inf)
+    empty = ~allowed.any(-1, keepdims=True)
+    scores = np.where(empty, 0.0, scores)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p = np.where(empty, 0.0, p / p.sum(-1, keepdims=True))
+    out = p @ vh
+    dp = wh @ np.swapaxes(vh, -1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq, dk, dv = ds @ kh * scale, np.swapaxes(ds, -1, -2) @ qh * scale, np.swapaxes(p, -1, -2) @ wh
+    back = lambda x: np.transpose(x, (0, 2, 1, 3))  # noqa: E731
+    return back(out), back(dq), back(dk), back(dv), ds
+
+
+TF_HAND_CASES = {  # (t, s, mask kind, bias shape or None, causal, scale)
+    "causal": (6, 6, None, None, True, None),
+    "padding_empty_row": (5, 7, "rows", None, False, None),
+    "causal_padding_shared_bias": (6, 6, "keys", (1, 3, 6, 6), True, None),
+    "bias_per_key_unscaled": (4, 5, None, (2, 1, 1, 5), False, 1.0),
+    "decode_row": (1, 7, "keys", (2, 3, 1, 7), True, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TF_HAND_CASES))
+def test_tensorflow_hand_gradient_in_a_graph_against_numpy(case):
+    """`kernels_tf.reference_with_gradient` (pure TensorFlow, so checked under every backend),
+    traced in a graph as `fit` runs it: the output and the gradients of the queries, keys,
+    values and bias (summed over the bias' broadcast axes) against NumPy's float64 formula,
+    with a causal mask, padded keys, a query row with no key at all (zeros, zero gradients),
+    a scale of 1 and a one-row decode step."""
+    import tensorflow as tf
+
+    from kzoo.layers import kernels_tf
+
+    t, s, mask_kind, bias_shape, causal, scale = TF_HAND_CASES[case]
+    b, h, d = 2, 3, 4
+    q, k, v = _data(b=b, t=t, s=s, h=h, d=d, seed=21)
+    r = np.random.default_rng(22)
+    w = r.normal(size=q.shape).astype("float32")
+    mask = None
+    if mask_kind == "keys":
+        mask = _pad(b, s, [s, s - 2])[:, None, None, :]
+    elif mask_kind == "rows":
+        mask = r.random((b, 1, t, s)) > 0.4
+        mask[0, 0, 1] = False  # a query row with no key
+    bias = None if bias_shape is None else r.normal(size=bias_shape).astype("float32")
+    scale_value = 1 / np.sqrt(d) if scale is None else scale
+    allowed = np.ones((b, h, t, s), bool) if mask is None else np.broadcast_to(mask, (b, h, t, s))
+    if causal:
+        allowed = allowed & np.tril(np.ones((t, s), bool), s - t)
+    full_bias = 0.0 if bias is None else np.broadcast_to(bias.astype(np.float64), (b, h, t, s))
+    out, dq, dk, dv, ds = _np_hand_attention_grads(q, k, v, allowed, full_bias, scale_value, w)
+
+    full = rows = None  # (the mask, the causal one in it, and the rows with a key)
+    if mask is not None or causal:
+        visible = np.ones((1, 1, t, s), bool) if mask is None else mask
+        if causal:
+            visible = visible & np.tril(np.ones((t, s), bool), s - t)
+        full = tf.constant(visible)
+        if mask is not None:
+            rows = tf.constant(visible.any(-1, keepdims=True))
+
+    @tf.function
+    def run(q, k, v, bias):
+        inputs = [q, k, v] + ([] if bias is None else [bias])
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            o = kernels_tf.reference_with_gradient(q, k, v, full, bias, scale_value, rows)
+            loss = tf.reduce_sum(o * w)
+        return [o] + tape.gradient(loss, inputs)
+
+    got = [x.numpy() for x in run(tf.constant(q), tf.constant(k), tf.constant(v),
+                                  None if bias is None else tf.constant(bias))]
+    for name, have, want in zip(["out", "dq", "dk", "dv"], got, [out, dq, dk, dv]):
+        np.testing.assert_allclose(have, want, atol=2e-5, rtol=1e-4, err_msg=name)
+    if mask_kind == "rows":
+        assert not got[0][0, 1].any() and not got[1][0, 1].any()
+    if bias is not None:
+        axes = tuple(i for i, n in enumerate(bias_shape) if n == 1)
+        np.testing.assert_allclose(got[4], ds.sum(axis=axes, keepdims=True), atol=2e-5,
+                                   rtol=1e-4, err_msg="dbias")
+
+
+def test_tensorflow_hand_gradient_is_taken_for_float32_equal_heads(monkeypatch):
+    """On TensorFlow the reference kernel's float32 calls with as many key/value heads as
+    query heads run `kernels_tf.reference_with_gradient`; grouped heads, half precision,
+    returned weights, attention dropout and `TF_HAND_GRADIENT = False` keep the formula.
+    Other backends never reach it. Every call's output equals NumPy's."""
+    import tensorflow as tf  # noqa: F401  (kernels_tf imports it)
+
+    from kzoo.layers import kernels, kernels_tf
+
+    calls = []
+    real = kernels_tf.reference_with_gradient
+    monkeypatch.setattr(kernels_tf, "reference_with_gradient",
+                        lambda *a: calls.append(1) or real(*a))
+    on_tf = backend() == "tensorflow"
+    q, k, v = _data(b=2, t=5, h=4, d=8, seed=3)
+    _, kg, vg = _data(b=2, t=5, h=2, d=8, seed=4)
+    mask = _pad(2, 5, [5, 2])[:, None, None, :]
+    cases = [  # (query, key, value, kwargs, taken on TensorFlow)
+        (q, k, v, dict(mask=mask, is_causal=True), True),
+        (q, kg, vg, dict(is_causal=True), False),
+        (q.astype("float16"), k.astype("float16"), v.astype("float16"), {}, False),
+    ]
+    for query, key, value, kw, taken in cases:
+        calls.clear()
+        out = dot_product_attention(query, key, value, kernel="reference", **kw)
+        assert len(calls) == int(on_tf and taken), (query.dtype, key.shape, kw)
+        tol = 2e-3 if query.dtype == np.float16 else 1e-5
+        assert_close(out, np_attention(query.astype("float64"), key, value,
+                                       mask=kw.get("mask"), causal=kw.get("is_causal", False)),
+                     atol=tol, rtol=tol)
+    calls.clear()
+    dot_product_attention(q, k, v, kernel="reference", return_weights=True)
+    dot_product_attention(q, k, v, kernel="reference", dropout_rate=0.5, training=True,
+                          seed_generator=keras.random.SeedGenerator(0))
+    monkeypatch.setattr(kernels, "TF_HAND_GRADIENT", False)
+    dot_product_attention(q, k, v, kernel="reference")
+    assert not calls

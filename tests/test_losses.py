@@ -127,7 +127,8 @@ def test_jax_function_out_of_range_targets_and_gradient():
 
 def test_tensorflow_function_in_graphs_and_out_of_range_targets():
     """The TensorFlow path's function (pure TensorFlow, so checked under every backend), in a
-    graph as `fit` runs it: the loss and its gradient against NumPy, large logits included;
+    graph as `fit` runs it: the loss and its gradient against NumPy, large logits and a
+    target whose probability underflows float32 included;
     a target outside the vocabulary stops a graph with an error naming the rule, and makes
     that row's loss NaN (the others exact) in a function compiled whole with XLA, where
     assertions are dropped."""
@@ -139,6 +140,8 @@ def test_tensorflow_function_in_graphs_and_out_of_range_targets():
     r = np.random.default_rng(5)
     logits = (5 * r.normal(size=(6, 7))).astype("float32")
     logits[2, 3] = 90.0
+    logits[5] = 100.0
+    logits[5, 6] = -250.0  # the target's probability underflows: loss ~352
     y = np.array([1, 0, 3, 6, 2, 6], "int32")
     weights = r.uniform(size=6).astype("float32")
 

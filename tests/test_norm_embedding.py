@@ -1,4 +1,4 @@
-"""RMSNorm, TokenEmbedding and PatchEmbedding against NumPy formulas."""
+"""RMSNorm, LayerNorm, TokenEmbedding and PatchEmbedding against NumPy formulas."""
 
 import keras
 import numpy as np
@@ -6,9 +6,110 @@ import pytest
 
 from kzoo.layers.embedding import PatchEmbedding
 from kzoo.layers.embedding import TokenEmbedding
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.norm import RMSNorm
 from tests.harness import assert_close, check_layer, ref, rng, roundtrip_layer, to_numpy
 from tests.helpers import value_and_grads
+
+
+# === LayerNorm ===
+
+
+@pytest.mark.parametrize("kwargs", [dict(epsilon=1e-5), dict(epsilon=1e-12, center=False),
+                                    dict(epsilon=1e-3, scale=False)])
+def test_layer_norm_layer_harness(kwargs):
+    """kzoo's LayerNorm: build, call, NumPy reference, config / serialization round trip and
+    mixed precision, through the shared check_layer."""
+    check_layer(LayerNorm, kwargs, input_shape=(2, 5, 16), expected_output_shape=(2, 5, 16),
+                reference=lambda layer, x: ref.norm(layer, x))
+
+
+def _np_layer_norm_grads(x, gamma, beta, eps, dy):
+    """y and d(sum(y * dy)) / d(x, gamma, beta) of (x - mean) / sqrt(var + eps) * gamma +
+    beta over the last axis, float64, by the chain rule written out."""
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    n = x.shape[-1]
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    x_hat = (x - mu) / np.sqrt(var + eps)
+    g = np.ones(n) if gamma is None else gamma.astype(np.float64)
+    y = x_hat * g + (0.0 if beta is None else beta)
+    d_hat = dy * g
+    # d x_hat_j / d x_i = (delta_ij - 1/n - x_hat_i x_hat_j / n) / sqrt(var + eps)
+    dx = (d_hat - d_hat.mean(-1, keepdims=True)
+          - x_hat * (d_hat * x_hat).mean(-1, keepdims=True)) / np.sqrt(var + eps)
+    lead = tuple(range(x.ndim - 1))
+    return y, dx, (dy * x_hat).sum(lead), dy.sum(lead)
+
+
+@pytest.mark.parametrize("weights", ["both", "no_beta", "no_gamma"])
+def test_tensorflow_layer_norm_in_a_graph_against_numpy(weights):
+    """`norm._tf_layer_norm`, LayerNorm's TensorFlow form (pure TensorFlow, so checked under
+    every backend), traced in a graph as `fit` runs it: the output and the gradients of the
+    input, gamma and beta against NumPy, on rows of large mean and spread (statistics in
+    float32), a 3-D input and a bfloat16 input (float32 statistics, the gradient back in
+    bfloat16)."""
+    import tensorflow as tf
+
+    from kzoo.layers.norm import _tf_layer_norm
+
+    r = np.random.default_rng(3)
+    x = (r.normal(size=(3, 4, 32)) * 40.0 + 200.0).astype("float32")
+    dy = r.normal(size=x.shape).astype("float32")
+    gamma = None if weights == "no_gamma" else r.normal(size=32).astype("float32")
+    beta = None if weights == "no_beta" else r.normal(size=32).astype("float32")
+
+    @tf.function
+    def run(x, gamma, beta):
+        params = [w for w in (gamma, beta) if w is not None]
+        with tf.GradientTape() as tape:
+            tape.watch([x] + params)
+            y = _tf_layer_norm(x, gamma, beta, 1e-5)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * dy)
+        return [y] + tape.gradient(loss, [x] + params)
+
+    got = [t.numpy() for t in run(tf.constant(x), None if gamma is None else tf.constant(gamma),
+                                  None if beta is None else tf.constant(beta))]
+    y, dx, dgamma, dbeta = _np_layer_norm_grads(x, gamma, beta, 1e-5, dy)
+    expected = [y, dx] + ([dgamma] if gamma is not None else []) + (
+        [dbeta] if beta is not None else [])
+    for name, have, want in zip(["y", "dx", "dgamma", "dbeta"], got, expected):
+        np.testing.assert_allclose(have, want, atol=2e-4, rtol=1e-4, err_msg=name)
+    half = run(tf.constant(x[0], tf.bfloat16), None if gamma is None else tf.constant(gamma),
+               None if beta is None else tf.constant(beta))
+    assert half[1].dtype == tf.bfloat16
+    y16, _, _, _ = _np_layer_norm_grads(x[0].astype(tf.bfloat16.as_numpy_dtype).astype(
+        "float32"), gamma, beta, 1e-5, dy[0])
+    np.testing.assert_allclose(half[0].numpy(), y16, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_norm_is_keras_layer_normalization():
+    """Same weights, config and values as `keras.layers.LayerNormalization` (a subclass:
+    the zoo's own code that asks for a Keras layer norm finds it), gradients equal to
+    NumPy's chain rule on every backend, and a float64 input left to Keras' own formula."""
+    x = (rng(4).normal(size=(2, 6, 16)) * 3.0 + 1.0).astype("float32")
+    dy = rng(5).normal(size=x.shape).astype("float32")
+    ours, theirs = LayerNorm(epsilon=1e-5), keras.layers.LayerNormalization(epsilon=1e-5)
+    ours.build(x.shape)
+    theirs.build(x.shape)
+    assert isinstance(ours, keras.layers.LayerNormalization)
+    assert [w.path.split("/")[-1] for w in ours.weights] == ["gamma", "beta"]
+    gamma, beta = (rng(i).normal(size=16).astype("float32") for i in (6, 7))
+    for layer in (ours, theirs):
+        layer.gamma.assign(gamma)
+        layer.beta.assign(beta)
+    mine = {k: v for k, v in ours.get_config().items() if k != "name"}
+    keras_config = {k: v for k, v in theirs.get_config().items() if k != "name"}
+    assert mine == keras_config
+    value, grads = value_and_grads(
+        lambda t: keras.ops.sum(ours(t) * keras.ops.convert_to_tensor(dy)), x)
+    y, dx, _, _ = _np_layer_norm_grads(x, gamma, beta, 1e-5, dy)
+    np.testing.assert_allclose(value, float((y * dy).sum()), rtol=1e-5)
+    np.testing.assert_allclose(grads[0], dx, atol=1e-5, rtol=1e-5)
+    assert_close(ours(x), y, atol=1e-5, rtol=1e-5)
+    if keras.backend.backend() != "jax":  # (JAX without x64 has no float64 arrays)
+        wide = LayerNorm(epsilon=1e-5, dtype="float64")
+        assert keras.backend.standardize_dtype(wide(x.astype("float64")).dtype) == "float64"
 
 
 # === RMSNorm ===

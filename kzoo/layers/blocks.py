@@ -35,6 +35,7 @@ from kzoo.layers.feedforward import FeedForward, GatedFeedForward
 from kzoo.layers.kernels import KERNELS
 from kzoo.layers.masks import merge_masks
 from kzoo.layers.moe import MixtureOfExperts
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.norm import RMSNorm
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
@@ -318,7 +319,7 @@ class TransformerBlock(keras.layers.Layer):
     def _norm(self, name):
         if self.norm == "rmsnorm":
             return RMSNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
-        return keras.layers.LayerNormalization(
+        return LayerNorm(
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
 

@@ -99,7 +99,8 @@ def _tf_gelu_tanh(x):
 
         def grad(g):
             slope = _K1 + (3.0 * _K2) * tf.square(x)
-            return g * (s + x * (s * (1.0 - s)) * slope)
+            # s (1 - s) x slope as TensorFlow's one `SigmoidGrad` op, not three products
+            return g * (s + tf.raw_ops.SigmoidGrad(y=s, dy=x * slope))
 
         return x * s, grad
 

@@ -595,6 +595,12 @@ def _bias_over(bias, scores):
 # JAX: a batch-shared attention bias is broadcast by `broadcast_leading` (see `_bias_over`).
 BIAS_OVER_ROWS = True
 
+# TensorFlow: the reference formula on float32 operands without weights or dropout runs
+# `kernels_tf.reference_with_gradient` (the scaled queries, an additive mask, the softmax's
+# kernel and a hand-written backward pass). GPT training at benchmarks.peers' size
+# (interleaved in one process): see that function and docs/PERFORMANCE.md.
+TF_HAND_GRADIENT = True
+
 
 def _masked_scores(scores, mask, bias, is_causal, scale, q_len, k_len, additive=False):
     """(float32 scores scaled, biased and masked, the `(…, q, 1)` flags of rows with a
@@ -612,12 +618,7 @@ def _masked_scores(scores, mask, bias, is_causal, scale, q_len, k_len, additive=
         scores = scores * scale
     if bias is not None:
         scores = scores + _bias_over(ops.cast(bias, "float32"), scores)
-    # A causal mask alone (bottom-right aligned, q_len <= k_len) leaves every row a key.
-    causal_only_full_rows = (
-        isinstance(q_len, int) and isinstance(k_len, int) and q_len <= k_len
-    )
-    may_empty_rows = mask is not None or (is_causal and not causal_only_full_rows)
-    mask = _full_mask(mask, is_causal, q_len, k_len)
+    mask, rows = _mask_and_rows(mask, is_causal, q_len, k_len)
     if mask is not None and additive:
         # (each call its own constant: see `DISTINCT_MASK_BIAS`)
         negative = _NEG * (1 + next(_MASK_BIAS_STEPS) / 64) if DISTINCT_MASK_BIAS else _NEG
@@ -625,11 +626,24 @@ def _masked_scores(scores, mask, bias, is_causal, scale, q_len, k_len, additive=
         scores = scores + added
     elif mask is not None:
         scores = ops.where(mask, scores, _NEG)
-    # Masked keys already get exactly 0 (exp(_NEG - max) underflows); a fully masked row
-    # would average every value uniformly instead, so such rows are zeroed. That is done on
-    # the (…, q, 1) row flags and the output, not on the (q, k) weights, unless the
-    # weights themselves are returned or dropped out.
-    return scores, _rows_with_any_key(mask) if may_empty_rows else None
+    return scores, rows
+
+
+def _mask_and_rows(mask, is_causal, q_len, k_len):
+    """(the mask with the causal one in it or None, the `(…, q, 1)` flags of rows with a
+    visible key or None where every row has one).
+
+    Masked keys get exactly 0 (exp(_NEG - max) underflows); a fully masked row would average
+    every value uniformly instead, so the kernels zero such rows. That is done on these row
+    flags and the output, not on the (q, k) weights, unless the weights themselves are
+    returned or dropped out."""
+    # A causal mask alone (bottom-right aligned, q_len <= k_len) leaves every row a key.
+    causal_only_full_rows = (
+        isinstance(q_len, int) and isinstance(k_len, int) and q_len <= k_len
+    )
+    may_empty_rows = mask is not None or (is_causal and not causal_only_full_rows)
+    mask = _full_mask(mask, is_causal, q_len, k_len)
+    return mask, _rows_with_any_key(mask) if may_empty_rows else None
 
 
 def _rows_with_any_key(mask):
@@ -737,6 +751,13 @@ def reference_attention(
         else:
             out = _heads_major_attention(q, k, v, mask, bias, is_causal, scale)
         return ops.cast(ops.transpose(out, (0, 2, 1, 3)), query.dtype)
+    if (TF_HAND_GRADIENT and not (return_weights or dropout_rate > 0)
+            and keras.backend.backend() == "tensorflow"):
+        kernels_tf = _backend_kernels()
+        if kernels_tf.hand_gradient_applies(query, key, value, bias):
+            mask, rows = _mask_and_rows(mask, is_causal, q_len, k_len)
+            return kernels_tf.reference_with_gradient(
+                query, key, value, mask, bias, scale, rows)
     # (TensorFlow measured the same with JAX's heads-major products and keeps this formula.)
     scores, rows = _masked_scores(_grouped_scores(query, key), mask, bias, is_causal, scale,
                                   q_len, k_len)

@@ -68,6 +68,82 @@ def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
     return _run_compiled(config, run, query, key, value, mask, bias)
 
 
+# === The reference formula with its gradient written by hand ===
+
+
+def hand_gradient_applies(query, key, value, bias):
+    """Whether `reference_with_gradient` takes this call: float32 queries, keys and values
+    with as many key / value heads as query heads (grouped heads keep the formula of
+    `kernels.reference_attention`), and a bias of static shape if any."""
+    return (query.shape[2] is not None and query.shape[2] == key.shape[2]
+            and all(x.dtype == tf.float32 for x in (query, key, value))
+            and (bias is None or None not in tuple(bias.shape)))
+
+
+def reference_with_gradient(query, key, value, mask, bias, scale, rows):
+    """`softmax(q k^T * scale + bias, masked) v`, the reference formula's result, with a
+    hand-written backward pass (TensorFlow's graph, not compiled by XLA, on the CPU).
+
+    The queries are scaled before the product (`(b, t, h, d)` values instead of the
+    `(b, h, t, s)` scores), the mask is added to the scores as a float32 0 / `_NEG` bias at
+    the mask's own shape (the same values as the reference's select: `s + _NEG` rounds to
+    `_NEG` for `|s| < 3e22`, and its weight is exactly 0 either way), the softmax is one
+    kernel, and the backward pass is FlashAttention's (Dao et al. 2022) on the kept
+    probabilities `P`: `dV = P^T dO`, `dP = dO V^T`, `dS = P (dP - rowsum(dO * O))`,
+    `dQ = dS K * scale`, `dK = dS^T Q * scale`, `dBias = dS` summed over the bias' broadcast
+    axes. TensorFlow's own derivative of the formula takes four `(b, h, t, s)` passes for the
+    softmax (`rowsum(dP * P)` among them, where `rowsum(dO * O)` reads `(b, t, h, d)`), one
+    for the mask's select and one for the scale, and transposes the einsums' operands
+    again. Measured on the 2-core CPU, one attention of 8 x 256 tokens, 4 heads of 64,
+    causal, forward + backward in a graph: 16.6-20.3 -> 14.2-14.5 ms.
+
+    `query` `(b, t, h, d)`, `key` / `value` `(b, s, h, d)` float32; `mask` boolean and
+    `bias` (float, static shape) broadcasting to `(b, h, t, s)`, or None, the causal mask
+    already in `mask`; `rows`: the `(…, t, 1)` flags of rows with a visible key, or None
+    where every row has one (such rows give zeros, as the reference's)."""
+    inputs = [query, key, value]
+    if bias is not None:
+        inputs.append(tf.cast(bias, tf.float32))
+    additive = None if mask is None else tf.where(mask, 0.0, _NEG)
+
+    @tf.custom_gradient
+    def attend(*args):
+        q, k, v = (tf.transpose(x, (0, 2, 1, 3)) for x in args[:3])  # (b, h, ., d)
+        if scale != 1.0:
+            q = q * scale
+        s = tf.matmul(q, k, transpose_b=True)
+        if len(args) > 3:
+            s = s + args[3]
+        if additive is not None:
+            s = s + additive
+        p = tf.nn.softmax(s)
+        o = tf.matmul(p, v)
+
+        def grad(d_out):
+            do = tf.transpose(d_out, (0, 2, 1, 3))
+            dv = tf.matmul(p, do, transpose_a=True)
+            ds = p * (tf.matmul(do, v, transpose_b=True)
+                      - tf.reduce_sum(do * o, axis=-1, keepdims=True))
+            dq = tf.matmul(ds, k)
+            if scale != 1.0:
+                dq = dq * scale
+            dk = tf.matmul(ds, q, transpose_a=True)  # (q already scaled)
+            grads = [tf.transpose(x, (0, 2, 1, 3)) for x in (dq, dk, dv)]
+            if len(args) > 3:
+                b = args[3]
+                axes = [i for i in range(4) if b.shape[i] == 1 and ds.shape[i] != 1]
+                grads.append(tf.reshape(tf.reduce_sum(ds, axes, keepdims=True), tf.shape(b))
+                             if axes else ds)
+            return grads
+
+        return tf.transpose(o, (0, 2, 1, 3)), grad
+
+    out = attend(*inputs)
+    if rows is not None:
+        out = tf.where(tf.transpose(rows, (0, 2, 1, 3)), out, tf.zeros((), out.dtype))
+    return out
+
+
 # === The chunked kernel's pieces ===
 
 

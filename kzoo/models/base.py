@@ -32,6 +32,7 @@ from kzoo import allocator
 from kzoo import inputs as input_checks
 from kzoo.inputs import FloatInput, IdInput  # noqa: F401  (the families declare their inputs)
 from kzoo.layers.feedforward import get_activation
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.utils import FieldError, check_positive_float, serialize_initializer
 
 
@@ -1283,7 +1284,7 @@ class HeadTransform(keras.layers.Layer):
         self.kernel_initializer = serialize_initializer(kernel_initializer)
         self._activation_fn = get_activation(activation)
         self.dense = None
-        self.layer_norm = keras.layers.LayerNormalization(
+        self.layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
 

@@ -36,6 +36,7 @@ from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.position import PositionEmbedding
 from kzoo.layers.utils import (
     check_bool,
@@ -454,7 +455,7 @@ class BertBackbone(FilledInputs, Backbone):
             name="segment_embedding",
         )
         self.embeddings_add = keras.layers.Add(dtype=policy, name="embeddings_add")
-        self.embeddings_layer_norm = keras.layers.LayerNormalization(
+        self.embeddings_layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="embeddings_layer_norm"
         )
         self.embeddings_dropout = keras.layers.Dropout(

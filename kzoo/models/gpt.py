@@ -42,6 +42,7 @@ from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.embedding import TokenEmbedding
 from kzoo.layers.feedforward import ACTIVATION_NAMES
 from kzoo.layers.masks import check_packed_attention, document_mask, document_positions
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.position import (
     ROPE_FIELDS_OF_TYPE,
     ROPE_SCALING_FIELDS,
@@ -537,7 +538,7 @@ class GPTBackbone(FilledInputs, Backbone):
             self.final_norm = RMSNorm(epsilon=layer_norm_epsilon, dtype=policy,
                                       name="final_norm")
         else:
-            self.final_norm = keras.layers.LayerNormalization(
+            self.final_norm = LayerNorm(
                 epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
             )
 

@@ -54,6 +54,7 @@ from keras import ops
 
 from kzoo.layers.blocks import TransformerBlock
 from kzoo.layers.feedforward import ACTIVATION_NAMES
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import (
     check_at_most,
@@ -681,7 +682,7 @@ class GraphormerBackbone(Backbone):
         )
         embedding_norm = None
         if encoder_normalize_before:
-            embedding_norm = keras.layers.LayerNormalization(
+            embedding_norm = LayerNorm(
                 epsilon=layer_norm_epsilon, dtype=dtype, name="embedding_norm"
             )
         embedding_dropout = keras.layers.Dropout(dropout, dtype=dtype,

@@ -35,6 +35,7 @@ from kzoo.layers.utils import check_divides
 from kzoo.layers.utils import check_instance
 from kzoo.layers.utils import check_int_or_pair
 from kzoo.layers.utils import check_int_pair
+from kzoo.layers.norm import LayerNorm
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
@@ -513,7 +514,7 @@ class ViTBackbone(Backbone):
             )
             for i in range(num_layers)
         ]
-        final_norm = keras.layers.LayerNormalization(
+        final_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=dtype, name="final_norm"
         )
 
