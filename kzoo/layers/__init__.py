@@ -25,7 +25,7 @@ from kzoo.layers.blocks import TransformerBlock  # noqa: F401,E402
 from kzoo.layers.embedding import PatchEmbedding, TokenEmbedding  # noqa: F401,E402
 from kzoo.layers.feedforward import FeedForward, GatedFeedForward, get_activation  # noqa: F401,E402
 from kzoo.layers.moe import MixtureOfExperts  # noqa: F401,E402
-from kzoo.layers.norm import RMSNorm  # noqa: F401,E402
+from kzoo.layers.norm import LayerNorm, RMSNorm  # noqa: F401,E402
 from kzoo.layers.position import (  # noqa: F401,E402
     ALiBiBias,
     PositionEmbedding,
