@@ -82,6 +82,11 @@ multiply-adds forward, 3x that for forward + backward; attention counted over al
 PaLM convention, embedding lookups not counted) times tokens/s, as GFLOP/s and as a fraction
 of this machine's float32 matmul peak, measured in the same run: the best of the square
 matmuls (`--matmul`, 2048) that every worker times on its own backend.
+
+The report opens with the machine (`machine_line`: CPU model and family, logical CPUs,
+last-level cache, AVX-512, the packages' versions; `--json` keeps it as "machine"): the same
+code measured JAX GPT training at 1.21x transformers on one 2-core AMD EPYC and 2.06x on the next
+generation, whose XLA products ran twice as fast while torch's did not.
 """
 
 import argparse
@@ -405,6 +410,91 @@ def token_count_notes(medians, models, expected):
                 notes.append(f"{system} {model}: decoded {count:g} new tokens, "
                              f"not {expected}; its decode rate is not comparable.")
     return notes
+
+
+# The packages whose versions a run depends on (read from their metadata, nothing imported).
+VERSIONED = ("keras", "jax", "jaxlib", "torch", "tensorflow", "keras-hub", "transformers")
+
+
+def machine(cpuinfo=None, versions=None):
+    """What a run measured on, as a dict: the CPU (model name and, on x86, its family /
+    model numbers, which tell processor generations apart when the model name does not),
+    logical CPUs, its last-level cache (`cache`: "L3 32768K" from Linux' sysfs, else
+    /proc/cpuinfo's "cache size"), whether AVX-512 is there, and the packages' versions.
+    `cpuinfo`: the text of /proc/cpuinfo (read when None; "" where there is none; then the
+    cache is looked up in sysfs only when `cpuinfo` was read here)."""
+    import platform
+
+    read_here = cpuinfo is None
+    if read_here:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    first = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if first:
+                break  # the first processor's block describes them all
+            continue
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    logical = sum(1 for line in cpuinfo.splitlines() if line.startswith("processor"))
+    if versions is None:
+        from importlib import metadata
+
+        versions = {}
+        for name in VERSIONED:
+            try:
+                versions[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+    flags = first.get("flags", "").split()
+    cache = _last_level_cache() if read_here else None
+    if cache is None and first.get("cache size"):
+        cache = first["cache size"]
+    return {"cpu": first.get("model name") or platform.processor() or platform.machine(),
+            "family": first.get("cpu family"), "model": first.get("model"),
+            "logical_cpus": logical or os.cpu_count(), "cache": cache,
+            "avx512": "avx512f" in flags if flags else None, "versions": versions}
+
+
+def _last_level_cache(root="/sys/devices/system/cpu/cpu0/cache"):
+    """"L<level> <size>" of CPU 0's highest-level data or unified cache (Linux sysfs), or
+    None where sysfs does not say."""
+    best = None
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(os.path.join(root, entry, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, entry, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(root, entry, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and (best is None or level > best[0]):
+            best = (level, size)
+    return None if best is None else f"L{best[0]} {best[1]}"
+
+
+def machine_line(info):
+    """One line of `machine(...)` for the report's head."""
+    cpu = info["cpu"]
+    if info.get("family") is not None:
+        cpu += f" (family {info['family']}, model {info['model']})"
+    parts = [cpu, f"{info['logical_cpus']} logical CPUs"]
+    if info.get("cache"):
+        parts.append(f"cache {info['cache']}")
+    if info.get("avx512") is not None:
+        parts.append("AVX-512" if info["avx512"] else "no AVX-512")
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    return "Machine: " + "; ".join(parts) + (f". Versions: {versions}." if versions else ".")
 
 
 def _fmt(value, kind="num"):
@@ -1148,10 +1238,12 @@ def main(argv=None):
     size = SIZES[size_name]
     notes += token_count_notes(medians, models, size["prompts"] * size["new_tokens"])
     notes.append(allocator_note(args.same_allocator))
+    info = machine()
+    print(machine_line(info))
     print(report(medians, backends, models, size, rounds, notes, per_round))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "rounds": rounds, "medians": medians,
+            json.dump({"size": size, "rounds": rounds, "machine": info, "medians": medians,
                        "per_round": per_round}, f, indent=1)
 
 

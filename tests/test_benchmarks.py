@@ -330,6 +330,55 @@ def test_rounds_run_every_model_of_every_system_in_its_own_process(monkeypatch, 
     assert "round 1/2 kzoo/jax gpt" in capsys.readouterr().err
 
 
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+cache size\t: 1024 KB
+flags\t\t: fpu sse2 avx2 avx512f avx512bw
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+cache size\t: 1024 KB
+flags\t\t: fpu sse2 avx2 avx512f avx512bw
+"""
+
+
+def test_machine_reads_the_first_processor_and_counts_them():
+    info = peers.machine(CPUINFO, versions={"keras": "3.0", "jax": "0.1"})
+    assert info["cpu"] == "AMD EPYC" and (info["family"], info["model"]) == ("26", "2")
+    assert info["logical_cpus"] == 2 and info["avx512"] is True
+    assert info["cache"] == "1024 KB"  # a text given: /proc/cpuinfo's figure, not sysfs
+    assert peers.machine_line(info) == (
+        "Machine: AMD EPYC (family 26, model 2); 2 logical CPUs; cache 1024 KB; AVX-512. "
+        "Versions: keras 3.0, jax 0.1.")
+    plain = peers.machine(CPUINFO.replace(" avx512f avx512bw", ""), versions={})
+    assert plain["avx512"] is False
+    assert peers.machine_line(plain).endswith("; no AVX-512.")
+    bare = peers.machine("", versions={})  # no /proc/cpuinfo (macOS, Windows)
+    assert bare["avx512"] is None and bare["cache"] is None and bare["logical_cpus"] >= 1
+    assert peers.machine_line(bare).count(";") == 1  # name and CPU count only
+    assert set(peers.machine()["versions"]) <= set(peers.VERSIONED)
+
+
+def test_last_level_cache_from_a_sysfs_tree(tmp_path):
+    for name, level, kind, size in (("index0", 1, "Data", "48K"),
+                                    ("index1", 1, "Instruction", "32K"),
+                                    ("index2", 2, "Unified", "1024K"),
+                                    ("index3", 3, "Unified", "32768K")):
+        (tmp_path / name).mkdir()
+        for field, value in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / name / field).write_text(f"{value}\n")
+    assert peers._last_level_cache(str(tmp_path)) == "L3 32768K"
+    (tmp_path / "index3" / "level").write_text("not a number")
+    assert peers._last_level_cache(str(tmp_path)) == "L2 1024K"
+    assert peers._last_level_cache(str(tmp_path / "missing")) is None
+
+
 # === benchmarks/gpu.py: the GPU report's bookkeeping (no GPU needed) ===
 
 
