@@ -162,6 +162,43 @@ def test_rms_norm_mixed_precision_statistics_in_float32(policy):
     np.testing.assert_allclose(y, reference, rtol=2e-2, atol=2e-2)
 
 
+def _np_rms_norm_grads(x, scale, eps, dy):
+    """y and d(sum(y * dy)) / dx of x / sqrt(mean(x^2) + eps) * scale over the last axis,
+    float64, through each row's full Jacobian (d y_j / d x_i = s_j (r delta_ij -
+    r^3 x_i x_j / n), r = 1 / sqrt(mean(x^2) + eps))."""
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    n = x.shape[-1]
+    s = np.ones(n) if scale is None else scale.astype(np.float64)
+    r = 1.0 / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+    y = x * r * s
+    jac = (r[..., None] * np.eye(n) - (r ** 3)[..., None] * x[..., :, None] * x[..., None, :]
+           / n) * s  # [..., i, j] = d y_j / d x_i
+    return y, np.einsum("...ij,...j->...i", jac, dy)
+
+
+def test_rms_norm_gradients_on_every_backend():
+    """The layer's input gradient on every backend against each row's Jacobian in NumPy, and
+    a float64 layer (statistics in float32, as documented, the result in float64)."""
+    x = (rng(8).normal(size=(2, 6, 16)) * 3.0 + 1.0).astype("float32")
+    dy = rng(9).normal(size=x.shape).astype("float32")
+    norm = RMSNorm(epsilon=1e-6)
+    norm.build(x.shape)
+    scale = rng(10).normal(size=(16,)).astype("float32")
+    norm.scale.assign(scale)
+    value, grads = value_and_grads(
+        lambda t: keras.ops.sum(norm(t) * keras.ops.convert_to_tensor(dy)), x)
+    y, dx = _np_rms_norm_grads(x, scale, 1e-6, dy)
+    np.testing.assert_allclose(value, float((y * dy).sum()), rtol=1e-5)
+    np.testing.assert_allclose(grads[0], dx, atol=1e-5, rtol=1e-5)
+    assert_close(norm(x), y, atol=1e-5, rtol=1e-5)
+    if keras.backend.backend() != "jax":  # (JAX without x64 has no float64 arrays)
+        wide = RMSNorm(epsilon=1e-6, use_scale=False, dtype="float64")
+        out = wide(x.astype("float64"))
+        assert keras.backend.standardize_dtype(out.dtype) == "float64"
+        np.testing.assert_allclose(to_numpy(out), np_rms_norm(x.astype("float64"), 1.0, 1e-6),
+                                   rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "kwargs,fragment",
     [
