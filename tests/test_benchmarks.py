@@ -330,22 +330,15 @@ def test_rounds_run_every_model_of_every_system_in_its_own_process(monkeypatch, 
     assert "round 1/2 kzoo/jax gpt" in capsys.readouterr().err
 
 
-CPUINFO = """processor\t: 0
-vendor_id\t: AuthenticAMD
-cpu family\t: 26
-model\t\t: 2
-model name\t: AMD EPYC
-cache size\t: 1024 KB
-flags\t\t: fpu sse2 avx2 avx512f avx512bw
-
-processor\t: 1
-vendor_id\t: AuthenticAMD
+_PROCESSOR = """vendor_id\t: AuthenticAMD
 cpu family\t: 26
 model\t\t: 2
 model name\t: AMD EPYC
 cache size\t: 1024 KB
 flags\t\t: fpu sse2 avx2 avx512f avx512bw
 """
+# Two logical CPUs' blocks of a Zen 5 machine's /proc/cpuinfo.
+CPUINFO = "\n".join(f"processor\t: {i}\n{_PROCESSOR}" for i in range(2))
 
 
 def test_machine_reads_the_first_processor_and_counts_them():
