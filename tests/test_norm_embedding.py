@@ -112,6 +112,35 @@ def test_layer_norm_is_keras_layer_normalization():
         assert keras.backend.standardize_dtype(wide(x.astype("float64")).dtype) == "float64"
 
 
+@pytest.mark.parametrize("axis", [1, -3, 2, [1, 2], [0], [0, 3], -1, [2, 3]])
+def test_layer_norm_over_any_axes_against_numpy(axis):
+    """LayerNorm over leading or middle axes of a 4-D input (Keras 3.15's torch form handed
+    them to `F.layer_norm`, which raised), against the two-pass statistics in float64 in
+    NumPy; gamma and beta shaped as the normalised axes."""
+    x = (rng(11).normal(size=(4, 6, 5, 8)) * 3.0 + 10.0).astype("float32")
+    norm = LayerNorm(axis=axis, epsilon=1e-5)
+    norm.build(x.shape)
+    axes = tuple(sorted(a % 4 for a in np.atleast_1d(axis)))
+    assert tuple(norm.gamma.shape) == tuple(x.shape[a] for a in axes)
+    gamma = rng(12).normal(size=norm.gamma.shape).astype("float32")
+    beta = rng(13).normal(size=norm.beta.shape).astype("float32")
+    norm.gamma.assign(gamma)
+    norm.beta.assign(beta)
+    wide = x.astype(np.float64)
+    shape = [x.shape[a] if a in axes else 1 for a in range(4)]
+    centred = wide - wide.mean(axes, keepdims=True)
+    want = (centred / np.sqrt((centred ** 2).mean(axes, keepdims=True) + 1e-5)
+            * gamma.reshape(shape) + beta.reshape(shape))
+    assert_close(norm(x), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("axis,fragment", [([-3, 1], "same axis twice"), (4, "each in"),
+                                           ([], "each in"), ([1, 1], "same axis twice")])
+def test_layer_norm_bad_axes_named(axis, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        LayerNorm(axis=axis).build((4, 6, 5, 8))
+
+
 # === RMSNorm ===
 
 

@@ -93,7 +93,10 @@ class LayerNorm(keras.layers.LayerNormalization):
     """Keras' `LayerNormalization`: the same arguments, weights, config and values (in
     float32, cast to the compute dtype), whose TensorFlow form normalising the last axis has
     a hand-written backward pass (`_tf_layer_norm`). The zoo's models build their layer
-    norms with it; elsewhere, and for other axes or `rms_scaling`, it is Keras' layer.
+    norms with it; elsewhere, and for other axes or `rms_scaling`, it is Keras' layer, except
+    that on torch axes other than the trailing ones are normalised by `_layer_norm_over`
+    (Keras 3.15 gave them to `F.layer_norm`, which raised), and `build` names an `axis` out
+    of the input's range or given twice.
 
     Example:
 
@@ -103,6 +106,18 @@ class LayerNorm(keras.layers.LayerNormalization):
     ```
     """
 
+    def build(self, input_shape):
+        ndim = len(input_shape)
+        axes = list(self.axis) if isinstance(self.axis, (list, tuple)) else [self.axis]
+        bad = [a for a in axes if not isinstance(a, int) or not -ndim <= a < ndim]
+        if bad or not axes:
+            raise ValueError(f"`axis` must name axes of the {ndim}-D input (each in "
+                             f"[{-ndim}, {ndim})); got axis={self.axis!r}.")
+        if len({a % ndim for a in axes}) != len(axes):
+            raise ValueError(f"`axis` names the same axis twice for a {ndim}-D input; got "
+                             f"axis={self.axis!r}.")
+        super().build(input_shape)
+
     def call(self, inputs):
         if (TF_HAND_GRADIENT and keras.backend.backend() == "tensorflow"
                 and not self.rms_scaling and len(self.axis) == 1
@@ -110,7 +125,38 @@ class LayerNorm(keras.layers.LayerNormalization):
                 and keras.backend.standardize_dtype(inputs.dtype) != "float64"):
             return ops.cast(_tf_layer_norm(inputs, self.gamma, self.beta, self.epsilon),
                             self.compute_dtype)
+        if (keras.backend.backend() == "torch" and not self.rms_scaling
+                and not _trailing_axes(self.axis, len(inputs.shape))):
+            # Keras 3.15 hands any run of adjacent axes to `F.layer_norm`, which normalises
+            # trailing axes only: `axis=1` of a 3-D input raised a RuntimeError there.
+            return ops.cast(_layer_norm_over(inputs, self.gamma, self.beta, self.axis,
+                                             self.epsilon), self.compute_dtype)
         return super().call(inputs)
+
+
+def _trailing_axes(axes, ndim):
+    """Whether `axes` (ints, negative allowed) are exactly the last `len(axes)` of `ndim`."""
+    return {a % ndim for a in axes} == set(range(ndim - len(axes), ndim))
+
+
+def _layer_norm_over(x, gamma, beta, axes, epsilon):
+    """Layer normalisation over any `axes` in `keras.ops`: the mean, then the variance of the
+    centred values (two passes: torch's `ops.moments` takes `E[x^2] - E[x]^2`, which loses
+    the digits of a large mean), in at least float32, `gamma` / `beta` shaped as the
+    normalised axes; the result in `x`'s dtype."""
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    ndim = len(x.shape)
+    axes = sorted(a % ndim for a in axes)
+    wide = ops.cast(x, keras.backend.result_type(dtype, "float32"))
+    centred = wide - ops.mean(wide, axis=axes, keepdims=True)
+    inv = ops.rsqrt(ops.mean(ops.square(centred), axis=axes, keepdims=True) + epsilon)
+    shape = [x.shape[a] if a in axes else 1 for a in range(ndim)]
+    if gamma is not None:
+        inv = inv * ops.reshape(ops.cast(gamma, wide.dtype), shape)
+    out = centred * inv
+    if beta is not None:
+        out = out + ops.reshape(ops.cast(beta, wide.dtype), shape)
+    return ops.cast(out, dtype)
 
 
 # TensorFlow: `LayerNorm` normalises with `_tf_layer_norm` (a hand-written backward pass).
