@@ -389,6 +389,51 @@ def test_sliding_window_gpt_saves_taps_and_fits(tmp_path):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("kind", ["sliding_window", "strided", "longformer", "bigbird",
+                                  "linear", "performer", "chunked kernel"])
+def test_compiled_functions_take_a_new_sequence_length(kind):
+    """predict / train / evaluate at three sequence lengths in a row, each prediction equal to
+    the model's direct call at that length. Keras traces TensorFlow's step functions with
+    relaxed shapes from the second shape on, and the length-shaped layouts of these
+    attentions (and the chunked kernel's blocks) raised there."""
+    options = {"sliding_window": dict(attention="sliding_window", window=4),
+               "strided": dict(attention="strided", stride=4),
+               "longformer": dict(attention="longformer", window=4, global_tokens=1),
+               "bigbird": dict(attention="bigbird", block_size=4),
+               "linear": dict(attention="linear"), "performer": dict(attention="performer"),
+               "chunked kernel": {}}[kind]
+    lm = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                           intermediate_dim=32, vocabulary_size=50, max_sequence_length=32,
+                           **options)
+    if kind == "chunked kernel":
+        for block in lm.backbone.transformer_layers:
+            block.self_attention.kernel = "chunked"
+    assert lm._needs_static_shapes
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3), loss="auto")
+    rng = np.random.default_rng(6)
+    for length in (16, 8, 12):
+        ids = rng.integers(0, 50, (2, length)).astype("int32")
+        x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+        assert_close(lm.predict_on_batch(x), to_numpy(lm(x)), atol=1e-5, rtol=1e-5)
+        assert np.isfinite(lm.train_on_batch(x, ids))
+        assert np.isfinite(lm.test_on_batch(x, ids))
+    full = kzoo.presets.load("gpt_mini", num_layers=1, hidden_dim=16, num_heads=2,
+                             intermediate_dim=32, vocabulary_size=50)
+    assert not full._needs_static_shapes
+    if kind == "chunked kernel":  # the kernel asked for everywhere (`set_attention_kernel`)
+        from kzoo.layers import set_attention_kernel
+
+        set_attention_kernel("chunked")
+        try:
+            assert full._needs_static_shapes
+            for length in (16, 8):
+                ids = rng.integers(0, 50, (2, length)).astype("int32")
+                assert_close(full.predict_on_batch({"token_ids": ids}),
+                             to_numpy(full({"token_ids": ids})), atol=1e-5, rtol=1e-5)
+        finally:
+            set_attention_kernel(None)
+
+
 # === Longformer: per-row global masks in compiled functions, and no global token ===
 
 

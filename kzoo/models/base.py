@@ -484,9 +484,25 @@ class FunctionalModel(keras.Model):
             return False
         return bool(model_supports_jit(self))
 
-    # Models whose graph needs the inputs' static shape (ViT's patch grid): on TensorFlow
-    # their prediction function is traced once per input shape, never with relaxed shapes.
-    _needs_static_shapes = False
+    @property
+    def _needs_static_shapes(self):
+        """Whether the model's graph needs its inputs' static shape: on TensorFlow its
+        prediction, training and evaluation functions are then traced once per input shape,
+        never with relaxed (`None`) shapes. ViT says so for its patch grid (a class
+        attribute there); any model does whose attention is not "full" (sliding window,
+        strided, Longformer, block-sparse, BigBird: layouts built from the sequence length;
+        linear / performer: feature maps shaped by it) or runs the "chunked" kernel (blocks
+        cut from the length; asked for by a layer or by `set_attention_kernel`), where the
+        second sequence length a function saw on TensorFlow raised."""
+        from kzoo.layers.attention import MultiHeadAttention
+        from kzoo.layers.kernels import get_attention_kernel_override
+
+        attentions = [layer for layer in self._flatten_layers()
+                      if isinstance(layer, MultiHeadAttention)]
+        if attentions and get_attention_kernel_override() == "chunked":
+            return True
+        return any(layer.attention != "full" or layer.kernel == "chunked"
+                   for layer in attentions)
 
     def make_predict_function(self, force=False):
         if self.predict_function is not None and not force:
