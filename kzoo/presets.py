@@ -406,6 +406,8 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     metrics = _check_metrics(metrics)
     if max_shard_size is not None:
         checkpoints.parse_size(max_shard_size)  # checked before anything is written
+    if format != "kzoo":
+        _refuse_quantized(model, format)
     if not isinstance(overwrite, bool):
         raise ValueError(f"`overwrite` must be True or False; got overwrite={overwrite!r}.")
     if not isinstance(directory, (str, os.PathLike)):
@@ -547,6 +549,22 @@ def _check_metrics(metrics):
             value = float(value)
         checked[name] = value
     return checked
+
+
+def _refuse_quantized(model, format):  # noqa: A002
+    """A `ValueError` for a quantized `model` saved in another format than kzoo's own:
+    transformers' and keras-hub's checkpoints hold float kernels, and the converters read
+    each Dense layer's `kernel`, which after `model.quantize(...)` holds the integer codes
+    (int8 values up to 127 were written as float weights, with nothing said)."""
+    quantized = kzoo.quantize.quantization_map(model)
+    if not quantized:
+        return
+    modes = sorted({str(policy).split("_from_")[0] for policy in quantized.values()})
+    raise ValueError(
+        f"`format={format!r}` writes float weights, and this model is quantized "
+        f"({', '.join(modes)}: {len(quantized)} layers, e.g. {next(iter(quantized))!r}); "
+        "its kernels hold integer codes, not weights. Save it with format='kzoo' (it loads "
+        "back quantized), or save the float model before `model.quantize(...)`.")
 
 
 def model_card(model, format="kzoo", metrics=None):  # noqa: A002

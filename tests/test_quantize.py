@@ -221,6 +221,19 @@ def test_int8_keras_file_and_preset_round_trip(int8_models, family, tmp_path):
 
 
 @pytest.mark.spread
+@pytest.mark.parametrize("format", ["hf", "keras_hub"])
+def test_quantized_models_are_not_written_as_float_checkpoints(int8_models, format, tmp_path):
+    # transformers' and keras-hub's files hold float kernels: the int8 codes (up to 127)
+    # were written as weights, and transformers computed another model, in silence.
+    _, model, _ = int8_models["gpt"]
+    target = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"`format='{format}'` writes float weights, and "
+                                         r"this model is quantized \(int8: \d+ layers"):
+        kzoo.presets.save(model, str(target), format=format)
+    assert not target.exists()  # (refused before anything is written)
+
+
+@pytest.mark.spread
 def test_config_round_trip_keeps_the_quantized_policies(int8_models):
     _, model, x = int8_models["t5"]
     config = model.get_config()
