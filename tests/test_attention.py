@@ -582,6 +582,38 @@ def test_return_weights_are_probabilities():
     assert (np.triu(w[0, 0], 1) == 0).all()  # no weight on the future
 
 
+@pytest.mark.parametrize("kernel", ["auto"] + KERNEL_NAMES)
+def test_minus_infinity_in_the_bias_blocks_keys_and_whole_rows(kernel):
+    # The refusal of float masks asks for an additive mask in `bias` (-inf not to attend):
+    # a row blocked entirely gave NaN on the reference and fused kernels of JAX and
+    # TensorFlow (the softmax's max -inf) and zeros on the chunked kernel and torch's SDPA.
+    q, k, v = _data(b=2, t=5, s=7, h=2)
+    r = np.random.default_rng(1)
+    bias = r.normal(size=(2, 2, 5, 7)).astype("float32")
+    bias[:, :, :, 5:] = -np.inf  # the last two keys of every row blocked
+    bias[0, 1, 2, :] = -np.inf  # one (batch, head, query) row blocked entirely
+    bias[1, :, 4, :] = -np.inf
+    # NumPy: softmax over the keys with a finite bias; a row without one gives zeros
+    scores = np.einsum("bthd,bshd->bhts", q.astype(np.float64), k.astype(np.float64))
+    scores = scores / np.sqrt(q.shape[-1]) + bias
+    open_keys = np.isfinite(bias)
+    e = np.where(open_keys, np.exp(scores - np.where(open_keys, scores, -1e300).max(
+        -1, keepdims=True)), 0.0)
+    total = e.sum(-1, keepdims=True)
+    weights = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    expected = np.einsum("bhts,bshd->bthd", weights, v.astype(np.float64))
+    out = to_numpy(dot_product_attention(q, k, v, bias=bias, kernel=kernel))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    assert (out[0, 2, 1] == 0).all() and (out[1, 4] == 0).all()
+    if kernel in ("auto", "reference"):
+        out, w = dot_product_attention(q, k, v, bias=bias, kernel=kernel, return_weights=True)
+        np.testing.assert_allclose(to_numpy(w), weights, atol=1e-6)
+    with_mask = dot_product_attention(q, k, v, bias=bias, mask=open_keys[:1, :1, :1],
+                                      is_causal=False, kernel=kernel)
+    np.testing.assert_allclose(to_numpy(with_mask), expected, atol=1e-5, rtol=1e-5)
+
+
 # === Errors ===
 
 
@@ -645,6 +677,15 @@ def test_mask_helpers_against_numpy():
         normalize_mask(np.ones((2,)))
     with pytest.raises(ValueError, match="window"):
         sliding_window_mask(4, window=0)
+    # lengths: -1 gave an empty mask on JAX and errors inside torch / TensorFlow
+    for bad, kwargs in (((-1,), {}), ((2.5,), {}), ((3, -2), {}), ((True,), {})):
+        with pytest.raises(ValueError, match=r"_length` must be an integer >= 0; got"):
+            causal_mask(*bad, **kwargs)
+    with pytest.raises(ValueError, match=r"`query_length` must be an integer >= 0; got "
+                                         r"query_length=-2"):
+        sliding_window_mask(-2, window=2)
+    with pytest.raises(ValueError, match="must be boolean.*float32.*`bias`"):
+        padding_mask(np.array([[0.0, 0.0, -1e9]], "float32"))  # (read backwards as a bool)
 
 
 # === Dispatch ===

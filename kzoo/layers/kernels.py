@@ -437,18 +437,51 @@ def dot_product_attention(
         raise ValueError(
             f"attention dropout needs kernel='reference' (or 'auto'); got kernel={kernel!r}."
         )
+    bias_rows = None
+    if chosen == "reference" or (chosen == "fused" and not (
+            keras.backend.backend() == "torch" and current_device() == "cpu")):
+        # (the chunked kernels and torch's SDPA on CPU give a row blocked by -inf zeros)
+        bias, bias_rows = _finite_bias(bias)
     if chosen == "reference":
-        return reference_attention(
+        result = reference_attention(
             query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
             return_weights=return_weights, dropout_rate=dropout_rate if dropout_active else 0.0,
             seed_generator=seed_generator,
         )
-    if chosen == "chunked":
-        return chunked_attention(
+    elif chosen == "chunked":
+        result = chunked_attention(
             query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale
         )
-    return fused_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal,
-                           scale=scale)
+    else:
+        result = fused_attention(query, key, value, mask=mask, bias=bias,
+                                 is_causal=is_causal, scale=scale)
+    if bias_rows is None:
+        return result
+    out, weights = result if return_weights else (result, None)
+    out = ops.where(ops.transpose(bias_rows, (0, 2, 1, 3)), out, ops.zeros((), out.dtype))
+    if return_weights:
+        return out, ops.where(bias_rows, weights, ops.zeros((), weights.dtype))
+    return out
+
+
+def _finite_bias(bias):
+    """(`bias` with -inf raised to `_NEG`, the `(b|1, h|1, q|1, 1)` flags of the query rows
+    whose bias is above `_NEG` at some key, or None without a bias).
+
+    An additive mask in `bias` (what the refusal of float masks asks for) may block a whole
+    row with -inf: the softmax's maximum is then -inf and the reference and fused kernels
+    gave NaN (`-inf - -inf`) where the chunked kernel and torch's SDPA gave zeros. Raised to
+    `_NEG`, such a row's weights are finite; the flags give it zeros on every kernel, as a
+    fully masked row. Both cost an elementwise pass and a reduction over the bias' own
+    (broadcasting) shape, not the scores'."""
+    if bias is None:
+        return None, None
+    if "float" not in keras.backend.standardize_dtype(bias.dtype):
+        return bias, None
+    dtype = keras.backend.standardize_dtype(bias.dtype)
+    floor = ops.cast(float(np.finfo(np.float16).min) if dtype == "float16" else _NEG, dtype)
+    bias = ops.maximum(bias, floor)  # (4-D: see `_check_inputs`)
+    return bias, ops.any(bias > floor, axis=-1, keepdims=True)
 
 
 # === Reference kernel ===

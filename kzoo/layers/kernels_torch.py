@@ -96,7 +96,12 @@ def fused(query, key, value, mask, bias, is_causal, scale):
     if bias is not None:
         attn_mask = bias.to(q.dtype)
         if mask is not None:
-            attn_mask = attn_mask.masked_fill(~mask, torch.finfo(attn_mask.dtype).min)
+            # On CPU -inf: SDPA gives a row without a finite score zeros, as a -inf bias
+            # alone (the lowest finite value gave a row blocked by -inf in the bias and by
+            # the mask elsewhere the mean of its masked keys' values). Elsewhere the lowest
+            # finite value, and `kernels.dot_product_attention` raises a -inf bias to `_NEG`.
+            low = float("-inf") if q.device.type == "cpu" else torch.finfo(attn_mask.dtype).min
+            attn_mask = attn_mask.masked_fill(~mask, low)
     elif mask is not None:
         attn_mask = mask
     out = F.scaled_dot_product_attention(

@@ -20,7 +20,18 @@ from keras import ops
 from kzoo.layers.utils import FieldError, check_positive_int
 
 
+def _check_length(name, value):
+    """A static length must be an integer >= 0 (traced lengths pass): -1 gave an empty mask
+    on JAX and errors from inside torch and TensorFlow, 2.5 a mask of 3 on two backends."""
+    if isinstance(value, (bool, np.bool_)) or (
+            isinstance(value, (float, np.floating))
+            or (isinstance(value, (int, np.integer)) and value < 0)):
+        raise ValueError(f"`{name}` must be an integer >= 0; got {name}={value!r}.")
+
+
 def _positions(query_length, key_length, offset):
+    _check_length("query_length", query_length)
+    _check_length("key_length", key_length)
     if key_length is None:
         key_length = query_length
     if offset is None:
@@ -86,6 +97,12 @@ def padding_mask(mask):
             "`mask` for padding_mask must have shape (batch, key_length); "
             f"got shape {tuple(mask.shape)}."
         )
+    if "float" in keras.backend.standardize_dtype(mask.dtype):
+        # (cast to bool, an additive mask of 0 / -1e9 was read the other way round)
+        raise ValueError(
+            "`mask` for padding_mask must be boolean (True = a token) or integer 0 / 1; got "
+            f"dtype {keras.backend.standardize_dtype(mask.dtype)}. An additive mask (0 / "
+            "-inf) goes in the attention's `bias`.")
     mask = ops.cast(mask, "bool")
     return mask[:, None, None, :]
 
