@@ -329,6 +329,7 @@ def test_detection(tmp_path, gpt2_preset):
 @pytest.mark.parametrize("family, config, task, task_config, match", [
     ("gpt", dict(norm="rmsnorm"), "causal_lm", {}, r"norm='rmsnorm'.*\['layernorm'\]"),
     ("gpt", dict(activation="gelu"), "causal_lm", {}, r"activation='gelu'"),
+    ("gpt", dict(head_dim=16), "causal_lm", {}, r"head_dim=16 has no keras-hub equivalent"),
     ("gpt", dict(attention="sliding_window", attention_options={"window": 4}), "backbone", {},
      r"attention='sliding_window'.*\['full'\]"),
     ("bert", dict(activation="gelu"), "backbone", {}, r"activation='gelu'.*gelu_tanh"),

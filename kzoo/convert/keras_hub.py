@@ -640,6 +640,8 @@ def _gpt2_from_kzoo(backbone):
     _require("use_bias", backbone.use_bias, (True,), what)
     _require("tie_embeddings", backbone.tie_embeddings, (True,), what)
     head_dim = backbone.hidden_dim // backbone.num_heads
+    # (keras-hub's heads split the width: a head size of its own failed in a reshape)
+    _require("head_dim", getattr(backbone, "head_dim", None), (None, head_dim), what)
     scale = backbone.attention_scale
     if scale is not None and math.isclose(scale, 1 / math.sqrt(head_dim), rel_tol=1e-12):
         scale = None  # e.g. head_dim ** -0.5, which can differ from 1 / sqrt in the last bit
