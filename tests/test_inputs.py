@@ -334,6 +334,20 @@ def test_valid_ids_of_any_integer_type_give_the_same_outputs(family):
     np.testing.assert_allclose(model.predict_on_batch(as64), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_a_dict_of_python_lists_is_an_input_and_is_checked(family):
+    # Keras flattened each nested list into inputs of their own ("expects 2 named input(s)
+    # ... but it received 6 input tensors")
+    model, x, _, sizes = _family(family)
+    as_lists = {k: np.asarray(v).tolist() for k, v in x.items()}
+    np.testing.assert_allclose(_outputs(model, as_lists), _outputs(model, x), rtol=1e-6,
+                               atol=1e-6)
+    key, size = sorted(sizes.items())[0]
+    as_lists[key][0][0] = size  # one past the table
+    with pytest.raises(ValueError, match=rf"{key}.*{size}"):
+        model(as_lists)
+
+
 def test_padding_may_hold_any_id_where_the_mask_says_padding():
     model, x, y, _ = _family("gpt")
     mask = np.ones((BATCH, SEQ), "int32")

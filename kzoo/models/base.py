@@ -569,6 +569,13 @@ class FunctionalModel(keras.Model):
     def __call__(self, *args, **kwargs):
         initialized = "_initialized" in self.__dict__
         specs = self.id_inputs() if initialized else ()
+        if args and isinstance(args[0], dict) and any(
+                isinstance(value, (list, tuple)) for value in args[0].values()):
+            # Nested Python lists as arrays (as `predict` and `generate` take them): Keras
+            # flattened each list into inputs of its own ("expects 2 named input(s) ... but
+            # it received 6 input tensors").
+            args = ({key: np.asarray(value) if isinstance(value, (list, tuple)) else value
+                     for key, value in args[0].items()},) + args[1:]
         if initialized and not input_checks.checks_suspended():
             inputs = args[0] if args else kwargs.get("inputs")
             if specs:
