@@ -161,7 +161,8 @@ def test_lora_on_an_int8_model_and_merge():
     model = build_model("gpt")
     x = model_inputs("gpt")
     model.quantize("int8")
-    model.enable_lora(2, targets=("query", "value"))
+    with pytest.warns(UserWarning, match="int8-quantized layers.*merged into the integer"):
+        model.enable_lora(2, targets=("query", "value"))
     _perturb_adapters(model)
     adapted_out = run(model, x)
     model.merge_lora()
@@ -169,6 +170,29 @@ def test_lora_on_an_int8_model_and_merge():
     # The merge requantizes W + (alpha/r) A B to int8: close, not identical.
     assert np.abs(merged - adapted_out).max() / np.abs(adapted_out).max() < 0.05
     assert kzoo.quantize.quantization_map(model)
+
+
+@pytest.mark.spread
+def test_adapters_of_an_int8_model_kept_apart_from_its_save(tmp_path):
+    # The workflow the warning of `enable_lora` gives: the quantized base saved first, the
+    # adapters in their own file, both back on a reloaded model with the same outputs (a
+    # `.keras` of the adapted model holds them merged and requantized).
+    model = build_model("gpt")
+    x = model_inputs("gpt")
+    model.quantize("int8")
+    base = str(tmp_path / "base.keras")
+    model.save(base)
+    with pytest.warns(UserWarning, match="save_lora_weights"):
+        model.enable_lora(2, targets=("query", "value"))
+    _perturb_adapters(model)
+    adapted_out = run(model, x)
+    adapters = str(tmp_path / "adapters.npz")
+    model.save_lora_weights(adapters)
+    again = kzoo.presets.load(base)
+    with pytest.warns(UserWarning):
+        again.enable_lora(2, targets=("query", "value"))
+    again.load_lora_weights(adapters)
+    np.testing.assert_array_equal(run(again, x), adapted_out)
 
 
 # === Training CLI (--lora-rank, --lora-targets) ===
