@@ -546,6 +546,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 values = (v, vg, flags)
             weights = self._explicit_weights(q, k, mask, use_causal_mask, global_mask,
                                              global_rows=global_rows)
+            if self._global_projections and mask is not None:
+                weights = ops.where(ops.transpose(mask, (0, 1, 3, 2)), weights,
+                                    ops.zeros((), weights.dtype))
             out = self._weighted_values(weights, values, q.dtype)
         else:
             weights = None
@@ -555,9 +558,21 @@ class MultiHeadAttention(keras.layers.Layer):
             if self._global_projections:
                 out = self._global_projection_rows(query, out, mask, use_causal_mask,
                                                    global_mask)
+                out = self._padding_rows_zeroed(out, mask)
         if tap is not None:
             out, weights = self._tap_weights(tap, weights, values, training)
         return self._finish(out, weights, q_len, return_weights, cache, new_cache)
+
+    @staticmethod
+    def _padding_rows_zeroed(out, mask):
+        """`out (batch, seq, heads, head_dim)` with the padding queries' rows zero, as
+        Hugging Face's Longformer gives them (it zeroes their attention probabilities): their
+        outputs reach the model's outputs only where a padding position is read (the pooler's
+        first position under left padding: 6.5e-3 apart before)."""
+        if mask is None:
+            return out
+        rows = ops.reshape(mask, (ops.shape(mask)[0], -1, 1, 1))  # (batch, seq, 1, 1)
+        return ops.where(rows, out, ops.zeros((), out.dtype))
 
     def _check_global_mask(self, global_mask, query):
         global_mask = ops.convert_to_tensor(global_mask)
