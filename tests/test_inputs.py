@@ -348,6 +348,33 @@ def test_a_dict_of_python_lists_is_an_input_and_is_checked(family):
         model(as_lists)
 
 
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_fit_evaluate_and_predict_take_python_lists(family):
+    # Keras' data adapters refused them: "Unrecognized data type: x={'token_ids': [[...]]}"
+    model, x, y, _ = _family(family)
+    as_lists = {k: np.asarray(v).tolist() for k, v in x.items()}
+    y_list = np.asarray(y).tolist()
+    np.testing.assert_allclose(model.predict(as_lists, verbose=0), _outputs(model, x),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.evaluate(as_lists, y_list, verbose=0),
+                               model.evaluate(x, y, verbose=0), rtol=1e-6)
+    history = model.fit(as_lists, y_list, validation_data=(as_lists, y_list), epochs=1,
+                        verbose=0).history
+    assert np.isfinite(history["loss"][0]) and np.isfinite(history["val_loss"][0])
+
+
+@pytest.mark.parametrize("bad", ["array", "list"])
+def test_one_array_for_a_model_of_named_inputs_names_the_keys(bad):
+    # (Keras said "The structure of `inputs` doesn't match" on JAX and "expects 2 named
+    # input(s)" on torch and TensorFlow)
+    model, x, _, _ = _family("gpt")
+    ids = np.asarray(x["token_ids"]) if bad == "array" else np.asarray(x["token_ids"]).tolist()
+    pattern = r"must be a dict with the keys \['padding_mask', 'token_ids'\].*'token_ids'"
+    for run in (lambda: model(ids), lambda: model.predict(ids, verbose=0)):
+        with pytest.raises(ValueError, match=pattern):
+            run()
+
+
 def test_padding_may_hold_any_id_where_the_mask_says_padding():
     model, x, y, _ = _family("gpt")
     mask = np.ones((BATCH, SEQ), "int32")

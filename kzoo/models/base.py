@@ -552,9 +552,21 @@ class FunctionalModel(keras.Model):
                 names = {k: input_checks.is_optional_input(t) or k in self._input_fills
                          for k, t in self._inputs_struct.items()}
             self.__dict__["_input_names"] = names
-        if not names or not isinstance(inputs, dict):
+        if not names:
             return
         source = source or f"the input of {self.name}"
+        if not isinstance(inputs, dict):
+            if _number_lists(inputs) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
+                # (Keras' messages differed per backend: "The structure of `inputs` doesn't
+                # match" on JAX, "expects 2 named input(s)" on torch and TensorFlow)
+                shape = tuple(np.shape(inputs) if isinstance(inputs, (list, tuple))
+                              else inputs.shape)
+                raise ValueError(
+                    f"{source} must be a dict with the keys {sorted(names)} (optional: "
+                    f"{sorted(k for k, o in names.items() if o) or 'none'}); got one "
+                    f"{type(inputs).__name__} of shape {shape}. Pass e.g. "
+                    f"{{{sorted(names, key=lambda k: (names[k], k))[0]!r}: ...}}.")
+            return
         unknown = sorted(str(k) for k in inputs if k not in names)
         missing = sorted(k for k, may_leave_out in names.items()
                          if not may_leave_out and k not in inputs)
@@ -598,6 +610,10 @@ class FunctionalModel(keras.Model):
                 return keras_method(*args, **kwargs)
         specs = self.id_inputs()
         bound = _signature(method).bind(None, *args, **kwargs)
+        for name in ("x", "y", "sample_weight", "validation_data"):
+            if name in bound.arguments:
+                bound.arguments[name] = _lists_as_arrays(bound.arguments[name],
+                                                         tuples=name == "validation_data")
         if method in _TRAINING_OR_TESTING and _empty_batch(bound.arguments.get("x")):
             # (torch's data adapter said "num_samples should be a positive integer", JAX's a
             # bare StopIteration, and TensorFlow's ran no step and only warned)
@@ -1048,6 +1064,29 @@ def _empty_batch(x):
     shapes = [getattr(leaf, "shape", None) for leaf in leaves]
     return bool(shapes) and all(
         shape is not None and len(shape) > 0 and shape[0] == 0 for shape in shapes)
+
+
+def _number_lists(value):
+    """Whether `value` is a (nested) Python list or tuple whose leaves are all numbers."""
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(_number_lists(item) for item in value)
+    return isinstance(value, (int, float, bool, np.number, np.bool_))
+
+
+def _lists_as_arrays(data, tuples=False):
+    """`data` with nested Python lists of numbers as NumPy arrays: one such list, or the
+    values of a dict (or, with `tuples`, each part of an `(x, y[, sample_weight])` tuple).
+    Keras' data adapters refused them in `fit`, `evaluate` and `predict` ("Unrecognized data
+    type: x={'token_ids': [[1, 2, 3], ...]}") where calling the model and `generate` took
+    them; a list of arrays (a model's several inputs) is left as it is."""
+    if isinstance(data, dict):
+        return {key: _lists_as_arrays(value) for key, value in data.items()}
+    if tuples and isinstance(data, tuple):
+        return tuple(_lists_as_arrays(part) for part in data)
+    if _number_lists(data):
+        array = np.asarray(data)
+        return array if array.dtype != object else data
+    return data
 
 
 def _signature(method):
