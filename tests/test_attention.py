@@ -672,6 +672,12 @@ def test_mask_helpers_against_numpy():
     m = to_numpy(merge_masks(None, causal_mask(3), padding_mask(np.array([[1, 1, 0]]))))
     np.testing.assert_array_equal(m[0, 0], np.tril(np.ones((3, 3), bool)) & [True, True, False])
     assert merge_masks(None, None) is None
+    # masks that do not broadcast together are refused by name (the backends' errors named
+    # no mask), at any position among the arguments
+    with pytest.raises(ValueError, match=r"masks\[2\] \(1, 1, 1, 4\).*axis 3 sizes \[3, 4\]"):
+        merge_masks(causal_mask(3), None, padding_mask(np.array([[1, 1, 1, 0]])))
+    with pytest.raises(ValueError, match=r"axis 0 sizes \[2, 3\]"):
+        merge_masks(np.ones((2, 4, 4), bool), np.ones((3, 4), bool))
     assert to_numpy(normalize_mask(np.ones((2, 3, 4)))).shape == (2, 1, 3, 4)
     with pytest.raises(ValueError, match="rank"):
         normalize_mask(np.ones((2,)))

@@ -149,13 +149,28 @@ def merge_masks(*masks):
     >>> m.shape
     (1, 1, 4, 4)
     """
-    result = None
-    for mask in masks:
+    result, shapes = None, []
+    for position, mask in enumerate(masks):
         if mask is None:
             continue
-        mask = normalize_mask(mask)
+        mask = normalize_mask(mask, f"masks[{position}]")
+        shapes.append((position, tuple(mask.shape)))
+        if result is not None:
+            _check_mergeable(shapes)
         result = mask if result is None else ops.logical_and(result, mask)
     return result
+
+
+def _check_mergeable(shapes):
+    """Refuse 4-D mask shapes that do not broadcast together (the backends' own errors
+    named no mask: "Incompatible shapes" / "The size of tensor a (3) must match")."""
+    for axis in range(4):
+        sizes = {shape[axis] for _, shape in shapes if shape[axis] not in (None, 1)}
+        if len(sizes) > 1:
+            listed = ", ".join(f"masks[{position}] {shape}" for position, shape in shapes)
+            raise ValueError(
+                f"`merge_masks` takes masks that broadcast together to (batch, heads, query, "
+                f"key); got {listed}, whose axis {axis} sizes {sorted(sizes)} differ.")
 
 
 # === Packed sequences (several documents a row) ===
