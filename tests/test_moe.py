@@ -195,6 +195,24 @@ def test_load_balance_loss_is_one_for_a_uniform_router():
     assert_close(aux["router_z_loss"], math.log(4) ** 2, atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k,factor", [(1, None), (2, None), (2, 0.5)])
+def test_tied_router_probabilities_pick_the_lowest_expert_ids(top_k, factor):
+    """Equal router probabilities go to the lowest expert ids, as in the NumPy reference's
+    stable sort, on every backend: torch's topk picked experts 6 and 5 of 8 for a zero router
+    (outputs up to 1.4 from the reference) where JAX and TensorFlow picked 0 and 1."""
+    x = inputs((2, 6, 8), seed=17)
+    x[1, 2] = 0.0  # an all-zero token: every logit 0 whatever the kernel
+    layer = make_layer(x, num_experts=8, intermediate_dim=16, top_k=top_k,
+                       capacity_factor=factor, normalize_top_k=False)
+    kernel = rng(18).normal(size=(8, 8)).astype("float32")
+    kernel[:, 5:] = kernel[:, [1]]  # experts 1, 5, 6 and 7 tie on every token
+    for router in (np.zeros((8, 8), "float32"), kernel):
+        layer.router.kernel.assign(router)
+        capacity = None if factor is None else math.ceil(factor * 12 * top_k / 8)
+        expected, _ = np_moe(weights_of(layer), x, top_k, "plain", "gelu", False, capacity)
+        assert_close(layer(x), expected.reshape(x.shape), atol=1e-5, rtol=1e-5)
+
+
 def test_stacked_initializer_gives_each_expert_a_glorot_variance():
     # Without the per-expert correction Keras would count the expert axis as a receptive
     # field and shrink the std by sqrt(num_experts) = 2.

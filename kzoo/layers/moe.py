@@ -3,7 +3,8 @@
 How tokens reach their experts (no Python loop over experts, static shapes, `jit`-safe):
 
 1. The router (a float32 `Dense(num_experts, use_bias=False)`) scores every token; softmax
-   probabilities; `top_k` experts per token.
+   probabilities; `top_k` experts per token (equal probabilities: the lowest expert id
+   first, on every backend).
 2. The `tokens * top_k` (token, expert) assignments are laid out "choice-major": all top-1
    choices in token order, then all top-2 choices, ... A running count per expert (a cumsum
    over the one-hot expert ids) gives every assignment its position inside its expert, so
@@ -98,6 +99,29 @@ def _stacked_initializer(initializer, num_experts):
             seed=init.seed,
         )
     return init
+
+
+def _top_k_lowest_first(probs, k):
+    """`(values, indices)` of the `k` largest entries of each row of `probs` (tokens, E),
+    descending; equal probabilities are taken lowest expert id first, on every backend.
+
+    `keras.ops.top_k` is `torch.topk` on torch, which breaks ties in no set order: with
+    every router logit equal (a zero router kernel, or an all-zero token) it picked experts
+    6 and 5 of 8 where JAX and TensorFlow pick 0 and 1, and the layer's output was up to
+    1.4 apart from theirs (and from the NumPy reference). `k` rounds of "largest value,
+    then its smallest index" (a max and a min per row) pick the same experts everywhere.
+    """
+    e = ops.shape(probs)[-1]
+    ids = ops.arange(e, dtype="int32")[None, :]
+    masked, chosen = probs, []
+    for _ in range(k):  # k is small (1 or 2 in practice)
+        best = ops.max(masked, axis=-1, keepdims=True)
+        index = ops.min(ops.where(masked == best, ids, e), axis=-1)
+        index = ops.minimum(index, e - 1)  # (a NaN row matches nothing: keep it in range)
+        chosen.append(index)
+        masked = ops.where(ids == index[:, None], -1.0, masked)  # probabilities are >= 0
+    top_idx = ops.stack(chosen, axis=-1)
+    return ops.take_along_axis(probs, top_idx, axis=-1), top_idx
 
 
 # --- gather-only dispatch and combine ---------------------------------------------------
@@ -506,7 +530,7 @@ class MixtureOfExperts(keras.layers.Layer):
         # --- router (float32) ---
         logits = ops.cast(self.router(x), "float32")
         probs = ops.softmax(logits, axis=-1)
-        top_p, top_idx = ops.top_k(probs, k)
+        top_p, top_idx = _top_k_lowest_first(probs, k)
         top_idx = ops.cast(top_idx, "int32")
         if self.normalize_top_k:
             top_p = top_p / ops.sum(top_p, axis=-1, keepdims=True)
