@@ -159,6 +159,17 @@ def test_padding_mask_tokens_are_not_routed_and_take_no_capacity():
         assert np.all(out[~valid] == 0.0)
 
 
+@pytest.mark.parametrize("shape", [(12, 2), (2, 11), (2, 12, 1), (24,)])
+def test_padding_mask_of_another_shape_is_refused(shape):
+    """The mask is flattened beside the tokens: one of another shape with as many entries
+    (the transpose) was read for other tokens in silence, others failed in a backend
+    broadcast. It must be `inputs.shape[:-1]`."""
+    x = inputs((2, 12, 8), seed=8)
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2)
+    with pytest.raises(ValueError, match=r"padding_mask.*\(2, 12\)"):
+        layer(x, padding_mask=np.ones(shape, bool))
+
+
 def test_aux_losses_match_numpy_and_are_added_in_training():
     x = inputs(seed=9)
     valid = rng(10).random((2, 12)) > 0.3

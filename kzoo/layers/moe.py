@@ -124,6 +124,23 @@ def _top_k_lowest_first(probs, k):
     return ops.take_along_axis(probs, top_idx, axis=-1), top_idx
 
 
+def _check_padding_mask(padding_mask, inputs):
+    """`padding_mask` must have the shape of `inputs` without its last axis (the axes
+    not known statically are not compared). It is flattened beside the tokens, so a mask of
+    another shape with as many entries, e.g. `(seq, batch)` for inputs `(batch, seq, dim)`,
+    was read in silence for other tokens, and one with a different count failed in a
+    backend broadcast (TypeError on JAX, RuntimeError on torch, InvalidArgumentError on
+    TensorFlow)."""
+    got = tuple(getattr(padding_mask, "shape", None) or ops.shape(padding_mask))
+    want = tuple(inputs.shape)[:-1]
+    if len(got) != len(want) or any(
+            a is not None and b is not None and int(a) != int(b) for a, b in zip(got, want)):
+        raise ValueError(
+            f"`padding_mask` must have the shape of `inputs` without its last axis, "
+            f"{want} (one entry a token); got padding_mask with shape {got}."
+        )
+
+
 # --- gather-only dispatch and combine ---------------------------------------------------
 # Moving rows between token order and the (experts * capacity) slot grid is a gather in
 # both directions: the gradient of "gather by slot_token" is "gather by slot" summed over
@@ -524,6 +541,8 @@ class MixtureOfExperts(keras.layers.Layer):
         e, k = self.num_experts, self.top_k
         in_shape = ops.shape(inputs)
         dim = in_shape[-1]
+        if padding_mask is not None:
+            _check_padding_mask(padding_mask, inputs)
         x = ops.reshape(inputs, (-1, dim))
         num_tokens = ops.shape(x)[0]
 
