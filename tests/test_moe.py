@@ -170,6 +170,21 @@ def test_padding_mask_of_another_shape_is_refused(shape):
         layer(x, padding_mask=np.ones(shape, bool))
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 8), (0, 5, 8)])
+def test_no_tokens_give_an_empty_output_and_zero_losses(shape):
+    """An empty batch or sequence (a Mixtral GPT given no rows) has nothing to route: the
+    output is empty and both losses, means over max(valid tokens, 1), are 0 (the routing
+    took maxima over no rows: IndexError on JAX, ValueError on torch, InvalidArgumentError
+    on TensorFlow)."""
+    x = np.zeros(shape, "float32")
+    layer = make_layer(inputs(), num_experts=4, intermediate_dim=16, top_k=2)
+    out, aux = layer(x, padding_mask=np.ones(shape[:-1], bool), return_aux_losses=True)
+    assert tuple(out.shape) == shape
+    assert float(to_numpy(aux["load_balance_loss"])) == 0.0
+    assert float(to_numpy(aux["router_z_loss"])) == 0.0
+    assert tuple(layer(x).shape) == shape
+
+
 def test_aux_losses_match_numpy_and_are_added_in_training():
     x = inputs(seed=9)
     valid = rng(10).random((2, 12)) > 0.3

@@ -545,6 +545,16 @@ class MixtureOfExperts(keras.layers.Layer):
             _check_padding_mask(padding_mask, inputs)
         x = ops.reshape(inputs, (-1, dim))
         num_tokens = ops.shape(x)[0]
+        if isinstance(num_tokens, int) and num_tokens == 0:
+            # No token to route (an empty batch or sequence; a Mixtral GPT given a batch of
+            # none): the routing takes maxima over no rows, which raised IndexError on JAX,
+            # ValueError on torch and InvalidArgumentError on TensorFlow. The losses are
+            # those of the formulas over no valid token (means over max(count, 1)): zero.
+            outputs = ops.zeros(tuple(in_shape), self.compute_dtype)
+            if return_aux_losses:
+                zero = ops.zeros((), "float32")
+                return outputs, {"load_balance_loss": zero, "router_z_loss": zero}
+            return outputs
 
         # --- router (float32) ---
         logits = ops.cast(self.router(x), "float32")
