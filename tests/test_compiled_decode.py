@@ -187,6 +187,33 @@ def test_moe_capacity_drops_what_the_eager_step_drops(monkeypatch):
     np.testing.assert_allclose(to_numpy(compiled), eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.torch_path
+def test_moe_ties_pick_the_experts_the_layer_picks(monkeypatch):
+    """A zero router ties every expert: `MixtureOfExperts` takes the lowest ids on every
+    backend, and the compiled step must too (`torch.topk` took others: experts 6 and 5 of
+    8), so its logits are the eager step's."""
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    lm = _lm(feedforward="moe", num_experts=8, top_k=2)
+    router = lm.backbone.transformer_layers[0].feedforward_layer.router
+    router.kernel.assign(np.zeros(router.kernel.shape, "float32"))
+    inputs = {"token_ids": np.array([[5, 6, 7], [0, 11, 12]], "int32"),
+              "padding_mask": np.array([[1, 1, 1], [0, 1, 1]], "int32"),
+              "position_offset": np.array([0, 1], "int32")}
+    with _no_grad():
+        logits, state, constants = lm.generation_prefill(inputs, 3)
+        tokens = np.argmax(to_numpy(logits), axis=-1)[:, None].astype("int32")
+        copy = keras.tree.map_structure(lambda x: keras.ops.copy(x), state)
+        eager, _ = lm.generation_step(tokens, copy, constants, 0)
+        step = compiled_decode.model_step(lm, state, constants)
+        if not TORCH:
+            assert step is None
+            return
+        import torch
+
+        compiled = step(torch.as_tensor(tokens), 0)
+    np.testing.assert_allclose(to_numpy(compiled), to_numpy(eager), rtol=1e-5, atol=1e-5)
+
+
 def test_models_it_cannot_express_decode_eagerly(monkeypatch):
     monkeypatch.setenv(compiled_decode.ENV, "1")
     for extra in (dict(attention="strided", attention_options={"stride": 2}),

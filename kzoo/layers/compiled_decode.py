@@ -540,7 +540,17 @@ def _experts(config, w, x):
     experts, top_k, normalize, capacity_factor = config.moe
     rows = x.shape[0]
     probabilities = torch.softmax(_product(x, w["router"], None).float(), dim=-1)
-    top_p, top_index = torch.topk(probabilities, top_k, dim=-1)
+    # (equal probabilities: the lowest expert ids, as `MixtureOfExperts` picks them on every
+    # backend; `torch.topk` breaks ties in no set order)
+    ids = torch.arange(experts, device=x.device)
+    masked, chosen = probabilities, []
+    for _ in range(top_k):
+        best = masked.amax(dim=-1, keepdim=True)
+        pick = torch.where(masked == best, ids, experts).amin(dim=-1).clamp(max=experts - 1)
+        chosen.append(pick)
+        masked = masked.masked_fill(ids == pick[:, None], -1.0)
+    top_index = torch.stack(chosen, dim=-1)
+    top_p = probabilities.gather(-1, top_index)
     if normalize:
         top_p = top_p / top_p.sum(dim=-1, keepdim=True)
     index, weight = top_index.t().reshape(-1), top_p.t().reshape(-1)  # choice-major
