@@ -1040,10 +1040,20 @@ def _traced_loop(model, sampler, max_new_tokens, inputs, carry):
 
 
 def _cache_for(model):
+    """The model's compiled loops, emptied when its variables are no longer those they were
+    traced with: `enable_lora`, `merge_lora`, `quantize` (or Keras' own on a layer) change
+    the layers' variables and calls, and a trace made before kept the old computation
+    (JAX and TensorFlow: a GPT that had generated once then ignored the adapters that
+    `enable_lora` added, and its int8 kernels after `quantize`: other tokens than
+    `compile=False`)."""
+    variables = model.variables
     cache = model.__dict__.get("_generation_fns")
-    if cache is None:
+    traced = model.__dict__.get("_generation_variables", ())
+    if cache is None or len(traced) != len(variables) or any(
+            a is not b for a, b in zip(traced, variables)):
         cache = {}
         object.__setattr__(model, "_generation_fns", cache)
+        object.__setattr__(model, "_generation_variables", list(variables))
     if len(cache) > 32:  # many different settings: start afresh rather than grow forever
         cache.clear()
     return cache

@@ -156,6 +156,45 @@ def test_generate_with_adapters_equals_merged(adapted):
                                   with_adapters)
 
 
+def test_generate_after_enable_lora_decodes_with_the_adapters(tmp_path):
+    """A model that has generated once (its decode loop compiled and cached on JAX and
+    TensorFlow), then adapted: the next `generate` decodes with the adapters, as
+    transformers' GPT-2 with `W + (alpha / rank) A B` in its `attn.c_proj` does. Before the
+    fix the cached trace ignored them (the tokens of the model without adapters)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1,
+                                     n_head=2, initializer_range=0.3)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(str(tmp_path))
+    model = kzoo.presets.load(str(tmp_path))
+    prompts = [[3, 4, 5], [7]]
+
+    def hf_generate():
+        ids = torch.tensor([[3, 4, 5], [0, 0, 7]])
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=(ids > 0).long(), pad_token_id=0,
+                              do_sample=False, max_new_tokens=5, eos_token_id=None)
+        return out[:, 3:].tolist()
+
+    before = hf_generate()
+    assert model.generate(prompts, max_new_tokens=5, compile=True) == before
+    model.enable_lora(2, targets=("output",), alpha=4)
+    r = np.random.default_rng(0)
+    for i, layer in enumerate(kzoo.lora.lora_layers(model)):
+        assert layer.path.startswith(f"transformer_layer_{i}/")
+        b = r.normal(0, 2.0, tuple(layer.lora_kernel_b.shape)).astype("float32")
+        layer.lora_kernel_b.assign(b)
+        a = to_numpy(layer.lora_kernel_a)
+        with torch.no_grad():  # (Conv1D: the weight is (in, out), as the Dense kernel)
+            hf.transformer.h[i].attn.c_proj.weight += torch.from_numpy((4 / 2) * a @ b)
+    after = hf_generate()
+    assert after != before  # (the adapters change the tokens)
+    assert model.generate(prompts, max_new_tokens=5, compile=True) == after
+
+
 @pytest.mark.spread
 def test_lora_on_an_int8_model_and_merge():
     model = build_model("gpt")
