@@ -701,6 +701,11 @@ def prompt_rows(prompts, name="prompts"):
         return None
     if not prompts:
         return []
+    # (a backend tensor row counts as an array row: a list of 1-D torch / TensorFlow / JAX
+    # tensors of different lengths failed with NumPy's "inhomogeneous shape" error, naming
+    # no argument, where the same NumPy rows worked)
+    prompts = [to_host(p) if _module(p) in ("torch", "tensorflow", "jax", "jaxlib")
+               and len(getattr(p, "shape", ())) >= 1 else p for p in prompts]
     is_row = [isinstance(p, (list, tuple)) or (isinstance(p, np.ndarray) and p.ndim >= 1)
               for p in prompts]
     if not any(is_row):

@@ -313,6 +313,26 @@ def _gpt():
                              intermediate_dim=32, max_sequence_length=16)
 
 
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_generate_takes_rows_of_backend_tensors_of_any_lengths(family):
+    """A list of 1-D torch / TensorFlow / JAX tensors of different lengths (one a prompt, as
+    a tokenizer gives them row by row) is a list of rows, as NumPy rows are: it failed with
+    NumPy's "setting an array element with a sequence ... inhomogeneous shape" ValueError,
+    which names no argument."""
+    import jax.numpy as jnp
+    import tensorflow as tf
+    import torch
+
+    model = _gpt() if family == "gpt" else _t5()
+    expected = model.generate([[5, 6, 7], [8, 9]], max_new_tokens=2, stop_token_ids=None)
+    for make in (torch.tensor, tf.constant, jnp.array):
+        rows = [make([5, 6, 7]), make([8, 9])]
+        assert model.generate(rows, max_new_tokens=2, stop_token_ids=None) == expected
+    with pytest.raises(ValueError, match=r"`prompts` must hold integer token ids; got "
+                                         r"np\.float32\(5\.0\) \(of type float32\)"):
+        model.generate([torch.tensor([5.0, 6.0]), torch.tensor([7.0])], max_new_tokens=1)
+
+
 # Prompt checks in Python, the same on every backend: each case on one backend (`spread`).
 @pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
