@@ -592,3 +592,21 @@ def test_batches_go_to_the_device_first_where_copies_wait(monkeypatch):
     np.testing.assert_allclose(losses, keras_losses, rtol=1e-6, atol=1e-6)
     for got, want in zip(weights, keras_weights):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_config_loads_on_every_backend():
+    """The saved compile config names the public optimizer class. Keras saved torch's own
+    subclass (`keras.src.backend.torch.optimizers.torch_adamw`, which JAX and TensorFlow
+    built and failed in)."""
+    model = _gpt()
+    model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3))
+    config = model.get_compile_config()
+    assert (config["optimizer"]["module"], config["optimizer"]["class_name"]) == (
+        "keras.optimizers", "AdamW")
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+                  jit_compile=False)
+    config = model.get_compile_config()
+    inner = config["optimizer"]["config"]["inner_optimizer"]
+    assert (inner["module"], inner["class_name"]) == ("keras.optimizers", "SGD")
+    restored = keras.saving.deserialize_keras_object(config["optimizer"])
+    assert isinstance(restored.inner_optimizer, keras.optimizers.SGD)

@@ -436,6 +436,9 @@ class FunctionalModel(keras.Model):
 
         fused_adam.install(getattr(self, "optimizer", None))
 
+    def get_compile_config(self):
+        return _portable_compile_config(super().get_compile_config())
+
     def _symbolic_build(self, iterator=None, data_batch=None):
         # torch: Keras' `train_on_batch` / `test_on_batch` call this at every batch, and it
         # rebuilds the torch parameter dict of every variable (`_post_build`) even when
@@ -1089,6 +1092,32 @@ def _lists_as_arrays(data, tuples=False):
     return data
 
 
+def _portable_compile_config(config):
+    """A compile config (`get_compile_config`) that loads on every backend.
+
+    - On torch an optimizer is the backend's subclass (`keras.optimizers.AdamW(...)` is a
+      `keras.src.backend.torch.optimizers.torch_adamw.AdamW`), saved under that module: JAX
+      and TensorFlow then built torch's optimizer, whose first update raised "expected
+      Tensor as element 0 in argument 0". Such an entry (also a wrapped one, as a
+      `LossScaleOptimizer`'s inner optimizer) names the public `keras.optimizers` class.
+    """
+    if not config:
+        return config
+
+    def portable(value):
+        if isinstance(value, dict):
+            value = {key: portable(item) for key, item in value.items()}
+            module, name = value.get("module"), value.get("class_name")
+            if (isinstance(module, str) and module.startswith("keras.src.backend.")
+                    and isinstance(name, str) and hasattr(keras.optimizers, name)):
+                value["module"] = "keras.optimizers"
+        elif isinstance(value, (list, tuple)):
+            value = type(value)(portable(item) for item in value)
+        return value
+
+    return portable(dict(config))
+
+
 def _signature(method):
     """The signature of Keras' own `Model.<method>` (with `self`), to bind a call's arguments
     by name."""
@@ -1258,6 +1287,7 @@ class TaskModel(FunctionalModel):
     def compile_from_config(self, config):
         # Keras skips a custom `compile` when loading a saved model; this one only fills in
         # the default loss, so a saved compile config is replayed through it.
+        config = _portable_compile_config(config)
         self.compile(**keras.saving.deserialize_keras_object(config))
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
