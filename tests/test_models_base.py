@@ -595,17 +595,21 @@ def test_batches_go_to_the_device_first_where_copies_wait(monkeypatch):
 
 
 def test_compile_config_loads_on_every_backend():
-    """The saved compile config names the public optimizer class. Keras saved torch's own
-    subclass (`keras.src.backend.torch.optimizers.torch_adamw`, which JAX and TensorFlow
-    built and failed in)."""
+    """The saved compile config names the public optimizer class and "auto" where compile
+    was given "auto" (or nothing). Keras saved torch's own subclass
+    (`keras.src.backend.torch.optimizers.torch_adamw`, which JAX and TensorFlow built and
+    failed in) and the `jit_compile` that "auto" resolved to here (True on JAX: torch.compile
+    once loaded on torch)."""
     model = _gpt()
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3))
     config = model.get_compile_config()
+    assert config["jit_compile"] == "auto"
     assert (config["optimizer"]["module"], config["optimizer"]["class_name"]) == (
         "keras.optimizers", "AdamW")
     model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
                   jit_compile=False)
     config = model.get_compile_config()
+    assert config["jit_compile"] is False
     inner = config["optimizer"]["config"]["inner_optimizer"]
     assert (inner["module"], inner["class_name"]) == ("keras.optimizers", "SGD")
     restored = keras.saving.deserialize_keras_object(config["optimizer"])

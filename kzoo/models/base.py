@@ -437,7 +437,8 @@ class FunctionalModel(keras.Model):
         fused_adam.install(getattr(self, "optimizer", None))
 
     def get_compile_config(self):
-        return _portable_compile_config(super().get_compile_config())
+        return _portable_compile_config(
+            super().get_compile_config(), getattr(self, "_jit_compile_auto", False))
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # torch: Keras' `train_on_batch` / `test_on_batch` call this at every batch, and it
@@ -1092,9 +1093,13 @@ def _lists_as_arrays(data, tuples=False):
     return data
 
 
-def _portable_compile_config(config):
+def _portable_compile_config(config, jit_compile_auto):
     """A compile config (`get_compile_config`) that loads on every backend.
 
+    - Keras saves the `jit_compile` that "auto" resolved to on this backend: True on JAX,
+      which on torch turned `torch.compile` on when the `.keras` file was loaded there (a
+      GPT's first `predict` raised inductor's `LoweringException`). A model compiled with
+      "auto" saves "auto", resolved again by the backend that loads it.
     - On torch an optimizer is the backend's subclass (`keras.optimizers.AdamW(...)` is a
       `keras.src.backend.torch.optimizers.torch_adamw.AdamW`), saved under that module: JAX
       and TensorFlow then built torch's optimizer, whose first update raised "expected
@@ -1115,7 +1120,10 @@ def _portable_compile_config(config):
             value = type(value)(portable(item) for item in value)
         return value
 
-    return portable(dict(config))
+    config = portable(dict(config))
+    if jit_compile_auto:
+        config["jit_compile"] = "auto"
+    return config
 
 
 def _signature(method):
@@ -1287,7 +1295,7 @@ class TaskModel(FunctionalModel):
     def compile_from_config(self, config):
         # Keras skips a custom `compile` when loading a saved model; this one only fills in
         # the default loss, so a saved compile config is replayed through it.
-        config = _portable_compile_config(config)
+        config = _portable_compile_config(config, False)
         self.compile(**keras.saving.deserialize_keras_object(config))
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
