@@ -423,6 +423,16 @@ class FunctionalModel(keras.Model):
         is_property = isinstance(getattr(type(self), name, None), property)
         uninitialized = "_initialized" not in self.__dict__
         if keras.config.backend() == "torch" and (is_property or uninitialized):
+            if uninitialized and not is_property and name != "_tracker":
+                # Keras' tracker still sees the value, as on JAX and TensorFlow: the layers
+                # are then listed (and the trainable variables, and so the optimizer's
+                # variables, ordered) in assignment order on every backend. Without it the
+                # torch order was the functional graph's: a T5 `.keras` file saved with its
+                # optimizer on one backend failed to load on the other kind ("The shape of
+                # the target variable ... must match"), or swapped equal-shaped moments.
+                if not hasattr(self, "_tracker"):
+                    self._initialize_tracker()
+                value = self._tracker.track(value)
             return object.__setattr__(self, name, value)
         return super().__setattr__(name, value)
 
