@@ -48,12 +48,29 @@ Samplers (small classes; `make_sampler` builds one from `generate`'s arguments):
 - `BeamSampler(num_beams, length_penalty, early_stopping)`: beam search with the semantics of
   Hugging Face transformers 4.57 (`GenerationMixin._beam_search`, see the class).
 
+Logits processors (`LogitsProcessors`, on every sampler; `make_sampler` adds them only when
+one is on, so the loop is unchanged otherwise), transformers 4.57's, in its order:
+
+- `repetition_penalty` (1.0: off; a finite number > 0): the score of a token already in the
+  row is divided by it where positive, multiplied where negative (`repetition_penalty`);
+- `no_repeat_ngram_size` (0: off; an int >= 0): a token that would repeat an n-gram of the
+  row gets -inf (`no_repeat_ngram`);
+- `min_new_tokens` (0: off; an int >= 0): the stop tokens get -inf before that many new
+  tokens (`min_new_tokens_mask`).
+
+Greedy and sampling apply them to the logits (before temperature / top-k / top-p), beam
+search to the log-softmax (before adding the beams' sums), as transformers does. The row
+("history") is what `decode` is given (GPT: the prompt's real tokens; T5: the decoder start
+token) followed by the new tokens; it lives in the carry (`"history"`, static shape), reordered
+with the beams.
+
 A row that produces one of `stop_token_ids` ends there: greedy and sampled rows keep emitting
 padding afterwards and their result is cut after the stop token; the loop ends early once
 every row (every beam search) has ended.
 
 Example:
 >>> lm.generate([[464, 2068], [464]], max_new_tokens=10, strategy="beam", num_beams=4)
+>>> lm.generate([[464, 2068]], repetition_penalty=1.3, no_repeat_ngram_size=3)
 >>> logits = keras.random.normal((2, 100))
 >>> select_next_token(logits, strategy="sample", top_p=0.9, seed=0)
 """
@@ -374,6 +391,216 @@ def mask_finished(next_ids, finished, pad_id=0):
     return ops.where(ops.cast(finished, "bool"), ops.full_like(next_ids, int(pad_id)), next_ids)
 
 
+# === Logits processors (transformers' repetition penalty, n-gram ban, minimum length) ===
+
+
+def check_processor_args(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0):
+    """Raise `ValueError` naming the argument if a logits processor option is not allowed."""
+    if (not _is_number(repetition_penalty) or not np.isfinite(repetition_penalty)
+            or not repetition_penalty > 0):
+        raise ValueError(
+            "`repetition_penalty` must be a finite number > 0 (1.0: off); got "
+            f"repetition_penalty={repetition_penalty!r}.")
+    for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
+                        ("min_new_tokens", min_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"`{name}` must be an int >= 0 (0: off); got {name}={value!r}.")
+
+
+def _mark(index, vocab):
+    """bool `(rows, vocab)`: True at `[r, index[r, i]]` for `index (rows, n)` ints in
+    `[0, vocab]` (`vocab`: nothing to mark).
+
+    One scatter of ones into a `(rows, vocab + 1)` table whose last column takes the
+    unmarked entries: every write is a 1, so repeated indices give the same table whether a
+    backend adds them (`ops.scatter`) or lets one write win (`scatter_update`). (Keras'
+    `ops.scatter` is a Python loop over the indices on PyTorch; `scatter_update` is one
+    `index_put`.)"""
+    rows, width = index.shape
+    row = ops.broadcast_to(ops.arange(rows, dtype="int32")[:, None], (rows, width))
+    indices = ops.stack([ops.reshape(row, (-1,)), ops.reshape(ops.cast(index, "int32"), (-1,))],
+                        axis=1)
+    table = ops.scatter_update(ops.zeros((rows, vocab + 1), "int32"), indices,
+                               ops.ones((rows * width,), "int32"))
+    return table[:, :vocab] > 0
+
+
+def repetition_penalty(scores, history, penalty):
+    """transformers' `RepetitionPenaltyLogitsProcessor` (CTRL, Keskar et al. 2019): the score
+    of every token that occurs in `history` is divided by `penalty` where positive and
+    multiplied by it where negative (`penalty > 1` makes repeats less likely).
+
+    Args:
+        scores: float32 `(rows, vocab)` (logits; beam search: log-probabilities).
+        history: int `(rows, length)` token ids so far, -1 where a row has no token (its
+            left padding, the steps to come).
+        penalty: a number > 0.
+
+    Returns:
+        float32 `(rows, vocab)`.
+
+    Example:
+    >>> repetition_penalty(keras.ops.array([[2.0, -1.0, 1.0]]), keras.ops.array([[0, 1]]), 2.0)
+    ... # [[1.0, -2.0, 1.0]]
+    """
+    vocab = scores.shape[-1]
+    seen = _mark(ops.where(history >= 0, history, vocab), vocab)
+    penalized = ops.where(scores < 0, scores * penalty, scores / penalty)
+    return ops.where(seen, penalized, scores)
+
+
+def no_repeat_ngram(scores, history, ngram_size, end=None):
+    """transformers' `NoRepeatNGramLogitsProcessor` (fairseq's): a token that would repeat
+    an n-gram of `history` gets -inf, i.e. every token that followed an earlier occurrence of
+    the last `ngram_size - 1` tokens (`ngram_size=1`: every token of `history`).
+
+    Args:
+        scores: float32 `(rows, vocab)`.
+        history: int `(rows, length)` token ids, -1 where a row has no token; a row's tokens
+            are contiguous and end before column `end`.
+        ngram_size: int >= 1.
+        end: the column after the last token (a Python int or a scalar tensor; None: the
+            full width).
+
+    Returns:
+        float32 `(rows, vocab)`.
+
+    Example:
+    >>> no_repeat_ngram(keras.ops.zeros((1, 4)), keras.ops.array([[1, 2, 3, 1]]), 2)
+    ... # [[0, 0, -inf, 0]]: (1, 2) was seen
+    """
+    vocab = scores.shape[-1]
+    rows, width = history.shape
+    end = width if end is None else end
+    windows = width - ngram_size + 1  # every n-gram's start column
+    first = end - (ngram_size - 1)  # the column of the prefix to match
+    if windows < 1 or (isinstance(first, int) and first < 0):
+        return scores  # (fewer than n - 1 tokens: nothing to ban, as transformers)
+    match = None
+    for j in range(ngram_size):
+        part = history[:, j:j + windows]
+        here = part >= 0  # (a window over a missing token is no n-gram)
+        if j < ngram_size - 1:
+            column = first + j
+            token = _column(history, column)
+            if not isinstance(column, int):  # (a traced column before 0 reads as no token)
+                token = ops.where(column >= 0, token, -1)
+            here = ops.logical_and(here, ops.equal(part, token[:, None]))
+        match = here if match is None else ops.logical_and(match, here)
+    banned = _mark(ops.where(match, history[:, ngram_size - 1:], vocab), vocab)
+    return ops.where(banned, float("-inf"), scores)
+
+
+def min_new_tokens_mask(scores, new_tokens, min_new_tokens, stops):
+    """transformers' `MinNewTokensLengthLogitsProcessor`: the stop tokens get -inf while
+    fewer than `min_new_tokens` new tokens exist (`new_tokens`: a Python int or a scalar
+    tensor).
+
+    Example:
+    >>> min_new_tokens_mask(keras.ops.zeros((1, 3)), 0, 2, (2,))   # [[0, 0, -inf]]
+    """
+    vocab = scores.shape[-1]
+    ids = [s for s in stops if s < vocab]
+    if not ids or not min_new_tokens:
+        return scores
+    if isinstance(new_tokens, int) and new_tokens >= min_new_tokens:
+        return scores
+    is_stop = np.zeros((vocab,), bool)
+    is_stop[ids] = True
+    ban = ops.convert_to_tensor(is_stop)
+    if not isinstance(new_tokens, int):
+        ban = ops.logical_and(ban, ops.less(ops.cast(new_tokens, "int32"), min_new_tokens))
+    return ops.where(ban, float("-inf"), scores)
+
+
+class LogitsProcessors:
+    """The options of transformers' logits processors that `generate` takes, applied in
+    transformers' order (`GenerationMixin._get_logits_processor`): repetition penalty,
+    n-gram ban, then the stop tokens' ban before `min_new_tokens`.
+
+    A sampler applies them to each step's scores before choosing (greedy and sampling: to the
+    logits, before temperature / top-k / top-p; beam search: to the log-softmax, before the
+    beams' sums are added, as transformers does). The token history lives in the loop's carry
+    as `"history"` `(rows, history_length + max_new_tokens)` (-1 = no token), each step's
+    tokens written into their column, reordered with the beams: static shapes, so the loop
+    still compiles whole. Made only when an option is on (`make_sampler`): nothing is added
+    to the loop otherwise.
+
+    Args:
+        repetition_penalty: a finite number > 0 (1.0: off).
+        no_repeat_ngram_size: an int >= 0 (0: off).
+        min_new_tokens: an int >= 0 (0: off; no effect without stop tokens).
+
+    Example:
+    >>> LogitsProcessors(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    """
+
+    def __init__(self, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0):
+        check_processor_args(repetition_penalty, no_repeat_ngram_size, min_new_tokens)
+        self.repetition_penalty = float(repetition_penalty)
+        self.no_repeat_ngram_size = int(no_repeat_ngram_size)
+        self.min_new_tokens = int(min_new_tokens)
+        self.stops = ()
+        self.first = 0
+
+    @property
+    def key(self):
+        return (self.repetition_penalty, self.no_repeat_ngram_size, self.min_new_tokens)
+
+    @property
+    def active(self):
+        return self.key != (1.0, 0, 0)
+
+    @property
+    def uses_history(self):
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+
+    def start(self, carry, history, max_new_tokens, stops):
+        """Add the history `(rows, length)` (int, -1 = no token; rows = batch * num_beams)
+        and room for the new tokens to the initial carry."""
+        self.stops = tuple(stops)
+        if not self.uses_history:
+            return carry
+        history = ops.cast(history, "int32")
+        self.first = int(history.shape[1])  # the column of step 0's token
+        carry = dict(carry)
+        carry["history"] = ops.concatenate(
+            [history, ops.full((history.shape[0], max_new_tokens), -1, "int32")], axis=1)
+        return carry
+
+    def apply(self, scores, carry, t):
+        """Step `t`'s processed scores (`t` new tokens exist)."""
+        if self.repetition_penalty != 1.0:
+            scores = repetition_penalty(scores, carry["history"], self.repetition_penalty)
+        if self.no_repeat_ngram_size:
+            scores = no_repeat_ngram(scores, carry["history"], self.no_repeat_ngram_size,
+                                     self.first + t)
+        if self.min_new_tokens:
+            scores = min_new_tokens_mask(scores, t, self.min_new_tokens, self.stops)
+        return scores
+
+    def update(self, before, carry, tokens, rows, t):
+        """`carry` with the history of `before` (reordered by `rows` where beam search
+        reorders) plus step `t`'s `tokens` `(rows,)`."""
+        if not self.uses_history:
+            return carry
+        history = before["history"]
+        if rows is not None:
+            history = ops.take(history, rows, axis=0)
+        carry = dict(carry)
+        carry["history"] = _set_column(history, self.first + t, tokens)
+        return carry
+
+
+def history_rows(token_ids, mask=None):
+    """`decode`'s `history` from padded prompts: int32 `(batch, length)`, -1 where `mask`
+    is 0 (padding is no token of the prompt)."""
+    token_ids = np.asarray(token_ids, "int32")
+    if mask is None:
+        return token_ids
+    return np.where(np.asarray(mask, bool), token_ids, -1).astype("int32")
+
+
 # === Samplers ===
 
 
@@ -418,10 +645,29 @@ class Sampler:
 
     num_beams = 1
     uses_seed = False
+    # The `LogitsProcessors` applied before choosing (`make_sampler` sets them when an
+    # option is on; None: the loop has no processing at all).
+    processors = None
 
     @property
     def key(self):
         return (type(self).__name__,)
+
+    def process(self, scores, carry, t):
+        """Step `t`'s scores after the logits processors (unchanged without them)."""
+        if self.processors is None:
+            return scores
+        scores = self.processors.apply(scores, carry, t)
+        if self.uses_seed:  # (-inf -> the finite mask value every categorical sampler takes)
+            scores = ops.maximum(scores, _MASKED)
+        return scores
+
+    def track(self, before, carry, rows, t):
+        """`carry` with the processors' history of `before` followed by step `t`'s tokens
+        (reordered by `rows` in beam search)."""
+        if self.processors is None:
+            return carry
+        return self.processors.update(before, carry, self.last_tokens(carry, t), rows, t)
 
     def start(self, batch_size, max_new_tokens, stops, pad_token_id):
         """The initial carry: every row unfinished, its tokens all padding."""
@@ -440,10 +686,11 @@ class Sampler:
     def select(self, logits, carry, t):
         """Choose step `t`'s tokens: `(carry, rows_to_keep)`; `rows_to_keep` (None here)
         says which rows of the model state each row continues (beam search reorders)."""
-        ids, carry = self.next_ids(logits, carry)
+        before = carry
+        ids, carry = self.next_ids(self.process(logits, carry, t), carry)
         finished = carry["finished"]
         if _eager_torch(t):
-            return self._select_torch(ids, carry, t), None
+            return self.track(before, self._select_torch(ids, carry, t), None, t), None
         ids = mask_finished(ids, finished, self.pad_token_id)
         finished_now = update_finished(finished, ids, self.stops)
         ended = ops.logical_and(finished_now, ops.logical_not(finished))
@@ -451,7 +698,7 @@ class Sampler:
         carry["tokens"] = _set_column(carry["tokens"], t, ids)
         carry["lengths"] = ops.where(ended, ops.cast(t + 1, "int32"), carry["lengths"])
         carry["finished"] = finished_now
-        return carry, None
+        return self.track(before, carry, None, t), None
 
     def _select_torch(self, ids, carry, t):
         """`select`'s carry update in torch calls (the same integers)."""
@@ -690,7 +937,10 @@ class BeamSampler(Sampler):
         n_candidates = min(self.candidates, k * vocab)
         length = ops.cast(t + 1, "float32")  # new tokens after this step
         # 1-2. Extend every running beam by every token; keep the best candidates.
-        log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, k, vocab))
+        # (the processors see log-probabilities here, as transformers' beam search applies
+        # them)
+        log_probs = self.process(ops.log_softmax(logits, axis=-1), carry, t)
+        log_probs = ops.reshape(log_probs, (batch, k, vocab))
         log_probs = log_probs + carry["running_scores"][:, :, None]
         top_scores, top_index = ops.top_k(
             ops.reshape(log_probs, (batch, k * vocab)), n_candidates
@@ -741,7 +991,7 @@ class BeamSampler(Sampler):
         rows = ops.reshape(
             ops.arange(batch, dtype="int32")[:, None] * k + kept_source, (batch * k,)
         )
-        carry = {
+        new_carry = {
             "running_tokens": running_tokens,
             "running_scores": running_scores,
             "tokens": finished_tokens,
@@ -751,7 +1001,7 @@ class BeamSampler(Sampler):
             "open": still_open,
             "done": done,
         }
-        return carry, rows
+        return self.track(carry, new_carry, rows, t), rows
 
     def last_tokens(self, carry, t):
         return ops.reshape(_column(carry["running_tokens"], t), (-1,))
@@ -767,17 +1017,21 @@ class BeamSampler(Sampler):
 
 
 def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num_beams=None,
-                 length_penalty=1.0, early_stopping=False):
+                 length_penalty=1.0, early_stopping=False, repetition_penalty=1.0,
+                 no_repeat_ngram_size=0, min_new_tokens=0):
     """The sampler for `generate`'s arguments.
 
     `strategy="beam"`, or `num_beams > 1` with `strategy="greedy"`, is beam search
     (`num_beams` defaults to 4 there); `strategy="sample"` takes no `num_beams > 1`.
-    Temperature, top-k and top-p only apply to sampling.
+    Temperature, top-k and top-p only apply to sampling. `repetition_penalty`,
+    `no_repeat_ngram_size` and `min_new_tokens` (see `LogitsProcessors`) apply to every
+    strategy; the sampler gets `processors` only when one of them is on.
 
     Example:
     >>> make_sampler("beam", num_beams=3)
     """
     check_sampling_args(strategy, temperature, top_k, top_p)
+    check_processor_args(repetition_penalty, no_repeat_ngram_size, min_new_tokens)
     if num_beams is not None:
         check_positive_int("num_beams", num_beams)
     # (checked for every strategy: a NaN length_penalty passed with sampling or greedy
@@ -798,13 +1052,18 @@ def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num
                 "`num_beams` must be 1 (or None) with strategy='sample' (beam sampling is not "
                 f"supported); got num_beams={num_beams!r}."
             )
-        return RandomSampler(temperature, top_k, top_p)
-    if strategy == "beam" or (num_beams is not None and num_beams > 1):
-        return BeamSampler(
+        sampler = RandomSampler(temperature, top_k, top_p)
+    elif strategy == "beam" or (num_beams is not None and num_beams > 1):
+        sampler = BeamSampler(
             DEFAULT_NUM_BEAMS if num_beams is None else num_beams, length_penalty,
             early_stopping,
         )
-    return GreedySampler()
+    else:
+        sampler = GreedySampler()
+    processors = LogitsProcessors(repetition_penalty, no_repeat_ngram_size, min_new_tokens)
+    if processors.active:
+        sampler.processors = processors
+    return sampler
 
 
 # === The loop ===
@@ -1060,16 +1319,20 @@ def _cache_for(model):
 
 
 def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
-    """`run(inputs, seed) -> (tokens, lengths, seed)`, compiled whole, cached on the model."""
+    """`run(inputs, seed, history) -> (tokens, lengths, seed)`, compiled whole, cached on the
+    model (`history`: the logits processors', or None)."""
     backend = keras.backend.backend()
-    key = (backend, sampler.key, max_new_tokens, stops, pad_token_id)
+    processors = None if sampler.processors is None else sampler.processors.key
+    key = (backend, sampler.key, max_new_tokens, stops, pad_token_id, processors)
     cache = _cache_for(model)
     if key in cache:
         return cache[key]
 
-    def run(inputs, seed):
+    def run(inputs, seed, history=None):
         batch = next(iter(inputs.values())).shape[0]  # static: one trace per shape
         carry = sampler.start(batch, max_new_tokens, stops, pad_token_id)
+        if sampler.processors is not None:
+            carry = sampler.processors.start(carry, history, max_new_tokens, stops)
         if sampler.uses_seed:
             carry = sampler.start_seed(carry, seed)
         carry = _compiled_loop(model, sampler, max_new_tokens, inputs, carry)
@@ -1082,12 +1345,12 @@ def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
         variables = list(model.variables)
 
         @jax.jit
-        def stateless_run(values, inputs, seed):
+        def stateless_run(values, inputs, seed, history):
             with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                return run(inputs, seed)
+                return run(inputs, seed, history)
 
-        def compiled(inputs, seed):
-            return stateless_run([v.value for v in variables], inputs, seed)
+        def compiled(inputs, seed, history=None):
+            return stateless_run([v.value for v in variables], inputs, seed, history)
 
     elif backend == "tensorflow":
         import tensorflow as tf
@@ -1102,7 +1365,7 @@ def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
 
 
 def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_token_id=0,
-           seed=None, compile=True):
+           seed=None, compile=True, history=None):
     """Run the decode loop of `model` (see the module docstring for its interface).
 
     Args:
@@ -1116,6 +1379,10 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         seed: int, `keras.random.SeedGenerator` or None (sampling only; a generator is
             advanced once per call).
         compile: compile the whole loop (JAX / TensorFlow; PyTorch always runs eagerly).
+        history: what the sampler's logits processors count as each prompt's tokens so far
+            (`history_rows`: int `(batch, length)`, -1 = no token; repeated here for the
+            beams); needed when `sampler.processors` use a history (repetition penalty,
+            n-gram ban), else ignored.
 
     Returns:
         A list, one per prompt, of the new token ids (Python ints), ending with the stop token
@@ -1138,6 +1405,10 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
     backend = keras.backend.backend()
     inputs = {name: ops.convert_to_tensor(value) for name, value in inputs.items()}
     batch = int(next(iter(inputs.values())).shape[0])
+    if sampler.processors is not None:
+        history = _check_history(history, batch, sampler)
+    else:
+        history = None
     seed_value = generator = None
     if sampler.uses_seed:
         generator = (seed if isinstance(seed, keras.random.SeedGenerator)
@@ -1146,9 +1417,11 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         RandomSampler.seed_variable()
     if compile and backend in ("jax", "tensorflow"):
         run = _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id)
-        tokens, lengths, seed_out = run(inputs, seed_value)
+        tokens, lengths, seed_out = run(inputs, seed_value, history)
     else:
         carry = sampler.start(batch, max_new_tokens, stops, pad_token_id)
+        if sampler.processors is not None:
+            carry = sampler.processors.start(carry, history, max_new_tokens, stops)
         if sampler.uses_seed:
             carry = sampler.start_seed(carry, seed_value)
         check_every = TORCH_DONE_CHECK_EVERY if compile else 1
@@ -1175,6 +1448,24 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
     return [tokens[b, : int(lengths[b])].tolist() for b in range(tokens.shape[0])]
 
 
+def _check_history(history, batch, sampler):
+    """`decode`'s `history` as an int32 tensor `(batch * num_beams, length)`, or a
+    ValueError naming it."""
+    if not sampler.processors.uses_history:
+        return None
+    if history is None:
+        raise ValueError(
+            "`history` is needed with repetition_penalty / no_repeat_ngram_size: give each "
+            "prompt's tokens so far (`history_rows(token_ids, mask)`).")
+    history = np.asarray(ops.convert_to_numpy(history))
+    if history.ndim != 2 or history.shape[0] != batch or history.shape[1] < 1 or \
+            not np.issubdtype(history.dtype, np.integer):
+        raise ValueError(
+            f"`history` must be an int array (batch={batch}, length >= 1); got shape "
+            f"{history.shape} and dtype {history.dtype}.")
+    return ops.convert_to_tensor(np.repeat(history.astype("int32"), sampler.num_beams, 0))
+
+
 __all__ = [
     "STRATEGIES",
     "EARLY_STOPPING",
@@ -1183,6 +1474,12 @@ __all__ = [
     "RandomSampler",
     "BeamSampler",
     "make_sampler",
+    "LogitsProcessors",
+    "check_processor_args",
+    "repetition_penalty",
+    "no_repeat_ngram",
+    "min_new_tokens_mask",
+    "history_rows",
     "decode",
     "filter_logits",
     "select_next_token",
