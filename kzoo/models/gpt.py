@@ -926,6 +926,9 @@ class GPTCausalLM(FilledInputs, TaskModel):
         seed=None,
         padding_mask=None,
         compile=True,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
     ):
         """Continue each prompt with up to `max_new_tokens` tokens on a key/value cache.
 
@@ -957,6 +960,18 @@ class GPTCausalLM(FilledInputs, TaskModel):
             length_penalty: beam search score = sum of log-probabilities / length **
                 length_penalty.
             early_stopping: beam search end rule: False, True or "never" (as transformers).
+            repetition_penalty: a finite number > 0 (1.0: off): the score of every token
+                already in the row (its prompt and the new tokens) is divided by it where
+                positive, multiplied where negative (transformers'
+                `RepetitionPenaltyLogitsProcessor`); every strategy (beam search: on the
+                log-probabilities, as transformers).
+            no_repeat_ngram_size: an int >= 0 (0: off): no n-gram of that size occurs twice
+                in a row's prompt + new tokens (transformers' `NoRepeatNGramLogitsProcessor`).
+            min_new_tokens: an int >= 0 (0: off): no stop token before that many new tokens
+                (transformers' `MinNewTokensLengthLogitsProcessor`; above `max_new_tokens`:
+                no stop at all). The two options above count a prompt's real tokens only:
+                transformers also counts the pad token of a left-padded row, kzoo does not,
+                so that a prompt continues the same way alone or in a batch.
             stop_token_ids: None, an int or a list of ints ending a row; "auto" (the
                 default): the model's `stop_token_ids` (None unless it was given one, or
                 loaded from a checkpoint with an `eos_token_id`).
@@ -974,13 +989,16 @@ class GPTCausalLM(FilledInputs, TaskModel):
         >>> lm.generate([[464, 2068], [464]], max_new_tokens=10, stop_token_ids=[50256])
         >>> lm.generate([[464, 2068]], strategy="beam", num_beams=4, length_penalty=0.8)
         >>> lm.generate("The quick brown", max_new_tokens=10, strategy="sample", top_p=0.9)
+        >>> lm.generate([[464, 2068]], repetition_penalty=1.3, no_repeat_ngram_size=3,
+        ...             min_new_tokens=5)
         """
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
-                                          length_penalty, early_stopping)
+                                          length_penalty, early_stopping, repetition_penalty,
+                                          no_repeat_ngram_size, min_new_tokens)
         # (ids the vocabulary cannot produce are refused, as by the constructor: a row
         # would never stop)
         stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
@@ -1019,6 +1037,7 @@ class GPTCausalLM(FilledInputs, TaskModel):
             self, {"token_ids": ids, "padding_mask": mask, "position_offset": offset},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
             pad_token_id=0, seed=seed, compile=compile,
+            history=generation.history_rows(ids, mask),
         )
         if not strings:
             return outputs

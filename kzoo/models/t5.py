@@ -830,6 +830,9 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         compile=True,
         decoder_start_token_id=AUTO,
         pad_token_id=AUTO,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
     ):
         """Generate decoder tokens for each input sequence.
 
@@ -863,6 +866,18 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
             length_penalty: beam search score = sum of log-probabilities / length **
                 length_penalty.
             early_stopping: beam search end rule: False, True or "never" (as transformers).
+            repetition_penalty: a finite number > 0 (1.0: off): the score of every token
+                already in the decoder's row (`decoder_start_token_id` and the new tokens, as
+                transformers' decoder input ids; not the encoder input) is divided by it where
+                positive, multiplied where negative (transformers'
+                `RepetitionPenaltyLogitsProcessor`); every strategy (beam search: on the
+                log-probabilities, as transformers).
+            no_repeat_ngram_size: an int >= 0 (0: off): no n-gram of that size occurs twice
+                in the decoder's row (the start token and the new tokens; transformers'
+                `NoRepeatNGramLogitsProcessor`).
+            min_new_tokens: an int >= 0 (0: off): no stop token before that many new tokens
+                (transformers' `MinNewTokensLengthLogitsProcessor`; above `max_new_tokens`:
+                no stop at all).
             stop_token_ids: ids ending a row; None or () for none; "auto": the model's
                 `stop_token_ids` (T5's `</s>`, 1, unless set otherwise).
             seed: int, `keras.random.SeedGenerator` or None, for sampling.
@@ -882,13 +897,15 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)
         >>> model.generate(ids, strategy="sample", top_p=0.9, temperature=0.7, seed=0)
         >>> model.generate(ids, strategy="beam", num_beams=4, length_penalty=0.6)
+        >>> model.generate(ids, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5)
         """
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
-                                          length_penalty, early_stopping)
+                                          length_penalty, early_stopping, repetition_penalty,
+                                          no_repeat_ngram_size, min_new_tokens)
         # (ids the vocabulary cannot produce are refused, as by the constructor: a row
         # would never stop)
         stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
@@ -915,6 +932,7 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
              "decoder_start_token_ids": start},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
             pad_token_id=pad_token_id, seed=seed, compile=compile,
+            history=generation.history_rows(start),
         )
         if strings is None:
             return outputs
