@@ -218,6 +218,28 @@ def test_eager_loop_equals_transformers(pair, num_beams):
                                                                                 **options)
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_batch_of_lengths_continues_as_each_prompt_alone(pair, num_beams):
+    """GPT's history is a prompt's real tokens (transformers counts the pad tokens of a
+    left-padded row too): prompts of different lengths in one batch give transformers'
+    tokens for each prompt alone."""
+    if pair.family != "gpt2":
+        pytest.skip("T5's history is the decoder start token alone, whatever the encoder input")
+    options = OPTIONS[-1]
+    rows = [pair.prompts[0, :2].tolist(), pair.prompts[1].tolist(), pair.prompts[2, :4].tolist()]
+    ours = pair.model.generate(rows, max_new_tokens=MAX_NEW, num_beams=num_beams,
+                               stop_token_ids=[pair.stop], **options)
+    alone = []
+    for row in rows:
+        with torch.no_grad():
+            out = pair.hf.generate(torch.tensor([row]), attention_mask=torch.ones((1, len(row)),
+                                   dtype=torch.long), do_sample=False, num_beams=num_beams,
+                                   max_new_tokens=MAX_NEW, eos_token_id=pair.stop,
+                                   pad_token_id=0, **options)
+        alone.append(_until_stop(out[0, len(row):].tolist(), pair.stop))
+    assert ours == alone
+
+
 def test_torch_compiled_step_equals_transformers(pair, monkeypatch):
     """The torch loop's compiled model step (kzoo.layers.compiled_decode) only gives logits:
     the processors apply after it as after the eager step."""
