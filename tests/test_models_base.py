@@ -614,3 +614,27 @@ def test_compile_config_loads_on_every_backend():
     assert (inner["module"], inner["class_name"]) == ("keras.optimizers", "SGD")
     restored = keras.saving.deserialize_keras_object(config["optimizer"])
     assert isinstance(restored.inner_optimizer, keras.optimizers.SGD)
+
+
+@pytest.mark.slow  # (Inductor compiles the torch steps for minutes on two cores)
+def test_jit_compile_true_predicts_and_trains_as_uncompiled():
+    """`compile(jit_compile=True)` on torch (`torch.compile` of Keras' steps): its first
+    `predict` failed in Inductor's lowering of oneDNN's linear op, and `fit` in Dynamo
+    ("expected len(self.block_stack) == 1") on the train step's eager-only context managers.
+    Both now run and give the uncompiled model's numbers (JAX and TensorFlow: XLA)."""
+    x = {"token_ids": np.arange(16).reshape(2, 8).astype("int32") % 50,
+         "padding_mask": np.array([[1] * 8, [0, 0] + [1] * 6], "int32")}
+    y = (x["token_ids"] + 1) % 50
+    results = []
+    for jit_compile in (False, True):
+        keras.utils.set_random_seed(0)
+        model = GPTCausalLM(GPTBackbone(vocabulary_size=50, num_layers=1, num_heads=2,
+                                        hidden_dim=32, intermediate_dim=64,
+                                        max_sequence_length=16, dropout=0.0))
+        model.compile(optimizer="adamw", jit_compile=jit_compile)
+        predictions = model.predict(x, verbose=0)
+        losses = model.fit(x, y, epochs=2, verbose=0).history["loss"]
+        results.append((predictions, losses, model.evaluate(x, y, verbose=0)))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5)
+    np.testing.assert_allclose(results[1][2], results[0][2], rtol=1e-5)

@@ -563,6 +563,11 @@ def torch_linear_uses_onednn(x, weight, bias=None):
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
                 bias is not None and bias.requires_grad)))):
         return False
+    if torch.compiler.is_compiling():
+        # (Inductor lowers the op only for the packed weights its own passes make: a model
+        # compiled with `jit_compile=True` failed its first `predict` with a
+        # LoweringException; traced, `F.linear` is Inductor's to lower)
+        return False
     if x.numel() == x.shape[-1] and not weight.is_contiguous():
         # One row times a weight that is not row-major `(out, in)` (a Dense kernel's `.t()`):
         # oneDNN reorders the weight at every call, slower than MKL (us: `(256 -> 1024)`

@@ -1247,6 +1247,12 @@ class TaskModel(FunctionalModel):
         # (`kzoo.losses.logits_released`).
         if not _on_torch():
             return super().train_step(*args, **kwargs)
+        import torch
+
+        if torch.compiler.is_compiling():
+            # (`compile(jit_compile=True)`: the step is traced whole, and Dynamo failed on
+            # these eager-only context managers, "expected len(self.block_stack) == 1")
+            return super().train_step(*args, **kwargs)
         if args and _waits_for_device():
             args = (_on_device(args[0]),) + args[1:]
         with self._trainable_fixed_for_step(), self._device_batch_size():
