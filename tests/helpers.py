@@ -58,3 +58,20 @@ def value_and_grads(fn, *arrays):
     with tf.GradientTape() as tape:
         value = fn(*ts)
     return float(value), [g.numpy() for g in tape.gradient(value, ts)]
+
+
+def count_compiled_steps(monkeypatch):
+    """Turn on the torch loop's compiled decode step (`KZOO_COMPILED_DECODE=1`) for the test
+    and return a list that gets one entry per call of a compiled step."""
+    from kzoo.layers import compiled_decode
+
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    calls = []
+    real = compiled_decode._compiled
+
+    def counted(config, fn=None):
+        run = real(config, fn)
+        return lambda *a: calls.append(1) or run(*a)
+
+    monkeypatch.setattr(compiled_decode, "_compiled", counted)
+    return calls

@@ -15,6 +15,7 @@ import pytest
 from kzoo.layers import compiled_decode
 from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from tests.harness import to_numpy
+from tests.helpers import count_compiled_steps
 
 TORCH = keras.backend.backend() == "torch"
 
@@ -123,15 +124,7 @@ def test_generate_gives_the_eager_tokens(monkeypatch, strategy, kwargs):
     monkeypatch.setenv(compiled_decode.ENV, "0")
     eager = lm.generate(prompts, max_new_tokens=10, strategy=strategy, stop_token_ids=None,
                         **kwargs)
-    monkeypatch.setenv(compiled_decode.ENV, "1")
-    calls = []
-    real = compiled_decode._compiled
-
-    def counted(config, fn=None):
-        run = real(config, fn)
-        return lambda *a: calls.append(1) or run(*a)
-
-    monkeypatch.setattr(compiled_decode, "_compiled", counted)
+    calls = count_compiled_steps(monkeypatch)
     compiled = lm.generate(prompts, max_new_tokens=10, strategy=strategy, stop_token_ids=None,
                            **kwargs)
     assert compiled == eager

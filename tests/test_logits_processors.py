@@ -11,7 +11,7 @@ import transformers
 from transformers.generation import logits_process as hf_process
 
 from kzoo import generation
-from tests.helpers import to_numpy
+from tests.helpers import count_compiled_steps, to_numpy
 
 VOCAB = 20
 
@@ -243,17 +243,7 @@ def test_a_batch_of_lengths_continues_as_each_prompt_alone(pair, num_beams):
 def test_torch_compiled_step_equals_transformers(pair, monkeypatch):
     """The torch loop's compiled model step (kzoo.layers.compiled_decode) only gives logits:
     the processors apply after it as after the eager step."""
-    from kzoo.layers import compiled_decode
-
-    monkeypatch.setenv(compiled_decode.ENV, "1")
-    calls = []
-    real = compiled_decode._compiled
-
-    def counted(config, fn=None):
-        run = real(config, fn)
-        return lambda *a: calls.append(1) or run(*a)
-
-    monkeypatch.setattr(compiled_decode, "_compiled", counted)
+    calls = count_compiled_steps(monkeypatch)
     options = OPTIONS[-1]
     assert pair.kzoo(3, **options) == pair.transformers(3, **options)
     assert bool(calls) == (BACKEND == "torch")
