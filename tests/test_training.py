@@ -297,6 +297,24 @@ def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints")) == []
 
 
+def test_a_run_past_the_requested_steps_is_refused_without_a_traceback(tmp_path, capsys):
+    """Re-running a finished run's command with fewer `--steps` than its checkpoint has is a
+    usage error (exit 2, one line naming the steps and --fresh), not a traceback; the
+    checkpoint and the outputs stay as they were."""
+    out = str(tmp_path / "run")
+    argv = ["vit_digits", "--max-epoch-steps", "2", "--save-every", "2", "--out", out,
+            "--verbose", "0", "--no-augment"] + TINY_VIT + ["--batch-size", "16"]
+    assert main(argv + ["--steps", "2"]) == 0
+    before = _metrics(out)
+    capsys.readouterr()
+    assert main(argv + ["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "step 2" in err and "1 steps" in err and "--fresh" in err
+    assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints"))[0][0] == 2
+    assert _metrics(out) == before
+
+
 # === Resumption ===
 
 

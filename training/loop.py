@@ -384,8 +384,8 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
     elif os.path.exists(paths["csv"]) and plan.leader:
         os.remove(paths["csv"])  # a log without checkpoints belongs to no resumable run
     plan.attach(model)  # torch: the same weights everywhere, gradients averaged
-    if state.step > steps_total:
-        raise ValueError(
+    if state.step > steps_total:  # (a usage error: the CLI prints it, no traceback)
+        raise checkpoint.CheckpointError(
             f"The checkpoint in {ckpt_dir} is at step {state.step}, past the requested "
             f"{steps_total} steps; use --fresh (or another --out) to start over."
         )
