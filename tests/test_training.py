@@ -170,6 +170,25 @@ def test_label_smoothing_loss_matches_numpy():
     np.testing.assert_allclose(float(keras.ops.convert_to_numpy(loss)), expected, rtol=1e-5)
 
 
+def test_label_smoothing_loss_takes_targets_with_a_trailing_axis():
+    """`(..., 1)` integer targets (as Keras' `SparseCategoricalCrossentropy` takes them, e.g.
+    a `(batch, 1)` label column) give the loss of the same targets without the axis, here a
+    NumPy formula; the rank-mismatch error of `take_along_axis` it raised said nothing of
+    the loss."""
+    rng = np.random.default_rng(1)
+    eps = 0.2
+    for shape in ((4,), (2, 3)):
+        logits = rng.normal(size=shape + (6,)).astype("float32")
+        labels = rng.integers(0, 6, size=shape)
+        z = logits - logits.max(-1, keepdims=True)
+        log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
+        expected = ((1 - eps) * nll - eps * log_p.mean(-1)).mean()
+        loss = SmoothedSparseCrossentropy(eps)(labels[..., None], logits)
+        np.testing.assert_allclose(float(keras.ops.convert_to_numpy(loss)), expected,
+                                   rtol=1e-5)
+
+
 def test_batches_depend_only_on_seed_and_step():
     x = np.arange(100, dtype="float32")[:, None]
     y = np.arange(100)

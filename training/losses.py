@@ -36,6 +36,8 @@ class SmoothedSparseCrossentropy(keras.losses.Loss):
         self.label_smoothing = float(label_smoothing)
 
     def call(self, y_true, y_pred):
+        if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:
+            y_true = ops.squeeze(y_true, -1)  # (..., 1) targets, as Keras' loss takes them
         logits = ops.cast(y_pred, "float32")
         log_probs = ops.log_softmax(logits, axis=-1)
         labels = ops.cast(y_true, "int32")
