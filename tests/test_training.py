@@ -189,6 +189,51 @@ def test_label_smoothing_loss_takes_targets_with_a_trailing_axis():
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_label_smoothing_loss_ignores_minus_100_as_torch(eps):
+    """Targets of -100 (Hugging Face's labels for tokens without a loss) count for nothing,
+    as `torch.nn.functional.cross_entropy(ignore_index=-100, label_smoothing=eps)`: the same
+    loss and gradient with and without sample weights, and an all-ignored batch gives 0
+    with a zero, finite gradient. (On JAX their loss was NaN even under a zero sample
+    weight; TensorFlow raised.)"""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.helpers import value_and_grads
+
+    rng = np.random.default_rng(2)
+    logits = (3 * rng.normal(size=(3, 4, 7))).astype("float32")
+    labels = rng.integers(0, 7, size=(3, 4))
+    labels[0, 1] = labels[2, 0] = labels[2, 3] = -100
+    weights = rng.uniform(0.5, 2.0, size=(3, 4)).astype("float32")
+
+    def reference(labels, weights=None):
+        z = torch.tensor(logits, requires_grad=True)
+        per_token = F.cross_entropy(z.reshape(-1, 7), torch.tensor(labels).reshape(-1),
+                                    ignore_index=-100, label_smoothing=eps,
+                                    reduction="none").reshape(3, 4)
+        w = torch.tensor(weights if weights is not None else np.ones((3, 4), "float32"))
+        w = w * torch.tensor(labels != -100)
+        loss = (per_token * w).sum() / w.sum() if w.sum() > 0 else (per_token * w).sum()
+        loss.backward()
+        return loss.item(), z.grad.numpy()
+
+    loss_fn = SmoothedSparseCrossentropy(eps)
+    for case_labels, case_weights in ((labels, None), (labels, weights),
+                                      (np.full((3, 4), -100), weights)):
+        expected, expected_grad = reference(case_labels, case_weights)
+        sw = None if case_weights is None else keras.ops.convert_to_tensor(case_weights)
+        y = keras.ops.convert_to_tensor(case_labels)
+        value, (grad,) = value_and_grads(lambda z: loss_fn(y, z, sample_weight=sw), logits)
+        assert np.isfinite(value) and np.isfinite(grad).all()
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-6)
+    # reduction="none": the ignored tokens' losses are zeros
+    per_token = keras.ops.convert_to_numpy(
+        SmoothedSparseCrossentropy(eps, reduction="none")(labels, logits))
+    assert (per_token[labels == -100] == 0).all() and (per_token[labels != -100] > 0).all()
+
+
 def test_batches_depend_only_on_seed_and_step():
     x = np.arange(100, dtype="float32")[:, None]
     y = np.arange(100)
