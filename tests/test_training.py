@@ -234,6 +234,20 @@ def test_label_smoothing_loss_ignores_minus_100_as_torch(eps):
     assert (per_token[labels == -100] == 0).all() and (per_token[labels != -100] > 0).all()
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"label_smoothing": "abc"}, "label_smoothing='abc'"),
+    ({"label_smoothing": None}, "label_smoothing=None"),
+    ({"label_smoothing": 1.0}, "label_smoothing=1.0"),
+    ({"label_smoothing": True}, "label_smoothing=True"),
+    ({"ignore_index": 1.5}, "ignore_index=1.5"),
+    ({"ignore_index": "pad"}, "ignore_index='pad'"),
+])
+def test_label_smoothing_loss_names_bad_arguments(kwargs, needle):
+    with pytest.raises(ValueError, match=r"must be") as error:
+        SmoothedSparseCrossentropy(**kwargs)
+    assert needle in str(error.value)
+
+
 def test_batches_depend_only_on_seed_and_step():
     x = np.arange(100, dtype="float32")[:, None]
     y = np.arange(100)

@@ -33,7 +33,11 @@ class SmoothedSparseCrossentropy(keras.losses.Loss):
 
     def __init__(self, label_smoothing=0.0, name="smoothed_sparse_crossentropy",
                  reduction="mean_with_sample_weight", dtype=None, ignore_index=-100):
-        if not 0.0 <= float(label_smoothing) < 1.0:
+        try:
+            in_range = 0.0 <= float(label_smoothing) < 1.0
+        except (TypeError, ValueError):  # (float()'s own message named no argument)
+            in_range = False
+        if not in_range:
             raise ValueError(
                 f"`label_smoothing` must be in [0, 1); got label_smoothing={label_smoothing!r}."
             )
