@@ -83,7 +83,8 @@ import numpy as np
 from keras import ops
 
 from kzoo.inputs import (  # noqa: F401
-    check_mask_values, check_token_ids, integer_array, integer_rows, prompt_dict, prompt_rows)
+    check_mask_values, check_token_ids, integer_array, integer_rows, prompt_dict, prompt_rows,
+    to_host)
 from kzoo.layers.utils import check_positive_int
 
 STRATEGIES = ("greedy", "sample", "beam")
@@ -188,11 +189,23 @@ def _size(num_bytes):
 
 
 def stop_ids(stop_token_ids):
-    """`stop_token_ids` (None, an int or a sequence of ints) -> a tuple of ints."""
+    """`stop_token_ids` (None, an int or a 1-D sequence of ints: a list, a NumPy array or
+    integer, a torch / TensorFlow / JAX tensor of one or more ids) -> a tuple of ints."""
     if stop_token_ids is None:
         return ()
+    values = None
     if isinstance(stop_token_ids, (int, np.integer)) and not isinstance(stop_token_ids, bool):
         values = (stop_token_ids,)
+    elif hasattr(stop_token_ids, "shape") and hasattr(stop_token_ids, "dtype"):
+        # (an array or a backend tensor, of any integer dtype, 0-D or 1-D: iterating one
+        # gave 0-D arrays / tensors, which were refused, and `np.array(2)` was refused too)
+        try:
+            array = to_host(stop_token_ids)
+        except Exception:  # (a symbolic tensor: no values to read)
+            array = None
+        if (array is not None and array.ndim <= 1 and array.dtype != bool
+                and np.issubdtype(array.dtype, np.integer)):
+            values = tuple(array.reshape(-1).tolist())
     else:
         try:
             values = tuple(stop_token_ids)
@@ -205,8 +218,8 @@ def stop_ids(stop_token_ids):
         for s in values
     ):
         raise ValueError(
-            "`stop_token_ids` must be None, an int in [0, 2**31) or a sequence of them; got "
-            f"stop_token_ids={stop_token_ids!r}."
+            "`stop_token_ids` must be None, an int in [0, 2**31) or a 1-D list, array or "
+            f"tensor of them (integer dtype); got stop_token_ids={stop_token_ids!r}."
         )
     return tuple(int(s) for s in values)
 

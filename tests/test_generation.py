@@ -287,6 +287,59 @@ def test_stop_ids_and_prompt_checks():
             generation.stop_ids(bad)
 
 
+def test_stop_ids_take_arrays_tensors_and_numpy_integers():
+    """Any integer scalar or 1-D integer array-like is a stop id list: NumPy arrays (0-D,
+    1-D, any integer dtype), NumPy integers and every backend's tensors (they were refused:
+    iterating one gives 0-D arrays / tensors). Float, bool and 2-D arrays are refused."""
+    tensor = keras.ops.convert_to_tensor
+    for given, expected in (
+        (np.array([3, 7]), (3, 7)), (np.array(5), (5,)), (np.array([4], "uint8"), (4,)),
+        (np.int32(9), (9,)), (tensor([2, 8], "int32"), (2, 8)), (tensor(6, "int32"), (6,)),
+        (tensor([1], "int64"), (1,)), (np.array([], "int64"), ()),
+    ):
+        got = generation.stop_ids(given)
+        assert got == expected and all(type(i) is int for i in got), (given, got)
+    for bad in (np.array([2.0]), tensor([2.0]), np.array([[1, 2]]), np.array([True]),
+                np.array([-1, 3]), tensor([3, -2], "int32"), np.array([2 ** 31], "int64")):
+        with pytest.raises(ValueError, match=r"stop_token_ids.*1-D list, array or tensor"):
+            generation.stop_ids(bad)
+
+
+def _stop_forms(stop):
+    tensor = keras.ops.convert_to_tensor
+    return (np.array([stop]), np.array(stop), np.int64(stop), tensor([stop], "int32"),
+            tensor(stop, "int32"), [np.int32(stop)])
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_generate_takes_stop_ids_as_arrays_and_tensors(family):
+    """`generate(stop_token_ids=...)` of GPT and T5 with a NumPy array / integer or a backend
+    tensor stops where the same id as a Python list does (a row ends with it, early), and
+    refuses floats, negative ids and ids past the vocabulary by name."""
+    if family == "gpt":
+        from tests.test_gpt import VOCAB, shared_lm
+
+        lm, prompts = shared_lm("gpt2"), [[5, 17, 33], [11, 4]]
+    else:
+        from tests.test_t5 import VOCAB, shared_lm
+
+        lm, prompts = shared_lm("v1_0"), [[5, 17, 33, 1], [11, 4, 1]]
+    free = lm.generate(prompts, max_new_tokens=8, stop_token_ids=None)
+    stop = free[0][2]  # a token the first row produces third
+    expected = lm.generate(prompts, max_new_tokens=8, stop_token_ids=[stop])
+    assert expected[0] == free[0][:free[0].index(stop) + 1] and len(expected[0]) <= 3
+    for given in _stop_forms(stop):
+        assert lm.generate(prompts, max_new_tokens=8, stop_token_ids=given) == expected, given
+    tensor = keras.ops.convert_to_tensor
+    for bad in (np.array([float(stop)]), tensor([float(stop)]), np.array([-1]),
+                tensor([stop, -3], "int32")):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            lm.generate(prompts, max_new_tokens=2, stop_token_ids=bad)
+    for bad in (np.array([VOCAB]), tensor(VOCAB + 5, "int32"), np.int64(VOCAB)):
+        with pytest.raises(ValueError, match=rf"stop_token_ids.*vocabulary_size={VOCAB}"):
+            lm.generate(prompts, max_new_tokens=2, stop_token_ids=bad)
+
+
 @pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
 def test_a_tiny_temperature_samples_the_argmax(temperature):
     """Near 0 the temperature leaves only the largest logit: its id every draw (it was
