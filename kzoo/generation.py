@@ -144,12 +144,12 @@ _LOGITS_COPIES = 4
 
 
 def check_cache_size(max_new_tokens, slots, bytes_per_slot, *, prompts=1, num_beams=1,
-                     vocabulary_size=0):
+                     vocabulary_size=0, num_return_sequences=1):
     """Refuse a decode that could never run: positions past int32 (the step index is an
     int32 tensor), `num_beams * vocabulary_size` beam candidates past int32 (beam search
     ranks them with int32 indices), or a key/value cache of `slots * bytes_per_slot` bytes
     plus the step's logits (`prompts * num_beams` rows of `vocabulary_size` float32 scores,
-    a few copies) larger than this machine's memory: a clear error naming the arguments
+    `prompts * num_return_sequences` when sampling, a few copies) larger than this machine's memory: a clear error naming the arguments
     instead of minutes of allocation, an allocator's failure or an overflow deep inside a
     compiled function.
 
@@ -168,7 +168,8 @@ def check_cache_size(max_new_tokens, slots, bytes_per_slot, *, prompts=1, num_be
             f"`max_new_tokens` is too large: max_new_tokens={max_new_tokens} needs {slots} "
             "cache positions; positions are int32 (at most 2**31 - 1).")
     cache = slots * bytes_per_slot
-    logits = _LOGITS_COPIES * prompts * num_beams * vocabulary_size * 4
+    rows = prompts * max(num_beams, num_return_sequences)  # (beam search: n <= num_beams)
+    logits = _LOGITS_COPIES * rows * vocabulary_size * 4
     need, have = cache + logits, _memory_bytes()
     if have is not None and need > have:
         beams = f" and num_beams={num_beams}" if num_beams > 1 else ""
@@ -177,7 +178,7 @@ def check_cache_size(max_new_tokens, slots, bytes_per_slot, *, prompts=1, num_be
         raise ValueError(
             f"{names} too large for this batch: max_new_tokens={max_new_tokens}{beams} for "
             f"{prompts} prompt(s) need {_size(need)} (a key/value cache of {_size(cache)} "
-            f"for {slots} positions x {prompts * num_beams} rows, and {_size(logits)} of "
+            f"for {slots} positions x {rows} rows, and {_size(logits)} of "
             f"step logits), more than this machine's memory ({_size(have)}). Generate fewer "
             "tokens, use fewer beams or fewer prompts at a time.")
 
@@ -569,8 +570,8 @@ class LogitsProcessors:
         return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
 
     def start(self, carry, history, max_new_tokens, stops):
-        """Add the history `(rows, length)` (int, -1 = no token; rows = batch * num_beams)
-        and room for the new tokens to the initial carry."""
+        """Add the history `(rows, length)` (int, -1 = no token; rows = batch *
+        rows_per_prompt) and room for the new tokens to the initial carry."""
         self.stops = tuple(stops)
         if not self.uses_history:
             return carry
@@ -648,7 +649,7 @@ class Sampler:
     """How the loop turns each step's logits into tokens; one subclass a strategy.
 
     The loop calls `start` once, then `select` at every step `t` (0 = the first new token)
-    with that step's float32 logits `(rows, vocab)` (`rows = batch * num_beams`), and
+    with that step's float32 logits `(rows, vocab)` (`rows = batch * rows_per_prompt`), and
     `last_tokens` to get what to feed the model next. Everything a sampler keeps lives in
     its `carry` (a dict of tensors), so that the loop can be compiled whole.
 
@@ -657,6 +658,9 @@ class Sampler:
     """
 
     num_beams = 1
+    # Outputs per prompt (`make_sampler` sets it): greedy 1; sampling draws that many rows
+    # of each prompt, beam search returns that many of its best finished hypotheses.
+    num_return_sequences = 1
     uses_seed = False
     # The `LogitsProcessors` applied before choosing (`make_sampler` sets them when an
     # option is on; None: the loop has no processing at all).
@@ -665,6 +669,12 @@ class Sampler:
     @property
     def key(self):
         return (type(self).__name__,)
+
+    @property
+    def rows_per_prompt(self):
+        """Rows of the model state a prompt takes in the loop (its prefill is repeated for
+        them): the samples of a prompt; beam search: its beams."""
+        return self.num_return_sequences
 
     def process(self, scores, carry, t):
         """Step `t`'s scores after the logits processors (unchanged without them)."""
@@ -683,9 +693,11 @@ class Sampler:
         return self.processors.update(before, carry, self.last_tokens(carry, t), rows, t)
 
     def start(self, batch_size, max_new_tokens, stops, pad_token_id):
-        """The initial carry: every row unfinished, its tokens all padding."""
+        """The initial carry for `batch_size` prompts: every row (`rows_per_prompt` a
+        prompt) unfinished, its tokens all padding."""
         self.stops = stops
         self.pad_token_id = pad_token_id
+        batch_size = batch_size * self.rows_per_prompt
         return {
             "tokens": ops.full((batch_size, max_new_tokens), pad_token_id, "int32"),
             "finished": ops.zeros((batch_size,), "bool"),
@@ -740,8 +752,8 @@ class Sampler:
         return bool(self.stops)
 
     def result(self, carry):
-        """`(tokens (batch, max_new_tokens), lengths (batch,))`: row `b`'s output is
-        `tokens[b, :lengths[b]]`."""
+        """`(tokens (rows, max_new_tokens), lengths (rows,))`: row `b`'s output is
+        `tokens[b, :lengths[b]]` (`num_return_sequences` rows a prompt, prompt by prompt)."""
         return carry["tokens"], carry["lengths"]
 
 
@@ -889,7 +901,8 @@ class BeamSampler(Sampler):
        has `num_beams` finished hypotheses, or at `max_new_tokens`.
 
     The result of a prompt is its best finished hypothesis (ending with its stop token,
-    if it has one). `length_penalty > 0` favours longer outputs, `< 0` shorter ones.
+    if it has one), or its `num_return_sequences` best, best first (as transformers'
+    `generate(num_beams=..., num_return_sequences=...)`). `length_penalty > 0` favours longer outputs, `< 0` shorter ones.
 
     Args:
         num_beams: hypotheses kept per prompt (>= 1).
@@ -1025,13 +1038,22 @@ class BeamSampler(Sampler):
     def can_end_early(self):
         return True
 
+    @property
+    def rows_per_prompt(self):
+        return self.num_beams
+
     def result(self, carry):
-        return carry["tokens"][:, 0], carry["lengths"][:, 0]
+        # (the finished hypotheses are kept sorted by score, best first)
+        n = self.num_return_sequences
+        if n == 1:
+            return carry["tokens"][:, 0], carry["lengths"][:, 0]
+        return (ops.reshape(carry["tokens"][:, :n], (-1, self.max_new_tokens)),
+                ops.reshape(carry["lengths"][:, :n], (-1,)))
 
 
 def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num_beams=None,
                  length_penalty=1.0, early_stopping=False, repetition_penalty=1.0,
-                 no_repeat_ngram_size=0, min_new_tokens=0):
+                 no_repeat_ngram_size=0, min_new_tokens=0, num_return_sequences=1):
     """The sampler for `generate`'s arguments.
 
     `strategy="beam"`, or `num_beams > 1` with `strategy="greedy"`, is beam search
@@ -1040,13 +1062,25 @@ def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num
     `no_repeat_ngram_size` and `min_new_tokens` (see `LogitsProcessors`) apply to every
     strategy; the sampler gets `processors` only when one of them is on.
 
+    `num_return_sequences` (transformers' name and meaning): outputs per prompt, grouped
+    prompt by prompt; sampling draws that many per prompt, beam search returns that many
+    of its best finished hypotheses (at most `num_beams`); greedy decoding takes only 1.
+
     Example:
     >>> make_sampler("beam", num_beams=3)
+    >>> make_sampler("beam", num_beams=4, num_return_sequences=2)
     """
     check_sampling_args(strategy, temperature, top_k, top_p)
     check_processor_args(repetition_penalty, no_repeat_ngram_size, min_new_tokens)
     if num_beams is not None:
         check_positive_int("num_beams", num_beams)
+    if (isinstance(num_return_sequences, bool)
+            or not isinstance(num_return_sequences, (int, np.integer))
+            or num_return_sequences < 1):
+        raise ValueError(
+            "`num_return_sequences` must be a positive int (outputs per prompt); got "
+            f"num_return_sequences={num_return_sequences!r}.")
+    num_return_sequences = int(num_return_sequences)
     # (checked for every strategy: a NaN length_penalty passed with sampling or greedy
     # decoding was ignored in silence)
     _check_beam_args(length_penalty, early_stopping)
@@ -1073,6 +1107,17 @@ def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num
         )
     else:
         sampler = GreedySampler()
+    if num_return_sequences > 1 and isinstance(sampler, GreedySampler):
+        raise ValueError(
+            f"`num_return_sequences` must be 1 with greedy decoding (every output of a prompt "
+            f"would be the same); got num_return_sequences={num_return_sequences}. Use "
+            "strategy='sample', or beam search with num_beams >= num_return_sequences.")
+    if isinstance(sampler, BeamSampler) and num_return_sequences > sampler.num_beams:
+        raise ValueError(
+            f"`num_return_sequences` must be at most num_beams={sampler.num_beams} with beam "
+            f"search (it returns the best finished hypotheses); got num_return_sequences="
+            f"{num_return_sequences}.")
+    sampler.num_return_sequences = num_return_sequences
     processors = LogitsProcessors(repetition_penalty, no_repeat_ngram_size, min_new_tokens)
     if processors.active:
         sampler.processors = processors
@@ -1088,11 +1133,11 @@ def _map(fn, tree):
 
 def _loop_body(model, sampler, max_new_tokens):
     """`(start, step)`: the prefill + first selection, and one decoding step."""
-    beams = sampler.num_beams
+    beams = sampler.rows_per_prompt
 
     def start(inputs, carry):
         logits, state, constants = model.generation_prefill(inputs, max_new_tokens)
-        if beams > 1:  # every prompt's row repeated for each beam: b * beams + k
+        if beams > 1:  # every prompt's row repeated for each beam (or sample): b * beams + k
             logits = ops.repeat(logits, beams, axis=0)
             state = _map(lambda x: ops.repeat(x, beams, axis=0), state)
             constants = _map(lambda x: ops.repeat(x, beams, axis=0), constants)
@@ -1336,7 +1381,8 @@ def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
     model (`history`: the logits processors', or None)."""
     backend = keras.backend.backend()
     processors = None if sampler.processors is None else sampler.processors.key
-    key = (backend, sampler.key, max_new_tokens, stops, pad_token_id, processors)
+    key = (backend, sampler.key, sampler.num_return_sequences, max_new_tokens, stops,
+           pad_token_id, processors)
     cache = _cache_for(model)
     if key in cache:
         return cache[key]
@@ -1398,8 +1444,9 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
             n-gram ban), else ignored.
 
     Returns:
-        A list, one per prompt, of the new token ids (Python ints), ending with the stop token
-        if one was produced.
+        A list, one per prompt (`sampler.num_return_sequences` per prompt, prompt by
+        prompt), of the new token ids (Python ints), ending with the stop token if one was
+        produced.
 
     Example:
     >>> decode(lm, inputs, sampler=GreedySampler(), max_new_tokens=8, stop_token_ids=[2])
@@ -1462,7 +1509,7 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
 
 
 def _check_history(history, batch, sampler):
-    """`decode`'s `history` as an int32 tensor `(batch * num_beams, length)`, or a
+    """`decode`'s `history` as an int32 tensor `(batch * rows_per_prompt, length)`, or a
     ValueError naming it."""
     if not sampler.processors.uses_history:
         return None
@@ -1476,7 +1523,8 @@ def _check_history(history, batch, sampler):
         raise ValueError(
             f"`history` must be an int array (batch={batch}, length >= 1); got shape "
             f"{history.shape} and dtype {history.dtype}.")
-    return ops.convert_to_tensor(np.repeat(history.astype("int32"), sampler.num_beams, 0))
+    return ops.convert_to_tensor(np.repeat(history.astype("int32"), sampler.rows_per_prompt,
+                                           0))
 
 
 __all__ = [

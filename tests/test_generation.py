@@ -677,3 +677,177 @@ def test_t5_prompt_ids_are_checked():
         lm.generate({"encoder_token_ids": np.array([[5.5, 6.0]])}, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"id -2 at prompt 0, token 1"):
         lm.generate(np.array([[5, -2, 6]]), max_new_tokens=2)
+
+
+# === num_return_sequences (transformers' name and meaning) ===
+
+
+GPT2_RETURN_CASES = {
+    # name: (num_beams, num_return_sequences, length_penalty, early_stopping, with a stop)
+    "beams4_n3_eos": (4, 3, 1.0, False, True),
+    "beams3_n3_no_eos_lp2": (3, 3, 2.0, False, False),
+    "beams5_n2_eos_never": (5, 2, 0.6, "never", True),
+}
+
+
+@pytest.mark.spread
+@pytest.mark.parametrize("case", list(GPT2_RETURN_CASES))
+def test_gpt2_beam_num_return_sequences_match_transformers(case, tmp_path):
+    """GPT-2 beam search with `num_return_sequences=n`: the n best finished hypotheses of each
+    prompt, best first, grouped prompt by prompt, token for token transformers'
+    `generate(num_beams=..., num_return_sequences=n)`, compiled and eager."""
+    import torch
+
+    import kzoo.presets
+    from tests.test_gpt import _hf_gpt2
+
+    num_beams, n, length_penalty, early_stopping, with_stop = GPT2_RETURN_CASES[case]
+    hf = _hf_gpt2(tmp_path, initializer_range=0.3)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3]]
+    options = dict(num_beams=num_beams, num_return_sequences=n, length_penalty=length_penalty,
+                   early_stopping=early_stopping, do_sample=False, max_new_tokens=10,
+                   pad_token_id=0)
+
+    def hf_all(stop):
+        rows = []
+        for prompt in prompts:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                    1, len(prompt), dtype=torch.long), eos_token_id=stop, **options)
+            assert out.shape[0] == n
+            rows += [_hf_new_tokens(row[len(prompt):].tolist(), stop) for row in out]
+        return rows
+
+    stop, expected = None, hf_all(None)
+    if with_stop:
+        stop, expected = _pick_stop(hf_all, expected, 10)
+    for compile in (True, False):
+        ours = model.generate(prompts, max_new_tokens=10, strategy="beam", num_beams=num_beams,
+                              num_return_sequences=n, length_penalty=length_penalty,
+                              early_stopping=early_stopping, stop_token_ids=stop,
+                              compile=compile)
+        assert ours == expected, f"compile={compile}"
+    # n distinct hypotheses a prompt
+    assert all(len({tuple(r) for r in expected[i * n:(i + 1) * n]}) == n for i in range(2))
+
+
+@pytest.mark.spread
+@pytest.mark.parametrize("n, num_beams", [(3, 3), (2, 4)])
+def test_t5_beam_num_return_sequences_match_transformers(n, num_beams, tmp_path):
+    import torch
+
+    import kzoo.presets
+    from tests.test_t5 import _batch, _hf_model
+
+    hf = _hf_model(tmp_path, "v1_1", seed=4)
+    model = kzoo.presets.load(tmp_path)
+    inputs = _batch(enc_len=15, enc_real=(15, 8))
+    enc, mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(enc, dtype=torch.long),
+                          attention_mask=torch.tensor(mask), eos_token_id=1,
+                          num_beams=num_beams, num_return_sequences=n, length_penalty=0.8,
+                          do_sample=False, max_new_tokens=10, pad_token_id=0,
+                          decoder_start_token_id=0).numpy()
+    assert out.shape[0] == 2 * n
+    expected = [_hf_new_tokens(row[1:], 1) for row in out]
+    for compile in (True, False):
+        ours = model.generate({"encoder_token_ids": enc, "encoder_padding_mask": mask},
+                              max_new_tokens=10, num_beams=num_beams, num_return_sequences=n,
+                              length_penalty=0.8, stop_token_ids=1, compile=compile)
+        assert ours == expected, f"compile={compile}"
+
+
+def test_gpt2_sampling_num_return_sequences(tmp_path):
+    """`strategy="sample", num_return_sequences=n`: n draws of each prompt, grouped prompt by
+    prompt. With top_k=1 every draw is transformers' greedy continuation of its own prompt;
+    the first tokens of 1500 draws a prompt (top_k=4) follow the softmax of transformers'
+    logits for that prompt over its 4 best tokens; a seed gives the same draws again,
+    compiled or eagerly."""
+    import torch
+
+    import kzoo.presets
+    from tests.test_gpt import _hf_gpt2
+
+    hf = _hf_gpt2(tmp_path, initializer_range=0.3)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71], [11, 64, 3]]
+    greedy = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                              eos_token_id=None, pad_token_id=0)
+        greedy.append(out[0, len(prompt):].tolist())
+    ours = model.generate(prompts, max_new_tokens=6, strategy="sample", top_k=1,
+                          num_return_sequences=3, seed=1, stop_token_ids=None)
+    assert ours == [greedy[0]] * 3 + [greedy[1]] * 3
+    draws = 1500
+    first = np.array(model.generate(prompts, max_new_tokens=1, strategy="sample", top_k=4,
+                                    num_return_sequences=draws, seed=2, stop_token_ids=None))
+    assert first.shape == (2 * draws, 1)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
+        top = np.argsort(-logits)[:4]
+        p = np.exp(logits[top] - logits[top].max())
+        p /= p.sum()
+        got = first[i * draws:(i + 1) * draws, 0]
+        assert set(got.tolist()) <= set(top.tolist()), (i, set(got.tolist()), top)
+        freq = np.array([(got == t).mean() for t in top])
+        # (5 standard deviations of a binomial frequency)
+        np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / draws) + 1e-9)
+    options = dict(max_new_tokens=8, strategy="sample", num_return_sequences=4, seed=7,
+                   stop_token_ids=None)
+    a = model.generate(prompts, **options)
+    assert len(a) == 8 and a == model.generate(prompts, **options)
+    assert a == model.generate(prompts, compile=False, **options)
+    assert len({tuple(r) for r in a[:4]}) > 1  # independent draws, not one row repeated
+
+
+def test_t5_sampling_num_return_sequences(tmp_path):
+    import torch
+
+    import kzoo.presets
+    from tests.test_t5 import _batch, _hf_model
+
+    hf = _hf_model(tmp_path, "v1_0", seed=2)
+    model = kzoo.presets.load(tmp_path)
+    inputs = _batch(enc_len=11, enc_real=(11, 6))
+    enc, mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(enc, dtype=torch.long),
+                          attention_mask=torch.tensor(mask), do_sample=False, max_new_tokens=6,
+                          eos_token_id=None, pad_token_id=0, decoder_start_token_id=0).numpy()
+    greedy = [row[1:].tolist() for row in out]
+    prompts = {"encoder_token_ids": enc, "encoder_padding_mask": mask}
+    ours = model.generate(prompts, max_new_tokens=6, strategy="sample", top_k=1,
+                          num_return_sequences=2, seed=0, stop_token_ids=None)
+    assert ours == [greedy[0]] * 2 + [greedy[1]] * 2
+    options = dict(max_new_tokens=6, strategy="sample", num_return_sequences=3, seed=5,
+                   stop_token_ids=None)
+    a = model.generate(prompts, **options)
+    assert len(a) == 6 and a == model.generate(prompts, compile=False, **options)
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_num_return_sequences_is_checked(family):
+    if family == "gpt":
+        from tests.test_gpt import shared_lm
+
+        lm, prompts = shared_lm("gpt2"), [[5, 17, 33]]
+    else:
+        from tests.test_t5 import shared_lm
+
+        lm, prompts = shared_lm("v1_0"), [[5, 17, 33, 1]]
+    for bad in (0, -2, 1.0, 2.5, True, "2", None):
+        with pytest.raises(ValueError, match=rf"`num_return_sequences` must be a positive int.*"
+                                             rf"num_return_sequences={bad!r}"):
+            lm.generate(prompts, max_new_tokens=2, strategy="sample", num_return_sequences=bad)
+    with pytest.raises(ValueError, match=r"at most num_beams=3.*num_return_sequences=4"):
+        lm.generate(prompts, max_new_tokens=2, num_beams=3, num_return_sequences=4)
+    with pytest.raises(ValueError, match=r"at most num_beams=4.*num_return_sequences=5"):
+        lm.generate(prompts, max_new_tokens=2, strategy="beam", num_return_sequences=5)
+    with pytest.raises(ValueError, match=r"must be 1 with greedy.*num_return_sequences=2"):
+        lm.generate(prompts, max_new_tokens=2, num_return_sequences=2)
+    assert len(lm.generate(prompts, max_new_tokens=2, num_return_sequences=np.int64(1))) == 1

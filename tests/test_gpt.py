@@ -888,6 +888,15 @@ def test_hf_checkpoint_with_tokenizer(tmp_path):
     assert model.generate("w5 w6", max_new_tokens=4, stop_token_ids=[96]) == " ".join(
         words[i] for i in [5, 6] + ids
     )
+    # num_return_sequences: a list of that many strings a prompt, prompt by prompt
+    beams = model.generate([[5, 6], [7]], max_new_tokens=4, num_beams=3,
+                           num_return_sequences=2, stop_token_ids=[96])
+    texts = model.generate(["w5 w6", "w7"], max_new_tokens=4, num_beams=3,
+                           num_return_sequences=2, stop_token_ids=[96])
+    assert texts == [" ".join(words[i] for i in prompt + out)
+                     for prompt, out in zip([[5, 6], [5, 6], [7], [7]], beams)]
+    assert model.generate("w5 w6", max_new_tokens=4, num_beams=3, num_return_sequences=2,
+                          stop_token_ids=[96]) == texts[:2]
 
 
 @pytest.mark.parametrize(

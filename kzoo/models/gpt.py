@@ -929,6 +929,7 @@ class GPTCausalLM(FilledInputs, TaskModel):
         repetition_penalty=1.0,
         no_repeat_ngram_size=0,
         min_new_tokens=0,
+        num_return_sequences=1,
     ):
         """Continue each prompt with up to `max_new_tokens` tokens on a key/value cache.
 
@@ -978,12 +979,19 @@ class GPTCausalLM(FilledInputs, TaskModel):
             seed: int, `keras.random.SeedGenerator` or None (sampling only).
             padding_mask: with an array of prompts, which entries are real tokens.
             compile: compile the whole loop (True) or run it eagerly, step by step (False).
+            num_return_sequences: outputs per prompt (transformers' name and meaning; 1 by
+                default): with strategy="sample", that many independent draws of each
+                prompt (the same seed gives the same draws); with beam search, the
+                `num_return_sequences` best finished hypotheses, best first (at most
+                `num_beams`); greedy decoding takes only 1. The outputs are grouped prompt
+                by prompt: `len(prompts) * num_return_sequences` of them.
 
         Returns:
-            For token ids: a list (one per prompt) of the new token ids, ending with the stop
-            token if one was produced (beam search: the best finished hypothesis). For
-            strings: the decoded prompt + continuation (a string for a single string prompt,
-            else a list of strings).
+            For token ids: a list (one per prompt, or `num_return_sequences` per prompt) of
+            the new token ids, ending with the stop token if one was produced (beam search:
+            the best finished hypothesis, or the best ones). For strings: the decoded
+            prompt + continuation (a string for a single string prompt and one output, else
+            a list of strings).
 
         Example:
         >>> lm.generate([[464, 2068], [464]], max_new_tokens=10, stop_token_ids=[50256])
@@ -991,6 +999,7 @@ class GPTCausalLM(FilledInputs, TaskModel):
         >>> lm.generate("The quick brown", max_new_tokens=10, strategy="sample", top_p=0.9)
         >>> lm.generate([[464, 2068]], repetition_penalty=1.3, no_repeat_ngram_size=3,
         ...             min_new_tokens=5)
+        >>> lm.generate([[464, 2068]], strategy="beam", num_beams=4, num_return_sequences=2)
         """
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
@@ -998,7 +1007,8 @@ class GPTCausalLM(FilledInputs, TaskModel):
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping, repetition_penalty,
-                                          no_repeat_ngram_size, min_new_tokens)
+                                          no_repeat_ngram_size, min_new_tokens,
+                                          num_return_sequences)
         # (ids the vocabulary cannot produce are refused, as by the constructor: a row
         # would never stop)
         stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
@@ -1027,12 +1037,13 @@ class GPTCausalLM(FilledInputs, TaskModel):
         generation.check_cache_size(
             max_new_tokens, prompt_len + max_new_tokens,
             # (the other attention types' caches have a fixed size)
-            backbone.num_layers * 2 * len(rows) * sampler.num_beams
+            backbone.num_layers * 2 * len(rows) * sampler.rows_per_prompt
             * (backbone.num_kv_heads or backbone.num_heads) * backbone.head_size
             * np.dtype(backbone.compute_dtype).itemsize if backbone.attention == "full"
             else 0,
             prompts=len(rows), num_beams=sampler.num_beams,
-            vocabulary_size=backbone.vocabulary_size)
+            vocabulary_size=backbone.vocabulary_size,
+            num_return_sequences=sampler.num_return_sequences)
         outputs = generation.decode(
             self, {"token_ids": ids, "padding_mask": mask, "position_offset": offset},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
@@ -1041,8 +1052,9 @@ class GPTCausalLM(FilledInputs, TaskModel):
         )
         if not strings:
             return outputs
-        texts = [self.tokenizer.decode(rows[b] + outputs[b]) for b in range(len(rows))]
-        return texts[0] if single else texts
+        n = sampler.num_return_sequences
+        texts = [self.tokenizer.decode(rows[i // n] + out) for i, out in enumerate(outputs)]
+        return texts[0] if single and n == 1 else texts
 
 
 GPTConfig.backbone_class = GPTBackbone

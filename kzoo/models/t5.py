@@ -833,6 +833,7 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         repetition_penalty=1.0,
         no_repeat_ngram_size=0,
         min_new_tokens=0,
+        num_return_sequences=1,
     ):
         """Generate decoder tokens for each input sequence.
 
@@ -883,21 +884,29 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
             seed: int, `keras.random.SeedGenerator` or None, for sampling.
             padding_mask: with an array of encoder ids, which entries are real tokens.
             compile: compile the whole loop (True) or run it eagerly, step by step (False).
+            num_return_sequences: outputs per prompt (transformers' name and meaning; 1 by
+                default): with strategy="sample", that many independent draws of each
+                prompt (the same seed gives the same draws); with beam search, the
+                `num_return_sequences` best finished hypotheses, best first (at most
+                `num_beams`); greedy decoding takes only 1. The outputs are grouped prompt
+                by prompt: `len(prompts) * num_return_sequences` of them.
             decoder_start_token_id: the first decoder input ("auto": the model's, T5's 0).
             pad_token_id: the padding id of raw token-id inputs (and what ended rows emit
                 inside the loop; never part of a result; "auto": the model's, T5's 0).
 
         Returns:
-            A list (one per input) of the generated token ids (without the start token),
-            ending with the stop token if one was produced (beam search: the best finished
-            hypothesis); or decoded strings (special tokens skipped) when strings were given:
-            a string for one string, else a list.
+            A list (one per input, or `num_return_sequences` per input) of the generated
+            token ids (without the start token), ending with the stop token if one was
+            produced (beam search: the best finished hypothesis, or the best ones); or
+            decoded strings (special tokens skipped) when strings were given: a string for
+            one string and one output, else a list.
 
         Example:
         >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)
         >>> model.generate(ids, strategy="sample", top_p=0.9, temperature=0.7, seed=0)
         >>> model.generate(ids, strategy="beam", num_beams=4, length_penalty=0.6)
         >>> model.generate(ids, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5)
+        >>> model.generate(ids, strategy="sample", num_return_sequences=3, seed=0)
         """
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
@@ -905,7 +914,8 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping, repetition_penalty,
-                                          no_repeat_ngram_size, min_new_tokens)
+                                          no_repeat_ngram_size, min_new_tokens,
+                                          num_return_sequences)
         # (ids the vocabulary cannot produce are refused, as by the constructor: a row
         # would never stop)
         stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
@@ -920,11 +930,11 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         backbone = self.backbone
         generation.check_cache_size(
             max_new_tokens, max_new_tokens,
-            len(backbone.decoder_layers) * 2 * ids.shape[0] * sampler.num_beams
+            len(backbone.decoder_layers) * 2 * ids.shape[0] * sampler.rows_per_prompt
             * backbone.num_heads * backbone.key_value_dim
             * np.dtype(backbone.compute_dtype).itemsize,
             prompts=ids.shape[0], num_beams=sampler.num_beams,
-            vocabulary_size=vocabulary_size)
+            vocabulary_size=vocabulary_size, num_return_sequences=sampler.num_return_sequences)
         start = np.full((ids.shape[0], 1), decoder_start_token_id, "int32")
         outputs = generation.decode(
             self,
@@ -937,7 +947,7 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         if strings is None:
             return outputs
         texts = self.tokenizer.decode_batch(outputs, skip_special_tokens=True)
-        return texts[0] if strings == "single" else texts
+        return texts[0] if strings == "single" and len(texts) == 1 else texts
 
 
 T5Config.backbone_class = T5Backbone
