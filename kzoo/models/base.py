@@ -450,6 +450,17 @@ class FunctionalModel(keras.Model):
         return _portable_compile_config(
             super().get_compile_config(), getattr(self, "_jit_compile_auto", False))
 
+    def compile_from_config(self, config):
+        # Keras skips a custom `compile` when loading a saved model (with a warning, and the
+        # model comes back without optimizer, loss or metrics: every backbone, whose
+        # `compile` is this class's); kzoo's only records "auto" and installs the fused Adam
+        # (a task model's also fills in the default loss), so the saved config is replayed
+        # through it.
+        config = _portable_compile_config(config, False)
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def _symbolic_build(self, iterator=None, data_batch=None):
         # torch: Keras' `train_on_batch` / `test_on_batch` call this at every batch, and it
         # rebuilds the torch parameter dict of every variable (`_post_build`) even when
@@ -1307,14 +1318,6 @@ class TaskModel(FunctionalModel):
         return (getattr(self, "_compile_metrics", None) is None
                 and type(self).compute_metrics is keras.Model.compute_metrics
                 and type(self).compute_loss is keras.Model.compute_loss)
-
-    def compile_from_config(self, config):
-        # Keras skips a custom `compile` when loading a saved model; this one only fills in
-        # the default loss, so a saved compile config is replayed through it.
-        config = _portable_compile_config(config, False)
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if hasattr(self, "optimizer") and self.built:
-            self.optimizer.build(self.trainable_variables)
 
     def id_inputs(self):
         """The backbone's id inputs (a task model takes the backbone's inputs)."""
