@@ -175,12 +175,15 @@ def check_cache_size(max_new_tokens, slots, bytes_per_slot, *, prompts=1, num_be
         beams = f" and num_beams={num_beams}" if num_beams > 1 else ""
         names = "`max_new_tokens` / `num_beams` are" if num_beams > 1 else \
             "`max_new_tokens` is"
+        if num_return_sequences > 1 and num_beams == 1:  # (sampling: n rows a prompt)
+            beams = f" and num_return_sequences={num_return_sequences}"
+            names = "`max_new_tokens` / `num_return_sequences` are"
         raise ValueError(
             f"{names} too large for this batch: max_new_tokens={max_new_tokens}{beams} for "
             f"{prompts} prompt(s) need {_size(need)} (a key/value cache of {_size(cache)} "
             f"for {slots} positions x {rows} rows, and {_size(logits)} of "
             f"step logits), more than this machine's memory ({_size(have)}). Generate fewer "
-            "tokens, use fewer beams or fewer prompts at a time.")
+            "tokens, use fewer beams or sequences, or fewer prompts at a time.")
 
 
 def _size(num_bytes):

@@ -851,3 +851,7 @@ def test_num_return_sequences_is_checked(family):
     with pytest.raises(ValueError, match=r"must be 1 with greedy.*num_return_sequences=2"):
         lm.generate(prompts, max_new_tokens=2, num_return_sequences=2)
     assert len(lm.generate(prompts, max_new_tokens=2, num_return_sequences=np.int64(1))) == 1
+    # (a cache and logits for 10**9 rows: refused up front, naming the argument)
+    with pytest.raises(ValueError, match=r"`num_return_sequences` are too large.*"
+                                         r"num_return_sequences=1000000000"):
+        lm.generate(prompts, max_new_tokens=2, strategy="sample", num_return_sequences=10 ** 9)
