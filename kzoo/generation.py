@@ -192,6 +192,19 @@ def _size(num_bytes):
     return f"{num_bytes / 2 ** (30 if unit == 'GiB' else 20):,.1f} {unit}"
 
 
+def _scalar_id(value):
+    """A 0-D integer array or tensor in a list of stop ids as its int (else unchanged)."""
+    if (hasattr(value, "shape") and hasattr(value, "dtype") and len(value.shape) == 0
+            and not isinstance(value, np.generic)):
+        try:
+            array = to_host(value)
+        except Exception:  # (symbolic: refused below)
+            return value
+        if array.dtype != bool and np.issubdtype(array.dtype, np.integer):
+            return array.item()
+    return value
+
+
 def stop_ids(stop_token_ids):
     """`stop_token_ids` (None, an int or a 1-D sequence of ints: a list, a NumPy array or
     integer, a torch / TensorFlow / JAX tensor of one or more ids) -> a tuple of ints."""
@@ -212,7 +225,7 @@ def stop_ids(stop_token_ids):
             values = tuple(array.reshape(-1).tolist())
     else:
         try:
-            values = tuple(stop_token_ids)
+            values = tuple(_scalar_id(s) for s in stop_token_ids)
         except TypeError:
             values = None
     # (int32 at most: the loop compares them with int32 ids; larger ones failed on JAX and

@@ -296,11 +296,13 @@ def test_stop_ids_take_arrays_tensors_and_numpy_integers():
         (np.array([3, 7]), (3, 7)), (np.array(5), (5,)), (np.array([4], "uint8"), (4,)),
         (np.int32(9), (9,)), (tensor([2, 8], "int32"), (2, 8)), (tensor(6, "int32"), (6,)),
         (tensor([1], "int64"), (1,)), (np.array([], "int64"), ()),
+        ([tensor(2, "int32"), np.array(3), np.int16(4), 5], (2, 3, 4, 5)),
     ):
         got = generation.stop_ids(given)
         assert got == expected and all(type(i) is int for i in got), (given, got)
     for bad in (np.array([2.0]), tensor([2.0]), np.array([[1, 2]]), np.array([True]),
-                np.array([-1, 3]), tensor([3, -2], "int32"), np.array([2 ** 31], "int64")):
+                np.array([-1, 3]), tensor([3, -2], "int32"), np.array([2 ** 31], "int64"),
+                [tensor(2.0)], [np.array([2])], [tensor(-1, "int32")]):
         with pytest.raises(ValueError, match=r"stop_token_ids.*1-D list, array or tensor"):
             generation.stop_ids(bad)
 
@@ -308,7 +310,7 @@ def test_stop_ids_take_arrays_tensors_and_numpy_integers():
 def _stop_forms(stop):
     tensor = keras.ops.convert_to_tensor
     return (np.array([stop]), np.array(stop), np.int64(stop), tensor([stop], "int32"),
-            tensor(stop, "int32"), [np.int32(stop)])
+            tensor(stop, "int32"), [np.int32(stop)], [tensor(stop, "int32")])
 
 
 @pytest.mark.parametrize("family", ["gpt", "t5"])
