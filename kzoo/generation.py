@@ -149,9 +149,9 @@ def check_cache_size(max_new_tokens, slots, bytes_per_slot, *, prompts=1, num_be
     int32 tensor), `num_beams * vocabulary_size` beam candidates past int32 (beam search
     ranks them with int32 indices), or a key/value cache of `slots * bytes_per_slot` bytes
     plus the step's logits (`prompts * num_beams` rows of `vocabulary_size` float32 scores,
-    `prompts * num_return_sequences` when sampling, a few copies) larger than this machine's memory: a clear error naming the arguments
-    instead of minutes of allocation, an allocator's failure or an overflow deep inside a
-    compiled function.
+    `prompts * num_return_sequences` when sampling, a few copies) larger than this
+    machine's memory: a clear error naming the arguments instead of minutes of allocation,
+    an allocator's failure or an overflow deep inside a compiled function.
 
     Example:
     >>> check_cache_size(20, 52, 2 * 6 * 8 * 64 * 4 * 4, prompts=2, num_beams=4,
@@ -918,7 +918,8 @@ class BeamSampler(Sampler):
 
     The result of a prompt is its best finished hypothesis (ending with its stop token,
     if it has one), or its `num_return_sequences` best, best first (as transformers'
-    `generate(num_beams=..., num_return_sequences=...)`). `length_penalty > 0` favours longer outputs, `< 0` shorter ones.
+    `generate(num_beams=..., num_return_sequences=...)`). `length_penalty > 0` favours
+    longer outputs, `< 0` shorter ones.
 
     Args:
         num_beams: hypotheses kept per prompt (>= 1).

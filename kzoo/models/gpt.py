@@ -1011,8 +1011,9 @@ class GPTCausalLM(FilledInputs, TaskModel):
                                           num_return_sequences)
         # (ids the vocabulary cannot produce are refused, as by the constructor: a row
         # would never stop)
-        stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
-                                    check_stop_token_ids(stop_token_ids, self.backbone.vocabulary_size))
+        stops = generation.stop_ids(
+            self.stop_token_ids if is_auto(stop_token_ids)
+            else check_stop_token_ids(stop_token_ids, self.backbone.vocabulary_size))
         rows, strings, single = self._prepare_prompts(prompts, padding_mask)
         lengths = np.array([len(r) for r in rows])
         prompt_len = int(lengths.max())

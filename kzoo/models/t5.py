@@ -918,8 +918,9 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
                                           num_return_sequences)
         # (ids the vocabulary cannot produce are refused, as by the constructor: a row
         # would never stop)
-        stops = generation.stop_ids(self.stop_token_ids if is_auto(stop_token_ids) else
-                                    check_stop_token_ids(stop_token_ids, self.backbone.vocabulary_size))
+        stops = generation.stop_ids(
+            self.stop_token_ids if is_auto(stop_token_ids)
+            else check_stop_token_ids(stop_token_ids, self.backbone.vocabulary_size))
         vocabulary_size = self.backbone.vocabulary_size
         decoder_start_token_id, pad_token_id = (
             check_token_id(name, getattr(self, name) if is_auto(value) else value,
