@@ -396,6 +396,50 @@ def test_a_run_past_the_requested_steps_is_refused_without_a_traceback(tmp_path,
 # === Resumption ===
 
 
+@pytest.mark.spread
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_save_the_step_then_resume_exactly(signum, tmp_path, monkeypatch,
+                                                              capsys):
+    """A SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) in the middle of an epoch,
+    with no checkpoint due for long: the run stops after that step with a checkpoint of it
+    (nothing trained is lost; before, SIGTERM killed the process and SIGINT raised a
+    KeyboardInterrupt traceback, both losing every step since the last checkpoint), exits
+    with 128 + the signal's number and a line saying how to resume, and the resumed run
+    ends with the weights of an uninterrupted one (dropout on: the generator state too)."""
+    from training import callbacks as cb
+
+    argv = ["vit_digits", "--steps", "8", "--max-epoch-steps", "8", "--save-every", "1000",
+            "--verbose", "0", "--batch-size", "16", "--override", "dropout=0.2"] + TINY_VIT
+    reference = str(tmp_path / "reference")
+    assert main(argv + ["--out", reference]) == 0
+
+    out = str(tmp_path / "stopped")
+    plain = cb.StepCheckpoint.on_train_batch_end
+
+    def signal_at_step_3(self, batch, logs=None):
+        plain(self, batch, logs)
+        if self.state.step == 3:
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(cb.StepCheckpoint, "on_train_batch_end", signal_at_step_3)
+    previous = signal.getsignal(signum)
+    assert main(argv + ["--out", out]) == 128 + signum
+    assert signal.getsignal(signum) is previous  # the handler is put back
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "step 3" in err and "resume" in err
+    assert [s for s, _ in checkpoint.list_checkpoints(os.path.join(out, "checkpoints"))] == [3]
+    assert not os.path.exists(os.path.join(out, "metrics.json"))
+    monkeypatch.setattr(cb.StepCheckpoint, "on_train_batch_end", plain)
+
+    assert main(argv + ["--out", out]) == 0
+    assert _metrics(out)["run"]["resumed_from_step"] == 3
+    assert _metrics(out)["metrics"] == _metrics(reference)["metrics"]
+    got = kzoo.presets.load(os.path.join(out, "model")).get_weights()
+    want = kzoo.presets.load(os.path.join(reference, "model")).get_weights()
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
 RESUME_ARGS = ["vit_digits", "--steps", "70", "--max-epoch-steps", "20", "--save-every", "4",
                "--batch-size", "16", "--verbose", "0"] + TINY_VIT + [
                    "--override", "dropout=0.2"]

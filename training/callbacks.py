@@ -10,12 +10,19 @@ They share one `RunState` (global step, per-epoch history, best value, divergenc
   `TerminateOnNaN`), so that the run ends with a clear error and saves nothing broken;
 - `RestoreMetrics`: puts the running metric averages of a checkpoint taken mid-epoch
   back at the start of the resumed epoch;
+- `StopOnSignal`: on SIGTERM or SIGINT, stops after the current step with a checkpoint of
+  it (a second signal ends the process at once);
 - `PlotCurves`: regenerates the PNG of the curves at every epoch end;
 - `EpochProgbar`: Keras' progress bar, numbering epochs over the whole run (the loop
   calls `fit` once per epoch).
 """
 
+import contextlib
 import math
+import os
+import signal
+import sys
+import threading
 
 import keras
 import numpy as np
@@ -201,6 +208,72 @@ class StepCheckpoint(keras.callbacks.Callback):
             return
         self.state.history.append(row)
         self._save(metrics_state=False)
+
+
+class Interrupted(Exception):
+    """Raised out of `fit` by `StopOnSignal` once the step's checkpoint is written."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopOnSignal(keras.callbacks.Callback):
+    """While `handling()` is active, SIGTERM and SIGINT stop training after the current
+    step instead of killing the process (SIGTERM's default) or raising `KeyboardInterrupt`
+    wherever Python happens to be (SIGINT's, e.g. in a checkpoint write): at the end of the
+    step a checkpoint of it is written (`StepCheckpoint`'s mid-epoch kind, unless that step
+    was just saved) and `Interrupted` is raised out of `fit`. At an epoch's last step the
+    epoch ends first (validation, the epoch's checkpoint) and the loop calls `check()`.
+    A second signal ends the process as the signal would have without this."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, state, step_checkpoint):
+        super().__init__()
+        self.state = state
+        self.step_checkpoint = step_checkpoint
+        self.signum = None
+
+    @contextlib.contextmanager
+    def handling(self, enabled=True):
+        """Install the handlers inside the block (only in the main thread and when
+        `enabled`), and put the previous ones back after it."""
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+
+        def handler(signum, frame):
+            if self.signum is not None:  # the second one: what it would have done
+                signal.signal(signum, previous[signum])
+                os.kill(os.getpid(), signum)
+                return
+            self.signum = signum
+            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a "
+                  "checkpoint (send it again to stop at once).", file=sys.stderr, flush=True)
+
+        try:
+            for s in self.SIGNALS:
+                signal.signal(s, handler)
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def check(self):
+        """Raise `Interrupted` if a signal came (the current step is in a checkpoint)."""
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.signum is None or self.state.diverged is not None:
+            return  # (a diverged step: the loop reports that, with no checkpoint of it)
+        if self.state.step >= self.state.epoch_end_step:
+            return  # the epoch ends now: its checkpoint, then the loop's `check()`
+        if self.state.last_checkpoint_step != self.state.step:
+            self.step_checkpoint._save(metrics_state=True)
+        self.check()
 
 
 class PlotCurves(keras.callbacks.Callback):

@@ -358,7 +358,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from training.checkpoint import CheckpointError
     from training.distributed import DistributedError
-    from training.loop import TrainingDiverged
+    from training.loop import TrainingDiverged, TrainingInterrupted
 
     module = recipe_module(args.recipe)
     try:
@@ -380,6 +380,9 @@ def main(argv=None):
     except TrainingDiverged as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
+    except TrainingInterrupted as error:  # (the shell's code of a process a signal ended)
+        print(f"stopped: {error}", file=sys.stderr)
+        return 128 + int(error.signum)
     except (CheckpointError, DistributedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

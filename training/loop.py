@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 
 import keras
@@ -39,6 +40,17 @@ from training.plot import plot_history
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; nothing broken was saved."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM or SIGINT stopped the run after a step, with a checkpoint of that step.
+
+    Attributes: `signum` (the signal), `step` (the step the checkpoint holds)."""
+
+    def __init__(self, message, signum, step):
+        super().__init__(message)
+        self.signum = signum
+        self.step = step
 
 
 @dataclasses.dataclass
@@ -405,10 +417,30 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
         ("plot", cb.PlotCurves(state, paths["plot"],
                                title=f"{cfg.recipe} ({keras.backend.backend()})")),
     ]
+    # SIGTERM / SIGINT: stop after the current step with a checkpoint of it (one process
+    # only: torch's processes would stop at different steps and wait on each other).
+    stop = cb.StopOnSignal(state, dict(named)["checkpoint"])
+    named.append(("signal", stop))
     if verbose:
         named.append(("progress", cb.EpochProgbar(num_epochs)))
     callbacks = plan.callbacks(named)  # torch: rank 0 writes, the others wait for it
+    with stop.handling(plan.world == 1):
+        try:
+            _fit_segments(cfg, model, task, plan, state, callbacks, stop, validation,
+                          steps_total, epoch_steps, verbose, ckpt_dir)
+        except cb.Interrupted as interrupted:
+            signum = interrupted.signum
+            name = signal.Signals(signum).name
+            raise TrainingInterrupted(
+                f"{cfg.recipe}: {name} stopped the run after step {state.step} of "
+                f"{steps_total}; its checkpoint is in {ckpt_dir}. Run the same command "
+                "again to resume from it.", signum, state.step) from None
+    return state, resumed_from, state.wall_time_before
 
+
+def _fit_segments(cfg, model, task, plan, state, callbacks, stop_on_signal, validation,
+                  steps_total, epoch_steps, verbose, ckpt_dir):
+    """`fit` once per epoch from `state.step` to `steps_total`."""
     while state.step < steps_total:
         epoch = state.step // epoch_steps
         stop = min((epoch + 1) * epoch_steps, steps_total)
@@ -431,7 +463,7 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
                 "--learning-rate or check the data."
             )
         state.step = stop
-    return state, resumed_from, state.wall_time_before
+        stop_on_signal.check()  # (a signal that came in validation: the epoch is saved)
 
 
 def _finish(cfg, plan, model, task, state, final, evaluate, report, extra_files,
