@@ -323,6 +323,28 @@ def test_damaged_and_half_written_checkpoints_are_skipped(tmp_path):
         checkpoint.restore_latest(tmp_path, other, {"a": 2})
 
 
+def test_a_save_removes_temporary_files_of_dead_writers_only(tmp_path):
+    """A save killed mid-write leaves its `.ckpt-<step>.npz.tmp-<pid>` file (as large as a
+    checkpoint); every kill added one that nothing removed. The next save removes those of
+    processes that no longer run, and keeps a live writer's (another process saving)."""
+    model = _tiny_compiled_model()
+    model.fit(np.ones((8, 4), "float32"), np.zeros((8, 3)), epochs=1, verbose=0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = [f".ckpt-00000004.npz.tmp-{dead.pid}", f".ckpt-00000006.npz.tmp-{live.pid}",
+                 "notes.txt"]
+        for name in names:
+            (tmp_path / name).write_bytes(b"half a checkpoint")
+        checkpoint.save(tmp_path, model, {"step": 8})
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [f".ckpt-00000006.npz.tmp-{live.pid}", "notes.txt", "ckpt-00000008.npz"])
+    finally:
+        live.kill()
+        live.wait()
+
+
 # === Recipes ===
 
 

@@ -18,7 +18,8 @@ model + optimizer + step is the whole training state.
 Crash safety: a checkpoint is written to a temporary name in the same directory, flushed
 and fsync'ed, then renamed with `os.replace` (atomic on POSIX), and only then are older
 checkpoints removed (the newest `keep` stay). Only names `ckpt-<8 digits>.npz` are ever
-read, so a temporary file left by a killed save is ignored; a checkpoint that does not
+read, so a temporary file left by a killed save is ignored (and removed by the next save,
+once its process is gone); a checkpoint that does not
 load (truncated, garbage, wrong model) is skipped with a warning in favour of the
 previous one.
 
@@ -40,6 +41,7 @@ import keras
 import numpy as np
 
 CHECKPOINT_RE = re.compile(r"^ckpt-(\d{8})\.npz$")
+TEMPORARY_RE = re.compile(r"^\.ckpt-\d{8}\.npz\.tmp-(\d+)$")  # (a save's, until renamed)
 META_KEY = "__meta__"
 
 
@@ -145,12 +147,33 @@ def save(directory, model, meta, metrics_state=False, keep=2):
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(directory)
+    _remove_dead_writers_files(directory)
     for _, path in list_checkpoints(directory)[keep:]:
         try:
             os.remove(path)
         except FileNotFoundError:
             pass
     return final
+
+
+def _remove_dead_writers_files(directory):
+    """Remove the temporary files that saves killed mid-write left in `directory` (each as
+    large as a checkpoint; never read): those named for a process that no longer runs."""
+    for name in os.listdir(directory):
+        match = TEMPORARY_RE.match(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # a live process's (another run saving here): left to it
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, OSError):
+            continue  # (another user's process, or a number no process has: keep it)
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
 
 
 WRITE_DELAY_ENV = "KZOO_CHECKPOINT_WRITE_DELAY"
