@@ -104,7 +104,8 @@ def quantize(model, mode):
 
     Raises:
         ValueError: unknown `mode`, an unbuilt model, or a model with LoRA adapters (merge
-            them first with `merge_lora()`), or nothing left to quantize.
+            them first with `merge_lora()`), nothing left to quantize, or int8 on a model
+            that computes in float16 (`mixed_float16`).
 
     Example:
     >>> paths = kzoo.quantize.quantize(model, "int8")   # == model.quantize("int8")
@@ -122,6 +123,15 @@ def quantize(model, mode):
         raise ValueError(
             f"{model.name!r} has no float Dense/Embedding layer left to quantize to "
             f"mode={mode!r} (already quantized?)."
+        )
+    if mode == "int8" and any(layer.compute_dtype == "float16" for layer in done):
+        # (Keras refuses each such layer with "Consider ... 'mixed_float16'", the policy
+        # the model already has)
+        raise ValueError(
+            f"quantize(mode='int8') does not run in float16, and {model.name!r} computes "
+            f"in it (dtype policy {model.dtype_policy.name!r}): build or load it with "
+            "dtype='mixed_bfloat16', 'bfloat16' or 'float32' first, or quantize it with "
+            "mode='int4' or 'float8', which run in float16."
         )
     with _one_collection():
         for layer in done:

@@ -158,6 +158,28 @@ def test_bad_modes_and_calls_are_refused():
         model.quantize("int8")
 
 
+def test_int8_on_a_float16_model_is_refused_with_what_to_do_instead():
+    """Keras refuses int8 in float16 with "doesn't work well with compute_dtype='float16'.
+    Consider ... 'mixed_float16'" (the policy the model has). kzoo names the mode, the
+    model's policy and what works: another dtype, or int4 / float8, which do run there."""
+    x = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype("float32")
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        half = build_model("vit")
+    finally:
+        keras.config.set_dtype_policy("float32")
+    half(x)
+    with pytest.raises(ValueError) as error:
+        half.quantize("int8")
+    message = str(error.value)
+    for needle in ("mode='int8'", "'mixed_float16'", "mixed_bfloat16", "int4", "float8"):
+        assert needle in message, message
+    assert "Consider" not in message
+    assert kzoo.quantize.quantization_map(half) == {}  # nothing was changed
+    half.quantize("int4")  # (runs in float16)
+    assert np.isfinite(to_numpy(keras.ops.cast(half(x), "float32"))).all()
+
+
 # === Which layers ===
 
 
