@@ -143,6 +143,22 @@ def test_bad_presets_and_overrides_are_named_before_any_work(argv, needle, tmp_p
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("flag, needle", [
+    (["--batch-size", "100000"], "--batch-size=100000 is larger than the training set"),
+    (["--lora-rank", "1000"], "--lora-rank 1000"),
+])
+def test_flags_too_large_for_the_data_or_model_are_usage_errors(flag, needle, tmp_path,
+                                                                capsys):
+    """Values that only the loaded data or model can refuse: exit 2 and one line naming
+    the flag, as for the parser's refusals (they were tracebacks, exit 1)."""
+    out = str(tmp_path / "run")
+    argv = ["vit_digits", "--steps", "1", "--out", out, "--verbose", "0"] + TINY_VIT
+    assert main(argv + flag) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+    assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints")) == []
+
+
 def test_an_out_that_is_a_file_is_named(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("keep me")

@@ -357,6 +357,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     from training.checkpoint import CheckpointError
+    from training.data import UsageError
     from training.distributed import DistributedError
     from training.loop import TrainingDiverged, TrainingInterrupted
 
@@ -383,7 +384,7 @@ def main(argv=None):
     except TrainingInterrupted as error:  # (the shell's code of a process a signal ended)
         print(f"stopped: {error}", file=sys.stderr)
         return 128 + int(error.signum)
-    except (CheckpointError, DistributedError) as error:
+    except (CheckpointError, DistributedError, UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:

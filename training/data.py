@@ -25,6 +25,12 @@ import numpy as np
 
 import kzoo.data
 
+
+class UsageError(ValueError):
+    """A flag value that only the loaded data or model can refuse (`--batch-size` larger
+    than the training set, a `--lora-rank` larger than the kernels): the CLI prints it
+    without a traceback."""
+
 # === Streams ===
 
 
@@ -114,7 +120,7 @@ class ArrayTask(Task):
         self.train = train
         self.num_examples = _length(train[0])
         if batch_size > self.num_examples:
-            raise ValueError(
+            raise UsageError(
                 f"--batch-size={batch_size} is larger than the training set "
                 f"({self.num_examples} examples)."
             )

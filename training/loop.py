@@ -35,6 +35,7 @@ import kzoo.presets
 from kzoo.schedules import WarmupInverseSqrt
 from training import callbacks as cb
 from training import checkpoint
+from training.data import UsageError
 from training.plot import plot_history
 
 
@@ -357,7 +358,10 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
     wall time before)`."""
     out, ckpt_dir = cfg.out, paths["checkpoints"]
     if cfg.lora_rank:  # before compile and restore: the adapters are the trained variables
-        model.enable_lora(int(cfg.lora_rank), targets=tuple(cfg.lora_targets))
+        try:
+            model.enable_lora(int(cfg.lora_rank), targets=tuple(cfg.lora_targets))
+        except ValueError as error:  # (a rank larger than the kernels)
+            raise UsageError(f"--lora-rank {cfg.lora_rank}: {error}") from None
         if verbose:
             print(f"LoRA rank {cfg.lora_rank} on {list(cfg.lora_targets)}: "
                   f"{_count(model.trainable_weights):,} trainable of "
