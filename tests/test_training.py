@@ -110,6 +110,9 @@ def test_recipe_help_prints_percent_signs_once():
     (["gpt_text", "--tokenizer", "wordpiece"], "'wordpiece'"),
     (["graphormer_freesolv", "--seeds", "0,x"], "'0,x'"),
     (["vit_digits", "--override", "num_layers"], "KEY=VALUE"),
+    # (an empty --out trained into runs/<recipe>, the default, without a word)
+    (["vit_digits", "--steps", "1", "--verbose", "0", "--out", ""] + TINY_VIT,
+     "--out must be a directory path; got ''"),
 ])
 def test_bad_arguments_are_named(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -54,6 +54,14 @@ def _float(name, low=None, high=None, low_open=False, high_open=False):
     return parse
 
 
+def _directory(name):
+    def parse(text):
+        if not text.strip():  # (`args.out or default` took it for "not given")
+            raise argparse.ArgumentTypeError(f"{name} must be a directory path; got {text!r}")
+        return text
+    return parse
+
+
 def _override(text):
     if "=" not in text:
         raise argparse.ArgumentTypeError(
@@ -111,7 +119,7 @@ def _common_arguments(parser, defaults):
                         help=f"examples per step, the micro-batch when --accumulate N > 1 "
                              f"(default: {defaults.get('batch_size', 32)})")
     _memory_arguments(parser)
-    parser.add_argument("--out", help="output directory (default: runs/<recipe>)")
+    parser.add_argument("--out", type=_directory("--out"), help="output directory (default: runs/<recipe>)")
     parser.add_argument("--seed", type=_non_negative_int("--seed"), default=0,
                         help="seed of the initialisation, data order, masking, dropout")
     # (inf passed the parser and failed in the schedule, a traceback)
