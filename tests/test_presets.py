@@ -190,6 +190,34 @@ def _t5_tiny():
                              vocabulary_size=50, dropout=0.0)
 
 
+def _check_resumes_on_other_backends(model, path, moments, x, y, tmp_path, *, iterations,
+                                     loss_rtol, atol):
+    """Train `model` (saved at `path` with Adam `moments` by variable path) one step here,
+    then load `path` on each other backend (`_RESUME_SCRIPT` in a subprocess) and check
+    its step count, every moment (bit for bit), the next step's loss and the outputs."""
+    loss = float(to_numpy(model.train_on_batch(x, y)))
+    after = to_numpy(model.predict(x, verbose=0))
+    np.savez(tmp_path / "data.npz", y=y, **{"x_" + k: np.asarray(v) for k, v in x.items()})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for other in ("jax", "torch", "tensorflow"):
+        if other == backend():
+            continue
+        out = tmp_path / f"{other}.npz"
+        env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
+        proc = subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(path),
+                               str(tmp_path / "data.npz"), str(out)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"loaded on {other}: {proc.stderr[-3000:]}"
+        got = np.load(out)
+        assert int(got["iterations"]) == iterations
+        for name, moment in moments.items():
+            np.testing.assert_array_equal(got["m_" + name], moment,
+                                          err_msg=f"{name}'s moment loaded on {other}")
+        np.testing.assert_allclose(float(got["loss"]), loss, rtol=loss_rtol,
+                                   err_msg=f"loaded on {other}")
+        np.testing.assert_allclose(got["after"], after, atol=atol, err_msg=f"on {other}")
+
+
 @pytest.mark.spread
 def test_compiled_keras_file_resumes_training_on_the_other_backends(tmp_path):
     """A T5 compiled with AdamW, trained two steps and saved as `.keras` here continues on
@@ -213,27 +241,8 @@ def test_compiled_keras_file_resumes_training_on_the_other_backends(tmp_path):
     opt = model.optimizer
     moments = {v.path: to_numpy(opt._momentums[opt._get_variable_index(v)])
                for v in model.trainable_variables}
-    loss = float(to_numpy(model.train_on_batch(x, y)))
-    after = to_numpy(model.predict(x, verbose=0))
-    np.savez(tmp_path / "data.npz", y=y, **{"x_" + k: v for k, v in x.items()})
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for other in ("jax", "torch", "tensorflow"):
-        if other == backend():
-            continue
-        out = tmp_path / f"{other}.npz"
-        env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
-        proc = subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(path),
-                               str(tmp_path / "data.npz"), str(out)],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"loaded on {other}: {proc.stderr[-3000:]}"
-        got = np.load(out)
-        assert int(got["iterations"]) == 3
-        for name, moment in moments.items():
-            np.testing.assert_array_equal(got["m_" + name], moment,
-                                          err_msg=f"{name}'s moment loaded on {other}")
-        np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-5,
-                                   err_msg=f"loaded on {other}")
-        np.testing.assert_allclose(got["after"], after, atol=1e-5, err_msg=f"on {other}")
+    _check_resumes_on_other_backends(model, path, moments, x, y, tmp_path, iterations=3,
+                                     loss_rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # (two other backends' processes: ~40 s)
@@ -263,27 +272,8 @@ def test_graphormer_keras_file_resumes_adamw_on_the_other_backends(tmp_path):
     opt = model.optimizer
     moments = {v.path: to_numpy(opt._momentums[opt._get_variable_index(v)])
                for v in model.trainable_variables}
-    loss = float(to_numpy(model.train_on_batch(x, y)))
-    after = to_numpy(model.predict(x, verbose=0))
-    np.savez(tmp_path / "data.npz", y=y, **{"x_" + k: np.asarray(v) for k, v in x.items()})
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for other in ("jax", "torch", "tensorflow"):
-        if other == backend():
-            continue
-        out = tmp_path / f"{other}.npz"
-        env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
-        proc = subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(path),
-                               str(tmp_path / "data.npz"), str(out)],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"loaded on {other}: {proc.stderr[-3000:]}"
-        got = np.load(out)
-        assert int(got["iterations"]) == 2
-        for name, moment in moments.items():
-            np.testing.assert_array_equal(got["m_" + name], moment,
-                                          err_msg=f"{name}'s moment loaded on {other}")
-        np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-6,
-                                   err_msg=f"loaded on {other}")
-        np.testing.assert_allclose(got["after"], after, atol=5e-5, err_msg=f"on {other}")
+    _check_resumes_on_other_backends(model, path, moments, x, y, tmp_path, iterations=2,
+                                     loss_rtol=1e-6, atol=5e-5)
 
 
 def test_keras_file_round_trip(tmp_path):
