@@ -761,6 +761,7 @@ def test_t5_beam_num_return_sequences_match_transformers(n, num_beams, tmp_path)
         assert ours == expected, f"compile={compile}"
 
 
+@pytest.mark.spread  # (one backend in turn; ~40 s on JAX, compiling many shapes)
 def test_gpt2_sampling_num_return_sequences(tmp_path):
     """`strategy="sample", num_return_sequences=n`: n draws of each prompt, grouped prompt by
     prompt. With top_k=1 every draw is transformers' greedy continuation of its own prompt;
@@ -807,6 +808,7 @@ def test_gpt2_sampling_num_return_sequences(tmp_path):
     assert len({tuple(r) for r in a[:4]}) > 1  # independent draws, not one row repeated
 
 
+@pytest.mark.spread  # (one backend in turn; ~40 s on JAX, compiling many shapes)
 def test_t5_sampling_num_return_sequences(tmp_path):
     import torch
 
