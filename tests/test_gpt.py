@@ -1147,6 +1147,47 @@ def test_hf_rope_scaling_and_head_dim_parity_generation_and_round_trip(variant, 
     _assert_gpt_matches(model, again, ids, mask, f"{variant} -> transformers")
 
 
+
+# transformers 5 writes the rotary settings as one `rope_parameters` dict (measured with
+# 5.17: `{"rope_theta": 500000.0, "rope_type": "llama3", "factor": 4.0, ...}`) and its
+# config.json has no `rope_theta` or `rope_scaling`.
+ROPE_PARAMETERS_VARIANTS = {
+    "llama_llama3_theta": ("llama", dict(rope_theta=500.0, rope_scaling=_LLAMA3)),
+    "mistral_linear_window": ("mistral", dict(rope_theta=50.0, sliding_window=6,
+                                              rope_scaling={"rope_type": "linear",
+                                                            "factor": 2.5})),
+    "mixtral_theta": ("mixtral", dict(rope_theta=30.0)),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_PARAMETERS_VARIANTS))
+def test_hf_transformers_5_rope_parameters_are_read(variant, tmp_path):
+    """A checkpoint whose config.json keeps its rotary base and scaling in transformers 5's
+    `rope_parameters` gives the logits of transformers' model with the same `rope_theta` /
+    `rope_scaling` (kzoo used the default base and no scaling in silence); a legacy key
+    that disagrees with it is refused by name."""
+    import json
+
+    model_type, overrides = ROPE_PARAMETERS_VARIANTS[variant]
+    src = os.path.join(tmp_path, "src")
+    hf = _hf_modern(src, model_type, **overrides)
+    config_path = os.path.join(src, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    parameters = {"rope_type": "default", **(config.pop("rope_scaling", None) or {}),
+                  "rope_theta": config.pop("rope_theta")}
+    with open(config_path, "w") as f:
+        json.dump({**config, "rope_parameters": parameters}, f)
+    model = kzoo.presets.load(src)
+    assert model.backbone.rope_max_wavelength == overrides["rope_theta"]
+    ids, mask = _right_padded(lengths=(14, 11, 5), width=14)
+    _assert_gpt_matches(model, hf, ids, mask, variant)
+
+    with open(config_path, "w") as f:
+        json.dump({**config, "rope_parameters": parameters, "rope_theta": 10000.0}, f)
+    with pytest.raises(ValueError, match="`rope_theta`=10000.0 disagrees with `rope_parameters`"):
+        kzoo.presets.load(src)
+
 def test_hf_llama3_rope_frequencies_equal_transformers():
     """kzoo's llama3 inverse frequencies (`rope_inverse_frequencies`, the one function every
     path reads) equal transformers' `_compute_llama3_parameters` for Llama 3.1 8B's settings

@@ -21,7 +21,8 @@ with a top-k sparse mixture of SwiGLU experts). `config_from_hf` / `load_weights
 `to_hf` writes a kzoo model of such a configuration as a LLaMA or Mixtral checkpoint. Their
 projections are `nn.Linear` weights `(out, in)`, transposed to Keras kernels. Honoured:
 `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
-`num_key_value_heads`, `hidden_act`, `max_position_embeddings`, `rms_norm_eps`, `rope_theta`,
+`num_key_value_heads`, `hidden_act`, `max_position_embeddings`, `rms_norm_eps`, `rope_theta`
+(or transformers 5's `rope_parameters`, which holds it and the `rope_scaling` settings),
 `attention_bias` / `mlp_bias` (equal; LLaMA only: Mistral and Mixtral have no biases and
 ignore them, as transformers does), `tie_word_embeddings`, `num_local_experts`,
 `num_experts_per_tok`, `sliding_window` (Mistral and Mixtral, whatever its size: rotary models
@@ -362,9 +363,33 @@ def _rope_scaling_to_hf(backbone):
     return scaling
 
 
+def _from_rope_parameters(model_type, hf_config):
+    """transformers 5's `rope_parameters` (one dict: `rope_theta`, the scaling's `rope_type`
+    and settings, `partial_rotary_factor`; the config.json it writes has no `rope_theta` or
+    `rope_scaling`) as the 4.x keys the rest of the converter reads. Left out, those keys
+    would fall back to their defaults: another rotary base and no scaling, in silence."""
+    parameters = hf_config["rope_parameters"]
+    field = f"{model_type} config field `rope_parameters`={parameters!r}"
+    if not isinstance(parameters, dict):
+        raise ValueError(f"{field} must be a dict holding \"rope_theta\" and \"rope_type\".")
+    scaling = dict(parameters)
+    legacy = {key: scaling.pop(key) for key in ("rope_theta", "partial_rotary_factor")
+              if key in scaling}
+    legacy["rope_scaling"] = scaling or None
+    for key, value in legacy.items():
+        if hf_config.get(key) is not None and hf_config[key] != value:
+            raise ValueError(
+                f"{model_type} config: `{key}`={hf_config[key]!r} disagrees with `rope_parameters`"
+                f"={parameters!r} (transformers 5 keeps rotary settings in `rope_parameters` "
+                f"only); remove one of them.")
+    return legacy
+
+
 def _modern_config_from_hf(hf_config, source):
     model_type = hf_config["model_type"]
     cfg = {**_MODERN_DEFAULTS[model_type], **hf_config}
+    if hf_config.get("rope_parameters") is not None:
+        cfg.update(_from_rope_parameters(model_type, hf_config))
     archs = MODERN_ARCHITECTURES[model_type]
     arch = (hf_config.get("architectures") or [next(iter(archs))])[0]
     if arch not in archs:
@@ -470,6 +495,9 @@ def _modern_config_from_hf(hf_config, source):
     if sliding:
         config.update(attention="sliding_window", attention_options={"window": window})
     names = dict(_MODERN_HF_NAMES, attention_options="sliding_window")
+    if hf_config.get("rope_parameters") is not None:
+        names.update({key: "rope_parameters" for key, hf in _MODERN_HF_NAMES.items()
+                      if hf in ("rope_theta", "rope_scaling")})
     if not cfg["num_key_value_heads"]:
         names["num_kv_heads"] = "num_attention_heads"
     config = _validated(config, source, names)
