@@ -622,6 +622,37 @@ def test_hf_other_gelu_names_match_transformers(proj, tmp_path):
     _assert_t5_matches(model, hf, inputs, f"T5 {proj} logits")
 
 
+
+@pytest.mark.parametrize("case", ["v1_1_own_head", "v1_1_embedding_as_head", "v1_0"])
+def test_hf_transformers_5_scale_decoder_outputs_is_read(case, tmp_path):
+    """transformers 5 writes `tie_word_embeddings: true` for every T5 (measured with 5.17:
+    flan-T5 style too) and decides the decoder output's d_model ** -0.5 scaling by
+    `scale_decoder_outputs`; an unscaled model saved without `lm_head.weight` uses
+    `shared.weight` as its head. kzoo scaled such a v1.1 as v1.0, in silence; the reference
+    is transformers 4.57's model of the same computation."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    version = "v1_0" if case == "v1_0" else "v1_1"
+    hf = _hf_model(tmp_path, version)
+    if case == "v1_1_embedding_as_head":
+        with torch.no_grad():
+            hf.lm_head.weight.copy_(hf.shared.weight)
+        weights = os.path.join(tmp_path, "model.safetensors")
+        state = load_file(weights)
+        del state["lm_head.weight"]
+        save_file(state, weights, metadata={"format": "pt"})
+    config_path = os.path.join(tmp_path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(tie_word_embeddings=True, scale_decoder_outputs=version == "v1_0")
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    model = kzoo.presets.load(tmp_path)
+    assert model.backbone.tie_embeddings == (version == "v1_0")
+    inputs = _batch(enc_len=12, dec_len=9, enc_real=(12, 7), dec_real=(9, 5))
+    _assert_t5_matches(model, hf, inputs, f"T5 {case} (transformers 5 config)")
+
 def test_hf_backbone_matches_t5model(tmp_path):
     hf = _hf_model(tmp_path, "v1_1", architecture="T5Model", seed=1)
     backbone = kzoo.presets.load(tmp_path)

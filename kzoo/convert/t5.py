@@ -18,6 +18,11 @@ kernels `(in, out)`):
 - `lm_head.weight` -> `T5Seq2SeqLM.lm_head.kernel` (untied, v1.1; a tied checkpoint's copy of
   `shared.weight` is ignored).
 
+Checkpoints saved by transformers 5 have `tie_word_embeddings=true` whatever the version and
+a `scale_decoder_outputs` field, which then decides kzoo's `tie_embeddings` (the decoder
+output scaled by `d_model ** -0.5`); an unscaled model without `lm_head.weight` uses
+`shared.weight` as its head, as transformers 5 does.
+
 Example:
 >>> model = kzoo.presets.load("/path/to/t5-small")           # a save_pretrained directory
 >>> kzoo.presets.save(model, "/tmp/t5_out", format="hf")
@@ -170,6 +175,13 @@ def config_from_hf(hf, source="config.json"):
     }
     names = _HF_NAMES if num_decoder_layers is not None else {
         **_HF_NAMES, "num_decoder_layers": "num_layers"}
+    if hf.get("scale_decoder_outputs") is not None:
+        # transformers 5 writes tie_word_embeddings=true for every T5 (v1.1 and flan-T5
+        # too) and says with `scale_decoder_outputs` alone whether the decoder output is
+        # scaled by d_model ** -0.5 (what kzoo's tie_embeddings does): read from
+        # tie_word_embeddings, a v1.1 checkpoint it saved was scaled as v1.0, in silence.
+        config["tie_embeddings"] = hf["scale_decoder_outputs"]
+        names = {**names, "tie_embeddings": "scale_decoder_outputs"}
     checked = T5Config.from_dict(config, source=source, names=names)
     config = {key: getattr(checked, key) for key in config}
     task = ARCHITECTURES[architecture]
@@ -250,6 +262,11 @@ def _pairs(model):
 def load_weights(model, weights):
     """Assign every weight of a T5 checkpoint (a `WeightReader`) to a kzoo T5 model."""
     for name, variable, transpose in _pairs(model):
+        if name == "lm_head.weight" and not weights.has(name) and weights.has("shared.weight"):
+            # An unscaled head stored as `shared.weight` alone: transformers 5 ties T5's head
+            # to the embedding whenever the checkpoint has no other (scale_decoder_outputs
+            # false, the embedding's table as the head).
+            name = "shared.weight"
         assign(variable, weights.take(name, transpose=transpose), name)
     if getattr(model, "lm_head", None) is None and weights.has("lm_head.weight"):
         # A tied checkpoint may carry the output projection as a copy of `shared.weight`.
