@@ -1156,7 +1156,10 @@ def _loop_body(model, sampler, max_new_tokens):
         logits, state, constants = model.generation_prefill(inputs, max_new_tokens)
         if beams > 1:  # every prompt's row repeated for each beam (or sample): b * beams + k
             logits = ops.repeat(logits, beams, axis=0)
-            state = _map(lambda x: ops.repeat(x, beams, axis=0), state)
+            # (a gather, which copies: Keras' torch `repeat` of a batch of one is a view
+            # whose rows share memory, and the steps write the caches in place)
+            copies = np.repeat(np.arange(logits.shape[0] // beams, dtype="int32"), beams)
+            state = _map(lambda x: ops.take(x, copies, axis=0), state)
             constants = _map(lambda x: ops.repeat(x, beams, axis=0), constants)
         carry, rows = sampler.select(ops.cast(logits, "float32"), carry, 0)
         if rows is not None:

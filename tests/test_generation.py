@@ -835,6 +835,41 @@ def test_t5_sampling_num_return_sequences(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_one_prompt_sampled_several_times(family, tmp_path):
+    """One prompt, `num_return_sequences=3` draws: each row has its own key/value cache.
+    (On PyTorch the prompt's cache was repeated as a view whose rows share memory, and the
+    first in-place cache write failed: "more than one element of the written-to tensor
+    refers to a single memory location".) With top_k=1 each draw is transformers' greedy
+    continuation."""
+    import torch
+
+    import kzoo.presets
+
+    if family == "gpt":
+        from tests.test_gpt import _hf_gpt2
+
+        hf, prompt = _hf_gpt2(tmp_path, initializer_range=0.3), [5, 17, 33]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=5,
+                              eos_token_id=None, pad_token_id=0)
+        greedy = out[0, len(prompt):].tolist()
+    else:
+        from tests.test_t5 import _hf_model
+
+        hf, prompt = _hf_model(tmp_path, "v1_0", seed=2), [5, 17, 33, 1]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=5,
+                              eos_token_id=None, pad_token_id=0, decoder_start_token_id=0)
+        greedy = out[0, 1:].tolist()
+    model = kzoo.presets.load(tmp_path)
+    for compile in (True, False):
+        ours = model.generate([prompt], max_new_tokens=5, strategy="sample", top_k=1,
+                              num_return_sequences=3, seed=0, stop_token_ids=None,
+                              compile=compile)
+        assert ours == [greedy] * 3, compile
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_num_return_sequences_is_checked(family):
     if family == "gpt":
         from tests.test_gpt import shared_lm
