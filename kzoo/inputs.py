@@ -774,8 +774,11 @@ def check_token_ids(ids, vocabulary_size, mask=None):
     Example:
     >>> check_token_ids([[1, 2], [3, 99]], 50)   # ValueError: ... id 99 at prompt 1, token 1
     """
-    for i, row in enumerate(ids):
-        row = np.asarray(row, dtype=np.int64).reshape(-1)
+    for i, given in enumerate(ids):
+        # (compared as given, not cast to int64: ids past int64 overflowed, and uint64
+        # ids from 2**63 up were named as the negative ids they wrap to)
+        row = np.asarray(given, dtype=None if hasattr(given, "dtype") else object)
+        row = row.reshape(-1)
         bad = (row < 0) | (row >= vocabulary_size)
         if mask is not None:
             bad &= np.asarray(mask[i], bool).reshape(-1)
@@ -783,5 +786,5 @@ def check_token_ids(ids, vocabulary_size, mask=None):
             j = int(np.argmax(bad))
             raise ValueError(
                 f"Prompt token ids must be in [0, vocabulary_size={vocabulary_size}); got id "
-                f"{int(row[j])} at prompt {i}, token {j}."
+                f"{row.tolist()[j]} at prompt {i}, token {j}."
             )

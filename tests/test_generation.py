@@ -657,6 +657,13 @@ def test_gpt_prompt_ids_are_checked():
         lm.generate([[1, 2], [3, 4, VOCAB]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"id -3 at prompt 0, token 0"):
         lm.generate(np.array([[-3, 4]]), max_new_tokens=2)
+    # (ids past int64 raised OverflowError; uint64 ids from 2**63 up were named as the
+    # negative ids they wrap to: the id as given)
+    with pytest.raises(ValueError, match=rf"got id {2 ** 63} at prompt 0, token 1"):
+        lm.generate(np.array([[1, 2 ** 63]], dtype=np.uint64), max_new_tokens=2)
+    for row in ([1, 2 ** 63], [1, 2 ** 70]):
+        with pytest.raises(ValueError, match=rf"got id {row[1]} at prompt 1, token 1"):
+            lm.generate([[3], row], max_new_tokens=2)
     with pytest.raises(ValueError, match="float"):
         lm.generate(np.array([[1.7, 4.0]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="integer"):
