@@ -12,6 +12,7 @@ import pytest
 import keras
 
 from kzoo import export as exporting
+from kzoo.models.gpt import GPTBackbone, GPTCausalLM
 from tests.helpers import backend, to_numpy
 from tests.test_quantize import build_model, model_inputs
 
@@ -141,10 +142,22 @@ def test_dynamic_batch_and_sequence(format, tmp_path):
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_onnx_batch_sizes(tmp_path):
+def _learned_positions_gpt():
+    """GPT with a learned position table (gpt_mini, GPT-2), tiny."""
+    keras.utils.set_random_seed(0)
+    return GPTCausalLM(GPTBackbone(
+        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=24,
+        max_sequence_length=16, position="learned", initializer_range=0.3, dropout=0.0))
+
+
+@pytest.mark.parametrize("position", ["rotary", "learned"])
+def test_onnx_batch_sizes(position, tmp_path):
     """ONNX on JAX keeps the batch dynamic with a fixed sequence length; torch fixes both
-    (its file serves the batch it was exported for); TensorFlow keeps both dynamic."""
-    model = build_model("gpt")
+    (its file serves the batch it was exported for); TensorFlow keeps both dynamic. With
+    learned positions (gpt_mini, GPT-2, BERT), JAX's file served only a batch equal to the
+    sequence length: jax2onnx gave the position rows' new batch axis the table slice's
+    length, and any other batch failed in onnxruntime's Reshape."""
+    model = build_model("gpt") if position == "rotary" else _learned_positions_gpt()
     path = str(tmp_path / "gpt.onnx")
     shapes = {"tensorflow": None, "jax": {"sequence": 8},
               "torch": {"batch": 3, "sequence": 8}}[backend()]

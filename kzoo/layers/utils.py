@@ -345,6 +345,13 @@ def broadcast_leading(x, shape):
     """
     shape = tuple(shape)
     lead = shape[:len(shape) - len(x.shape)]
+    if keras.backend.backend() == "jax" and lead and not _static(shape):
+        # A symbolic batch on JAX (an export): the new axes made size-1 axes of `x` first.
+        # jax2onnx (0.17) gave a new leading axis of a broadcast the size of the operand's
+        # own first axis when that operand came out of a slice (the learned positions'
+        # rows), so an ONNX file served only a batch equal to the sequence length.
+        x = ops.reshape(x, (1,) * len(lead) + tuple(ops.shape(x)))
+        return ops.broadcast_to(x, shape)
     if (keras.backend.backend() != "jax" or not lead or not _static(shape)
             or tuple(x.shape) != shape[len(lead):] or 0 in shape):
         return ops.broadcast_to(x, shape)
