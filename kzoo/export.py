@@ -575,6 +575,12 @@ def _onnx_jax(model, filepath, signature, shapes, opset_version=None):
         return model(args[0], training=False)
 
     options = {"input_names": names, "return_mode": "file", "output_path": filepath}
+    # Weights of 1 MB or more go to `<file>.data`; onnx refuses to write one that exists
+    # (an earlier export to this path: FileExistsError) when the path is relative to the
+    # working directory, and appended to it otherwise. This export replaces it.
+    sidecar = filepath + ".data"
+    if os.path.isfile(sidecar):
+        os.remove(sidecar)
     if opset_version is not None:
         options["opset"] = opset_version
     with _arange_with_stop():

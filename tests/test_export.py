@@ -168,6 +168,28 @@ def test_onnx_batch_sizes(position, tmp_path):
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(backend() != "jax", reason="jax2onnx's external-data file")
+def test_onnx_export_twice_to_the_same_path(tmp_path, monkeypatch):
+    """Weights of 1 MB or more go to a `.onnx.data` file beside the `.onnx`; exporting again
+    to the same path (a script run twice, a relative path as in the README) failed with
+    onnx's `FileExistsError: External data file exists`. The second export replaces both
+    files, and the first's outputs are those of the second model."""
+    monkeypatch.chdir(tmp_path)
+    shapes = {"sequence": 8}
+    x = _gpt_inputs(2, 8, seed=3)
+    for seed in (0, 1):
+        keras.utils.set_random_seed(seed)
+        model = GPTCausalLM(GPTBackbone(  # a 4100 x 64 token table: 1.05 MB
+            vocabulary_size=4100, num_layers=1, num_heads=2, hidden_dim=64,
+            intermediate_dim=32, max_sequence_length=16, dropout=0.0))
+        model.export("gpt.onnx", format="onnx", shapes=shapes)
+        assert (tmp_path / "gpt.onnx.data").is_file()
+        size = (tmp_path / "gpt.onnx.data").stat().st_size
+        assert size < 2 * 4100 * 64 * 4  # the table once, not appended to the last file's
+        np.testing.assert_allclose(run_exported("onnx", "gpt.onnx", x), to_numpy(model(x)),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_eager_calls_after_an_export_are_unchanged(tmp_path):
     """An export traces the model on the backend's symbolic tensors; nothing of that trace is
     kept for later eager calls (torch kept the rotary tables of the traced length, made of
