@@ -35,7 +35,7 @@ def command(variant, out, args):
     cmd = [sys.executable, "-m", "training", "gpt_text", "--preset", args.preset,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
            "--seq-len", str(args.seq_len), "--seed", str(args.seed), "--out", out,
-           "--fresh", "--verbose", "0", "--sample-tokens", "0"]
+           "--fresh", "--verbose", "0", "--sample-tokens", "1"]
     for item in VARIANTS[variant]:
         cmd += ["--override", item.format(window=args.window, features=args.features)]
     return cmd

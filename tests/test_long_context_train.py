@@ -35,3 +35,16 @@ def test_metrics_and_table(tmp_path):
     lines = lct.table(rows, ARGS).splitlines()
     assert lines[-2] == "| full | 2.0000 | 7.39 | 0.3000 | +0.0000 | 10 |"
     assert lines[-1] == "| linear (elu) | 2.2500 | 9.49 | — | +0.2500 | 10 |"
+
+
+def test_every_variant_command_is_accepted_by_the_training_cli():
+    """Each run's arguments parse with `python -m training`'s own parser (the benchmark
+    passed `--sample-tokens 0`, which the recipe refuses: every run exited 2 and the
+    benchmark stopped at its first variant). The sample stays as short as allowed."""
+    from training.cli import build_parser
+
+    for variant in lct.VARIANTS:
+        argv = lct.command(variant, "/tmp/x", ARGS)
+        assert argv[1:3] == ["-m", "training"]
+        args = build_parser().parse_args(argv[3:])
+        assert args.sample_tokens == 1
