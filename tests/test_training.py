@@ -146,6 +146,35 @@ def test_bad_presets_and_overrides_are_named_before_any_work(argv, needle, tmp_p
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["attention=sliding_window", "window=32"], ("sliding_window", {"window": 32})),
+    (["attention=performer", "num_features=12"], ("performer", {"num_features": 12})),
+    (["attention=longformer", "window=4", "global_tokens=1"],
+     ("longformer", {"window": 4, "global_tokens": 1})),
+])
+def test_attention_options_by_name_are_overrides(overrides, expected):
+    """`--override window=32` names an attention option as `kzoo.presets.load(...,
+    window=32)` does (the README's form; `benchmarks.long_context_train` passes it): the
+    check before any work refused it as an unknown override (exit 2), so no run with an
+    efficient attention's options could start. The options reach the model's config."""
+    from training.cli import check_model_arguments, config_from_args, recipe_module
+
+    argv = ["gpt_text"] + [a for o in overrides for a in ("--override", o)]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    check_model_arguments(recipe_module("gpt_text"), cfg)
+    config = kzoo.presets.load("gpt_mini", num_layers=1, **cfg.overrides).backbone.config
+    assert config.attention == expected[0]
+    assert {k: config.attention_options[k] for k in expected[1]} == expected[1]
+
+
+def test_a_bad_attention_option_is_named_before_any_work(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    argv = ["gpt_text", "--override", "attention=sliding_window", "--override", "window=0"]
+    assert main(argv + ["--out", out]) == 2
+    assert "`window` must be a positive integer; got window=0" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
 @pytest.mark.parametrize("flag, needle", [
     (["--batch-size", "100000"], "--batch-size=100000 is larger than the training set"),
     (["--lora-rank", "1000"], "--lora-rank 1000"),

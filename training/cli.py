@@ -346,7 +346,9 @@ def check_model_arguments(module, cfg):
             f"{trains} models: {same}."
         )
     task = spec.get("task", family.default_task)
-    config_over, _ = family.split_overrides(task, cfg.overrides)  # unknown names
+    # (attention options by name, `--override window=32`, as `kzoo.presets.load` takes them)
+    overrides = kzoo.presets._fold_attention_options(family, spec["config"], cfg.overrides)
+    config_over, _ = family.split_overrides(task, overrides)  # unknown names
     if family.config_class is not None:
         try:
             family.config_class(**{**spec["config"], **config_over})
