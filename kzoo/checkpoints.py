@@ -397,9 +397,21 @@ def write_hf(directory, hf_config, state, tokenizer=None, max_shard_size=DEFAULT
             if os.path.isfile(path):
                 os.remove(path)
     write_json(os.path.join(directory, HF_CONFIG), hf_config)
-    if tokenizer is not None and hasattr(tokenizer, "save"):
-        tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    write_tokenizer(directory, tokenizer)
     return directory
+
+
+def write_tokenizer(directory, tokenizer):
+    """`tokenizer` (a `tokenizers` tokenizer, e.g. a loaded checkpoint's `model.tokenizer`)
+    as `directory/tokenizer.json`, written to a temporary name and renamed; nothing for None
+    or an object that cannot save itself."""
+    if tokenizer is None or not hasattr(tokenizer, "save"):
+        return None
+    path = os.path.join(directory, "tokenizer.json")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    tokenizer.save(tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def load_tokenizer(path):

@@ -467,6 +467,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     weights_tmp = os.path.join(directory, "tmp." + WEIGHTS_FILE)
     model.save_weights(weights_tmp, overwrite=True)
     os.replace(weights_tmp, os.path.join(directory, WEIGHTS_FILE))
+    checkpoints.write_tokenizer(directory, getattr(model, "tokenizer", None))
     checkpoints.write_json(config_path, meta, default=_json_default)
     write_model_card(model, directory, format=format, metrics=metrics)
     return directory
@@ -684,6 +685,7 @@ def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
     source = os.path.join(path, CONFIG_FILE)
     model = _build(family, config, saved_task, saved_task_config, task=task, dtype=dtype,
                    overrides=overrides or {}, source=source)
+    _attach_tokenizer(model, path)
     if weights is False:
         return model
     task = family.task_of(model)
@@ -742,10 +744,16 @@ def _load_hf(path, task=None, dtype=None, overrides=None, weights=None):
             family.load_hf_weights(model, checkpoints.read_hf_state(path), strict=strict)
     elif weights is not False:
         _load_weights_into(model, weights, overrides)
+    _attach_tokenizer(model, path)
+    return model
+
+
+def _attach_tokenizer(model, path):
+    """The directory's tokenizer (`tokenizer.json`, or a BERT / GPT-2 vocabulary) as
+    `model.tokenizer`, which `generate` uses for text prompts; nothing when it has none."""
     tokenizer = checkpoints.load_tokenizer(path)
     if tokenizer is not None:
         model.tokenizer = tokenizer
-    return model
 
 
 __all__ = ["list", "info", "load", "save", "build", "load_keras_file", "model_card",

@@ -130,6 +130,36 @@ def test_save_directory_round_trip(name, tmp_path):
     assert getattr(bb, "task_name", None) is None
 
 
+def test_saved_directory_keeps_the_tokenizer_for_text_prompts(tmp_path):
+    """A model with a tokenizer (e.g. loaded from a Hugging Face directory) saved in kzoo's
+    format keeps it (`tokenizer.json`), and a kzoo directory holding one (the training
+    recipes', the demo's) loads with it: `generate` takes text after `load`, as the demo's
+    "Reload it with kzoo.presets.load(...)" promises. Before, it refused text prompts."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(50)]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    model = kzoo.presets.load("gpt_mini", **SMALL["gpt_mini"], vocabulary_size=50)
+    model.tokenizer = tok
+    kzoo.presets.save(model, tmp_path / "m")
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
+    assert not [f for f in os.listdir(tmp_path / "m") if ".tmp" in f]
+    ids = model.generate([[3, 4]], max_new_tokens=3, stop_token_ids=None)[0]
+    expected = " ".join(words[i] for i in [3, 4] + ids)
+    for loaded in (kzoo.presets.load(tmp_path / "m"),
+                   kzoo.presets.load(tmp_path / "m", weights=False)):
+        assert loaded.tokenizer.get_vocab() == tok.get_vocab()
+    loaded = kzoo.presets.load(tmp_path / "m")
+    assert loaded.generate("w3 w4", max_new_tokens=3, stop_token_ids=None) == expected
+    # A model without one writes none (and a directory without one loads without one).
+    bare = kzoo.presets.load("gpt_mini", **SMALL["gpt_mini"])
+    kzoo.presets.save(bare, tmp_path / "bare")
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+    assert getattr(kzoo.presets.load(tmp_path / "bare"), "tokenizer", None) is None
+
+
 _LOAD_SCRIPT = r"""
 import sys, numpy as np, kzoo
 for model_dir, inputs, out in zip(*[iter(sys.argv[1:])] * 3):
