@@ -38,7 +38,16 @@ _PRESET_SUFFIX = ".json"
 
 
 def _unknown(kind, value, known, label="Known"):
-    close = difflib.get_close_matches(str(value), sorted(known), n=5, cutoff=0.4)
+    # Compared without case and with "-" as "_" ("GPT_MINI", "bert-base-uncased" as the
+    # hub spells it), then named as they are.
+    def norm(text):
+        return str(text).lower().replace("-", "_")
+
+    spelled = {}
+    for name in sorted(known):
+        spelled.setdefault(norm(name), name)
+    close = [spelled[n] for n in difflib.get_close_matches(norm(value), list(spelled), n=5,
+                                                           cutoff=0.4)]
     hint = f" Did you mean {close}?" if close else ""
     return ValueError(f"Unknown {kind}={value!r}.{hint} {label}: {sorted(known)}.")
 

@@ -72,6 +72,12 @@ def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError,
                        match=r"Unknown family=.gtp.. Did you mean \[.gpt.*Known families: \[.bert"):
         registry.family("gtp")
+    # Case and the hub's "-" for "_" do not hide the name meant (it is named as spelt here).
+    for typed, meant in (("GPT_MINI", "gpt_mini"), ("bert-base-uncased", "bert_base_uncased"),
+                         ("T5-Small", "t5_small")):
+        with pytest.raises(ValueError, match=rf"Unknown preset name='{typed}'. Did you mean "
+                                             rf"\['{meant}'"):
+            kzoo.presets.load(typed)
     with pytest.raises(ValueError, match=r"model_type='roberta'.*'gpt2'.*'llama'"):
         registry.for_model_type("roberta")
     with pytest.raises(ValueError, match=r"`task` must be one of .*'causal_lm'.*got task='mlm'"):
