@@ -41,6 +41,13 @@ The loop (`decode`) is written once with `keras.ops` and compiled whole:
 
 No per-token host round-trip: the tokens are read back once, at the end.
 
+Scores (`decode(return_scores=True)`, `generate(return_scores=True)`): greedy and sampled rows
+also carry each chosen token's log-probability under the distribution it was chosen from
+(the log-softmax of the processed logits: transformers' `compute_transition_scores(...,
+normalize_logits=True)`), written into a `(rows, max_new_tokens)` float32 carry entry next to
+the tokens; beam search returns its finished hypotheses' scores (transformers'
+`sequences_scores`). Without it the loop neither computes nor carries any of it.
+
 Samplers (small classes; `make_sampler` builds one from `generate`'s arguments):
 
 - `GreedySampler`: argmax.
@@ -681,6 +688,10 @@ class Sampler:
     # The `LogitsProcessors` applied before choosing (`make_sampler` sets them when an
     # option is on; None: the loop has no processing at all).
     processors = None
+    # Whether the loop keeps scores (`decode(return_scores=True)` sets it): each chosen
+    # token's log-probability (greedy, sampling: `"token_scores"` in the carry), beam
+    # search's final scores. Off: nothing of it is computed or carried.
+    return_scores = False
 
     @property
     def key(self):
@@ -714,21 +725,33 @@ class Sampler:
         self.stops = stops
         self.pad_token_id = pad_token_id
         batch_size = batch_size * self.rows_per_prompt
-        return {
+        carry = {
             "tokens": ops.full((batch_size, max_new_tokens), pad_token_id, "int32"),
             "finished": ops.zeros((batch_size,), "bool"),
             "lengths": ops.full((batch_size,), max_new_tokens, "int32"),
         }
+        if self.return_scores:
+            carry["token_scores"] = ops.zeros((batch_size, max_new_tokens), "float32")
+        return carry
 
     def next_ids(self, logits, carry):
         """`(rows,)` int32 tokens for the logits (and the carry, e.g. a new seed)."""
         raise NotImplementedError
 
+    def choose(self, logits, carry):
+        """`(ids, carry, source)`: `next_ids`' tokens and carry, and the logits `(rows,
+        vocab)` of the distribution they were chosen from (their log-softmax gives the
+        tokens' scores)."""
+        ids, carry = self.next_ids(logits, carry)
+        return ids, carry, logits
+
     def select(self, logits, carry, t):
         """Choose step `t`'s tokens: `(carry, rows_to_keep)`; `rows_to_keep` (None here)
         says which rows of the model state each row continues (beam search reorders)."""
         before = carry
-        ids, carry = self.next_ids(self.process(logits, carry, t), carry)
+        ids, carry, source = self.choose(self.process(logits, carry, t), carry)
+        if self.return_scores:
+            carry = _record_score(carry, source, ids, t)
         finished = carry["finished"]
         if _eager_torch(t):
             return self.track(before, self._select_torch(ids, carry, t), None, t), None
@@ -771,6 +794,27 @@ class Sampler:
         """`(tokens (rows, max_new_tokens), lengths (rows,))`: row `b`'s output is
         `tokens[b, :lengths[b]]` (`num_return_sequences` rows a prompt, prompt by prompt)."""
         return carry["tokens"], carry["lengths"]
+
+    def scores(self, carry):
+        """float32 `(rows, max_new_tokens)` (with `return_scores`): the log-probability of
+        each chosen token (row `b`'s are `[b, :lengths[b]]`, as its tokens)."""
+        return carry["token_scores"]
+
+
+def _record_score(carry, source, ids, t):
+    """`carry` with column `t` of `"token_scores"` set to `log_softmax(source)[r, ids[r]]`
+    (`source`: float32 `(rows, vocab)`, `ids`: `(rows,)` tokens in `[0, vocab)`)."""
+    if _eager_torch(t):
+        import torch
+
+        chosen = source.gather(1, ids.long()[:, None])[:, 0]
+        score = chosen - torch.logsumexp(source, dim=-1)
+    else:
+        chosen = ops.take_along_axis(source, ops.cast(ids, "int32")[:, None], axis=1)[:, 0]
+        score = chosen - ops.logsumexp(source, axis=-1)
+    carry = dict(carry)
+    carry["token_scores"] = _set_column(carry["token_scores"], t, score)
+    return carry
 
 
 class GreedySampler(Sampler):
@@ -845,19 +889,24 @@ class RandomSampler(Sampler):
         return cls._placeholder
 
     def next_ids(self, logits, carry):
+        ids, carry, _ = self.choose(logits, carry)
+        return ids, carry
+
+    def choose(self, logits, carry):
+        # (the tokens are drawn from the filtered logits: their scores too)
         filtered = filter_logits(logits, self.temperature, self.top_k, self.top_p)
         if keras.backend.backend() == "torch":
             import torch
 
             probs = torch.softmax(filtered, dim=-1)
             ids = torch.multinomial(probs, 1, generator=self._torch_generator)
-            return ops.cast(ids[:, 0], "int32"), carry
+            return ops.cast(ids[:, 0], "int32"), carry, filtered
         carry = dict(carry)
         generator = self.seed_variable()
         with keras.StatelessScope(state_mapping=[(generator.state, carry["seed"])]) as scope:
             ids = keras.random.categorical(filtered, 1, dtype="int32", seed=generator)
             carry["seed"] = scope.get_current_value(generator.state)
-        return ops.cast(ids[:, 0], "int32"), carry
+        return ops.cast(ids[:, 0], "int32"), carry, filtered
 
     def start_seed(self, carry, seed):
         """Add the random stream to the initial carry (torch: a generator on the sampler)."""
@@ -1066,6 +1115,11 @@ class BeamSampler(Sampler):
             return carry["tokens"][:, 0], carry["lengths"][:, 0]
         return (ops.reshape(carry["tokens"][:, :n], (-1, self.max_new_tokens)),
                 ops.reshape(carry["lengths"][:, :n], (-1,)))
+
+    def scores(self, carry):
+        """float32 `(rows,)`: the score of each returned hypothesis, `sum of its
+        log-probabilities / length ** length_penalty` (transformers' `sequences_scores`)."""
+        return ops.reshape(carry["scores"][:, :self.num_return_sequences], (-1,))
 
 
 def make_sampler(strategy="greedy", temperature=1.0, top_k=None, top_p=None, num_beams=None,
@@ -1397,12 +1451,13 @@ def _cache_for(model):
 
 
 def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
-    """`run(inputs, seed, history) -> (tokens, lengths, seed)`, compiled whole, cached on the
-    model (`history`: the logits processors', or None)."""
+    """`run(inputs, seed, history) -> (tokens, lengths, seed, scores)`, compiled whole,
+    cached on the model (`history`: the logits processors', or None; `scores`: None unless
+    `sampler.return_scores`)."""
     backend = keras.backend.backend()
     processors = None if sampler.processors is None else sampler.processors.key
     key = (backend, sampler.key, sampler.num_return_sequences, max_new_tokens, stops,
-           pad_token_id, processors)
+           pad_token_id, processors, sampler.return_scores)
     cache = _cache_for(model)
     if key in cache:
         return cache[key]
@@ -1416,7 +1471,8 @@ def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
             carry = sampler.start_seed(carry, seed)
         carry = _compiled_loop(model, sampler, max_new_tokens, inputs, carry)
         tokens, lengths = sampler.result(carry)
-        return tokens, lengths, carry.get("seed", seed)
+        scores = sampler.scores(carry) if sampler.return_scores else None
+        return tokens, lengths, carry.get("seed", seed), scores
 
     if backend == "jax":
         import jax
@@ -1443,8 +1499,16 @@ def _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id):
     return compiled
 
 
+def check_return_scores(return_scores):
+    """`return_scores` (True or False), or a ValueError naming it."""
+    if not isinstance(return_scores, bool):
+        raise ValueError(
+            f"`return_scores` must be True or False; got return_scores={return_scores!r}.")
+    return return_scores
+
+
 def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_token_id=0,
-           seed=None, compile=True, history=None):
+           seed=None, compile=True, history=None, return_scores=False):
     """Run the decode loop of `model` (see the module docstring for its interface).
 
     Args:
@@ -1462,17 +1526,26 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
             (`history_rows`: int `(batch, length)`, -1 = no token; repeated here for the
             beams); needed when `sampler.processors` use a history (repetition penalty,
             n-gram ban), else ignored.
+        return_scores: also return scores (see Returns). Off (the default), the loop
+            neither computes nor carries them.
 
     Returns:
         A list, one per prompt (`sampler.num_return_sequences` per prompt, prompt by
         prompt), of the new token ids (Python ints), ending with the stop token if one was
-        produced.
+        produced. With `return_scores=True`, `(that list, scores)`, `scores` a list of the
+        same length: greedy and sampling, for each output a list of floats, one per new
+        token, the log-probability of the chosen token under the distribution it was chosen
+        from (the log-softmax of the processed logits, after the logits processors and
+        temperature / top-k / top-p: transformers' `compute_transition_scores(...,
+        normalize_logits=True)`); beam search, for each output one float, its final score
+        (transformers' `sequences_scores`).
 
     Example:
     >>> decode(lm, inputs, sampler=GreedySampler(), max_new_tokens=8, stop_token_ids=[2])
     """
     check_positive_int("max_new_tokens", max_new_tokens)
     stops = stop_ids(stop_token_ids)
+    sampler.return_scores = check_return_scores(return_scores)
     if not isinstance(compile, bool):
         raise ValueError(f"`compile` must be True or False; got compile={compile!r}.")
     if seed is not None and not isinstance(seed, keras.random.SeedGenerator) and (
@@ -1497,7 +1570,7 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         RandomSampler.seed_variable()
     if compile and backend in ("jax", "tensorflow"):
         run = _compiled_function(model, sampler, max_new_tokens, stops, pad_token_id)
-        tokens, lengths, seed_out = run(inputs, seed_value, history)
+        tokens, lengths, seed_out, scores = run(inputs, seed_value, history)
     else:
         carry = sampler.start(batch, max_new_tokens, stops, pad_token_id)
         if sampler.processors is not None:
@@ -1517,6 +1590,7 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         else:
             carry = _python_loop(model, sampler, max_new_tokens, inputs, carry, check_every)
         tokens, lengths = sampler.result(carry)
+        scores = sampler.scores(carry) if return_scores else None
         seed_out = carry.get("seed")
     if generator is not None:
         # The stream advanced inside the loop (torch: by one per call).
@@ -1525,7 +1599,13 @@ def decode(model, inputs, *, sampler, max_new_tokens, stop_token_ids=None, pad_t
         generator.state.assign(ops.cast(seed_out, generator.state.dtype))
     tokens = np.asarray(ops.convert_to_numpy(tokens))
     lengths = np.asarray(ops.convert_to_numpy(lengths))
-    return [tokens[b, : int(lengths[b])].tolist() for b in range(tokens.shape[0])]
+    outputs = [tokens[b, : int(lengths[b])].tolist() for b in range(tokens.shape[0])]
+    if not return_scores:
+        return outputs
+    scores = np.asarray(ops.convert_to_numpy(scores), "float64")
+    if scores.ndim == 1:  # (beam search: one score an output)
+        return outputs, scores.tolist()
+    return outputs, [scores[b, : int(lengths[b])].tolist() for b in range(scores.shape[0])]
 
 
 def _check_history(history, batch, sampler):
@@ -1569,6 +1649,7 @@ __all__ = [
     "check_sampling_args",
     "check_token_ids",
     "check_cache_size",
+    "check_return_scores",
     "integer_array",
     "integer_rows",
     "prompt_dict",

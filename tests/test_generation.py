@@ -3,6 +3,7 @@ compiled == eager, prompt checks), and beam search token for token against Huggi
 transformers (GPT-2, LLaMA-style, T5) and against an exhaustive search."""
 
 import itertools
+import re
 
 import keras
 import numpy as np
@@ -901,3 +902,197 @@ def test_num_return_sequences_is_checked(family):
     with pytest.raises(ValueError, match=r"`num_return_sequences` are too large.*"
                                          r"num_return_sequences=1000000000"):
         lm.generate(prompts, max_new_tokens=2, strategy="sample", num_return_sequences=10 ** 9)
+
+
+# === return_scores (transformers' output_scores / compute_transition_scores) ===
+
+
+def _hf_token_scores(hf, sequences, scores, lengths):
+    """transformers' `compute_transition_scores(..., normalize_logits=True)` of each row, cut
+    to that row's new tokens."""
+    table = hf.compute_transition_scores(sequences, scores, normalize_logits=True).numpy()
+    return [table[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+def _warped_scores(hf_logits, tokens, history, processors):
+    """The log-probability of each of `tokens` under transformers' `processors` (a
+    `LogitsProcessorList`) applied to `hf_logits (steps, vocab)`, the row's history being
+    `history` followed by the tokens chosen before: an independent reference for sampled
+    tokens (which no transformers `generate` draws)."""
+    import torch
+
+    row = torch.tensor([history], dtype=torch.long)
+    out = []
+    for t, token in enumerate(tokens):
+        warped = processors(row, hf_logits[t:t + 1].clone())
+        out.append(float(torch.log_softmax(warped, dim=-1)[0, token]))
+        row = torch.cat([row, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def _assert_scores(ours, expected):
+    assert len(ours) == len(expected)
+    for a, b in zip(ours, expected):
+        if isinstance(b, float):
+            assert isinstance(a, float)
+        else:
+            assert len(a) == len(b) and all(isinstance(x, float) for x in a)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+
+
+GPT2_SCORE_CASES = {
+    # name: (kzoo options, transformers options; None: sampled, checked by `_warped_scores`)
+    # (the stop tokens end a row after a few tokens: 56 greedy, 91 with the processors,
+    # where min_new_tokens=2 bans it at the other row's first step)
+    "greedy_stop": (dict(stop_token_ids=56), dict(do_sample=False, eos_token_id=56)),
+    "greedy_processors": (
+        dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=2,
+             stop_token_ids=91),
+        dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2,
+             min_new_tokens=2, eos_token_id=91)),
+    "sample_top_k1": (dict(strategy="sample", top_k=1, seed=3, stop_token_ids=None),
+                      dict(do_sample=True, top_k=1, eos_token_id=None)),
+    "sample_warped": (dict(strategy="sample", temperature=0.7, top_k=20, top_p=0.9,
+                           repetition_penalty=1.2, seed=5, num_return_sequences=2,
+                           stop_token_ids=None), None),
+    "beam_n2": (dict(strategy="beam", num_beams=4, num_return_sequences=2,
+                     length_penalty=0.8, stop_token_ids=55),
+                dict(do_sample=False, num_beams=4, num_return_sequences=2, length_penalty=0.8,
+                     eos_token_id=55)),
+}
+
+
+@pytest.mark.spread
+@pytest.mark.parametrize("case", list(GPT2_SCORE_CASES))
+def test_gpt2_return_scores_match_transformers(case, tmp_path):
+    """`generate(return_scores=True)`: the same tokens as without, and each new token's
+    log-probability under the distribution it was chosen from (greedy, sampling: transformers'
+    `compute_transition_scores(normalize_logits=True)`, or its processors applied to its own
+    logits for drawn tokens), beam search's final scores (`sequences_scores`), to 1e-5,
+    compiled and eager."""
+    import torch
+    import transformers
+
+    import kzoo.presets
+    from tests.test_gpt import _hf_gpt2
+
+    ours_options, hf_options = GPT2_SCORE_CASES[case]
+    hf = _hf_gpt2(tmp_path, initializer_range=0.3)
+    model = kzoo.presets.load(tmp_path)
+    prompts = [[5, 17, 33, 2, 71], [11, 64, 3]]
+    length = 8
+    results = []
+    for compile in (True, False):
+        tokens, scores = model.generate(prompts, max_new_tokens=length, return_scores=True,
+                                        compile=compile, **ours_options)
+        assert tokens == model.generate(prompts, max_new_tokens=length, compile=compile,
+                                        **ours_options)
+        results.append((tokens, scores))
+    tokens = results[0][0]
+    assert results[1][0] == tokens  # (the same draws compiled or not, for a seed)
+    if hf_options is None:  # sampled tokens: transformers' processors on its own logits
+        processors = transformers.LogitsProcessorList([
+            transformers.RepetitionPenaltyLogitsProcessor(1.2),
+            transformers.TemperatureLogitsWarper(0.7), transformers.TopKLogitsWarper(20),
+            transformers.TopPLogitsWarper(0.9)])
+        expected = []
+        for i, row in enumerate(tokens):
+            prompt = prompts[i // 2]
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + row])).logits[0, len(prompt) - 1:-1]
+            expected.append(_warped_scores(logits, row, prompt, processors))
+        assert all(len(row) == length for row in tokens)
+    else:
+        expected_tokens, expected = [], []
+        for prompt in prompts:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                    1, len(prompt), dtype=torch.long), max_new_tokens=length, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True, **hf_options)
+            stop = hf_options["eos_token_id"]
+            rows = [_hf_new_tokens(row[len(prompt):].tolist(), stop) for row in out.sequences]
+            expected_tokens += rows
+            if "num_beams" in hf_options:
+                expected += out.sequences_scores.tolist()
+            else:
+                expected += _hf_token_scores(hf, out.sequences, out.scores,
+                                             [len(r) for r in rows])
+        assert tokens == expected_tokens
+        if ours_options.get("stop_token_ids") is not None:  # a row did stop early
+            assert any(len(row) < length for row in tokens)
+    for compile, (_, scores) in zip((True, False), results):
+        print(f"GPT-2 scores {case} compile={compile}: {scores}")
+        _assert_scores(scores, expected)
+    if case == "sample_top_k1":
+        assert np.allclose(np.concatenate(results[0][1]), 0.0)
+
+
+T5_SCORE_CASES = {
+    "greedy_eos": (dict(stop_token_ids=1), dict(do_sample=False, eos_token_id=1)),
+    "greedy_processors": (
+        dict(repetition_penalty=1.4, no_repeat_ngram_size=2, min_new_tokens=3,
+             stop_token_ids=1),
+        dict(do_sample=False, repetition_penalty=1.4, no_repeat_ngram_size=2,
+             min_new_tokens=3, eos_token_id=1)),
+    "sample_top_k1": (dict(strategy="sample", top_k=1, seed=3, stop_token_ids=None),
+                      dict(do_sample=True, top_k=1, eos_token_id=None)),
+    "beam_n3": (dict(strategy="beam", num_beams=3, num_return_sequences=3,
+                     length_penalty=0.7, stop_token_ids=1),
+                dict(do_sample=False, num_beams=3, num_return_sequences=3, length_penalty=0.7,
+                     eos_token_id=1)),
+}
+
+
+@pytest.mark.spread
+@pytest.mark.parametrize("case", list(T5_SCORE_CASES))
+def test_t5_return_scores_match_transformers(case, tmp_path):
+    import torch
+
+    import kzoo.presets
+    from tests.test_t5 import _batch, _hf_model
+
+    ours_options, hf_options = T5_SCORE_CASES[case]
+    hf = _hf_model(tmp_path, "v1_1", seed=4)
+    model = kzoo.presets.load(tmp_path)
+    inputs = _batch(enc_len=15, enc_real=(15, 8))
+    enc, mask = inputs["encoder_token_ids"], inputs["encoder_padding_mask"]
+    length = 8
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(enc, dtype=torch.long),
+                          attention_mask=torch.tensor(mask), max_new_tokens=length,
+                          pad_token_id=0, decoder_start_token_id=0, output_scores=True,
+                          return_dict_in_generate=True, **hf_options)
+    stop = hf_options["eos_token_id"]
+    expected_tokens = [_hf_new_tokens(row[1:].tolist(), stop) for row in out.sequences]
+    if "num_beams" in hf_options:
+        expected = out.sequences_scores.tolist()
+    else:
+        expected = _hf_token_scores(hf, out.sequences, out.scores,
+                                    [len(r) for r in expected_tokens])
+    prompts = {"encoder_token_ids": enc, "encoder_padding_mask": mask}
+    for compile in (True, False):
+        tokens, scores = model.generate(prompts, max_new_tokens=length, return_scores=True,
+                                        compile=compile, **ours_options)
+        print(f"T5 scores {case} compile={compile}: {tokens} {scores}")
+        assert tokens == expected_tokens
+        _assert_scores(scores, expected)
+    if stop is not None:
+        assert any(len(row) < length for row in tokens)
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_return_scores_is_checked(family):
+    if family == "gpt":
+        from tests.test_gpt import shared_lm
+
+        lm, prompts = shared_lm("gpt2"), [[5, 17, 33]]
+    else:
+        from tests.test_t5 import shared_lm
+
+        lm, prompts = shared_lm("v1_0"), [[5, 17, 33, 1]]
+    for bad in (1, 0, "yes", None, np.bool_(True), [True]):
+        with pytest.raises(ValueError, match=rf"`return_scores` must be True or False; got "
+                                             rf"return_scores={re.escape(repr(bad))}"):
+            lm.generate(prompts, max_new_tokens=2, return_scores=bad)

@@ -372,6 +372,15 @@ def test_generate_with_tokenizer():
         assert text == " ".join(words[i] for i in [3, 4] + ids)
         texts = lm.generate(["w3 w4", "w7"], max_new_tokens=3)
         assert texts[0] == text and texts[1].startswith("w7")
+        # return_scores: the same texts, and the scores shaped as them (a single string: one
+        # list of floats), those of the same prompt given as ids
+        _, id_scores = lm.generate([[3, 4]], max_new_tokens=3, return_scores=True)
+        one, scores = lm.generate("w3 w4", max_new_tokens=3, return_scores=True)
+        assert one == text and len(scores) == 3 and all(isinstance(s, float) for s in scores)
+        np.testing.assert_allclose(scores, id_scores[0], atol=1e-5)
+        both, scores = lm.generate(["w3 w4", "w7"], max_new_tokens=3, return_scores=True)
+        assert both == texts and [len(s) for s in scores] == [3, 3]
+        np.testing.assert_allclose(scores[0], id_scores[0], atol=1e-5)
     finally:
         lm.tokenizer = None
 

@@ -404,6 +404,14 @@ def test_generate_with_tokenizer():
     assert text == " ".join(words[i] for i in ids[0] if i > 1)
     texts = lm.generate(["w3 w4 w5", "w9"], **options)
     assert isinstance(texts, list) and len(texts) == 2 and texts[0] == text
+    # return_scores: the same texts, the scores shaped as them (one string: one list)
+    _, id_scores = lm.generate(np.array([[5, 6, 7]], "int32"), return_scores=True, **options)
+    one, scores = lm.generate("w3 w4 w5", return_scores=True, **options)
+    assert one == text and len(scores) == 4 and all(isinstance(s, float) for s in scores)
+    np.testing.assert_allclose(scores, id_scores[0], atol=1e-5)
+    both, scores = lm.generate(["w3 w4 w5", "w9"], return_scores=True, **options)
+    assert both == texts and [len(s) for s in scores] == [4, 4]
+    np.testing.assert_allclose(scores[0], id_scores[0], atol=1e-5)
     del lm.tokenizer
     with pytest.raises(ValueError, match="tokenizer"):
         lm.generate("w3 w4")

@@ -930,6 +930,7 @@ class GPTCausalLM(FilledInputs, TaskModel):
         no_repeat_ngram_size=0,
         min_new_tokens=0,
         num_return_sequences=1,
+        return_scores=False,
     ):
         """Continue each prompt with up to `max_new_tokens` tokens on a key/value cache.
 
@@ -985,13 +986,22 @@ class GPTCausalLM(FilledInputs, TaskModel):
                 `num_return_sequences` best finished hypotheses, best first (at most
                 `num_beams`); greedy decoding takes only 1. The outputs are grouped prompt
                 by prompt: `len(prompts) * num_return_sequences` of them.
+            return_scores: False (default) or True: also return the outputs' scores
+                (transformers' `output_scores=True`), see Returns.
 
         Returns:
             For token ids: a list (one per prompt, or `num_return_sequences` per prompt) of
             the new token ids, ending with the stop token if one was produced (beam search:
             the best finished hypothesis, or the best ones). For strings: the decoded
             prompt + continuation (a string for a single string prompt and one output, else
-            a list of strings).
+            a list of strings). With `return_scores=True`: `(that, scores)`, `scores` shaped
+            as the outputs: greedy and sampling, a list of floats per output, one per new
+            token, the log-probability of the chosen token under the distribution it was
+            chosen from (log-softmax of the logits after the repetition penalty, n-gram ban,
+            `min_new_tokens` and, sampling, temperature / top-k / top-p: transformers'
+            `compute_transition_scores(out.sequences, out.scores, normalize_logits=True)`);
+            beam search, one float per output, its final score (sum of log-probabilities /
+            length ** length_penalty: transformers' `sequences_scores`).
 
         Example:
         >>> lm.generate([[464, 2068], [464]], max_new_tokens=10, stop_token_ids=[50256])
@@ -1000,11 +1010,13 @@ class GPTCausalLM(FilledInputs, TaskModel):
         >>> lm.generate([[464, 2068]], repetition_penalty=1.3, no_repeat_ngram_size=3,
         ...             min_new_tokens=5)
         >>> lm.generate([[464, 2068]], strategy="beam", num_beams=4, num_return_sequences=2)
+        >>> ids, log_probs = lm.generate([[464, 2068]], return_scores=True)
         """
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+        generation.check_return_scores(return_scores)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping, repetition_penalty,
                                           no_repeat_ngram_size, min_new_tokens,
@@ -1049,13 +1061,19 @@ class GPTCausalLM(FilledInputs, TaskModel):
             self, {"token_ids": ids, "padding_mask": mask, "position_offset": offset},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
             pad_token_id=0, seed=seed, compile=compile,
+            return_scores=return_scores,
             history=generation.history_rows(ids, mask),
         )
+        scores = None
+        if return_scores:
+            outputs, scores = outputs
         if not strings:
-            return outputs
+            return outputs if scores is None else (outputs, scores)
         n = sampler.num_return_sequences
         texts = [self.tokenizer.decode(rows[i // n] + out) for i, out in enumerate(outputs)]
-        return texts[0] if single and n == 1 else texts
+        if single and n == 1:
+            texts, scores = texts[0], None if scores is None else scores[0]
+        return texts if scores is None else (texts, scores)
 
 
 GPTConfig.backbone_class = GPTBackbone

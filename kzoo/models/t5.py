@@ -834,6 +834,7 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         no_repeat_ngram_size=0,
         min_new_tokens=0,
         num_return_sequences=1,
+        return_scores=False,
     ):
         """Generate decoder tokens for each input sequence.
 
@@ -890,6 +891,9 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
                 `num_return_sequences` best finished hypotheses, best first (at most
                 `num_beams`); greedy decoding takes only 1. The outputs are grouped prompt
                 by prompt: `len(prompts) * num_return_sequences` of them.
+            return_scores: False (default) or True: also return the outputs' scores, as
+                `GPTCausalLM.generate` (greedy / sampling: each new token's log-probability;
+                beam search: each output's final score).
             decoder_start_token_id: the first decoder input ("auto": the model's, T5's 0).
             pad_token_id: the padding id of raw token-id inputs (and what ended rows emit
                 inside the loop; never part of a result; "auto": the model's, T5's 0).
@@ -899,7 +903,8 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
             token ids (without the start token), ending with the stop token if one was
             produced (beam search: the best finished hypothesis, or the best ones); or
             decoded strings (special tokens skipped) when strings were given: a string for
-            one string and one output, else a list.
+            one string and one output, else a list. With `return_scores=True`: `(that,
+            scores)`, `scores` shaped as the outputs (see `GPTCausalLM.generate`).
 
         Example:
         >>> model.generate(np.array([[5, 6, 7, 1]]), max_new_tokens=5)
@@ -907,11 +912,13 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
         >>> model.generate(ids, strategy="beam", num_beams=4, length_penalty=0.6)
         >>> model.generate(ids, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5)
         >>> model.generate(ids, strategy="sample", num_return_sequences=3, seed=0)
+        >>> ids, log_probs = model.generate(ids, return_scores=True)
         """
         # `kzoo.generation` sits above the model families (it imports none of them).
         from kzoo import generation
 
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+        generation.check_return_scores(return_scores)
         sampler = generation.make_sampler(strategy, temperature, top_k, top_p, num_beams,
                                           length_penalty, early_stopping, repetition_penalty,
                                           no_repeat_ngram_size, min_new_tokens,
@@ -943,12 +950,18 @@ class T5Seq2SeqLM(FilledInputs, TaskModel):
              "decoder_start_token_ids": start},
             sampler=sampler, max_new_tokens=max_new_tokens, stop_token_ids=stops,
             pad_token_id=pad_token_id, seed=seed, compile=compile,
+            return_scores=return_scores,
             history=generation.history_rows(start),
         )
+        scores = None
+        if return_scores:
+            outputs, scores = outputs
         if strings is None:
-            return outputs
+            return outputs if scores is None else (outputs, scores)
         texts = self.tokenizer.decode_batch(outputs, skip_special_tokens=True)
-        return texts[0] if strings == "single" and len(texts) == 1 else texts
+        if strings == "single" and len(texts) == 1:
+            texts, scores = texts[0], None if scores is None else scores[0]
+        return texts if scores is None else (texts, scores)
 
 
 T5Config.backbone_class = T5Backbone
