@@ -84,6 +84,7 @@ KINDS = {
         # the other yarn settings: None otherwise; beta_fast > beta_slow (see CROSS)
         rope_beta_fast=(POS_FLOAT, True), rope_beta_slow=(POS_FLOAT, True),
         rope_attention_factor=(POS_FLOAT, True), rope_truncate=(BOOL, True),
+        attention_scale_by_inverse_layer=(BOOL, False),
     ),
     "bert": dict(
         vocabulary_size=(POS_INT, False), num_layers=(POS_INT, False),
@@ -212,6 +213,8 @@ def gpt_config(draw, exportable=False):
         tie_embeddings=draw(st.booleans()),
         attention_scale=None if style != "gpt2" and exportable else draw(
             st.sampled_from([None, 1.0] if exportable else [None, 1.0, 0.3])),
+        attention_scale_by_inverse_layer=(
+            False if style != "gpt2" and exportable else draw(st.booleans())),
         initializer_range=draw(_SCALE),
     )
     if rotary:  # heads of another size than width / heads, RoPE scaling

@@ -537,6 +537,7 @@ def test_chunked_kernel_trains_like_reference(monkeypatch, jit_compile):
         (dict(tie_embeddings="yes"), "tie_embeddings"),
         (dict(position="rotary", num_heads=8, hidden_dim=24), "rotary"),
         (dict(layer_norm_epsilon=-1.0), "layer_norm_epsilon"),
+        (dict(attention_scale_by_inverse_layer=1), "attention_scale_by_inverse_layer"),
     ],
 )
 def test_config_validation(overrides, field):
@@ -850,6 +851,55 @@ def test_hf_gpt2_export_round_trip(tmp_path):
     np.testing.assert_array_equal(_hf_forward(again, ids, mask)[real], expected[real])
 
 
+INVERSE_LAYER_VARIANTS = {
+    "reorder_and_upcast": dict(reorder_and_upcast_attn=True),
+    "unscaled_untied": dict(scale_attn_weights=False, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("variant", [
+    "reorder_and_upcast", pytest.param("unscaled_untied", marks=pytest.mark.slow)])
+def test_hf_gpt2_scale_attn_by_inverse_layer_idx(variant, tmp_path):
+    """GPT-2's `scale_attn_by_inverse_layer_idx` (layer i's scores divided by i + 1 as well;
+    Stanford CRFM's "Mistral" GPT-2 runs, with `reorder_and_upcast_attn`) was refused. It now
+    loads as `attention_scale_by_inverse_layer`: logits and greedy generation (compiled and
+    eager) equal transformers' eager attention, and it survives the .keras file and the
+    export back to transformers."""
+    import json
+
+    import transformers
+
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    hf = _hf_gpt2(src, n_layer=3, initializer_range=0.3, scale_attn_by_inverse_layer_idx=True,
+                  **INVERSE_LAYER_VARIANTS[variant])
+    model = kzoo.presets.load(src)
+    assert model.backbone.attention_scale_by_inverse_layer
+    ids, mask = _right_padded()
+    _assert_gpt_matches(model, hf, ids, mask, f"GPT-2 inverse layer scale {variant}")
+    # (the scale matters: without it the logits are far from transformers')
+    plain = kzoo.presets.load(src, attention_scale_by_inverse_layer=False)
+    real = mask.astype(bool)
+    assert np.abs(to_numpy(forward(plain, _inputs(ids, mask)))[real]
+                  - _hf_forward(hf, ids, mask)[real]).max() > 1e-2
+    prompts = [[5, 17, 33, 2, 71, 9, 40], [11, 64, 3]]
+    expected = _hf_generate_alone(hf, prompts, max_new_tokens=12)
+    for compile in (True, False):
+        assert model.generate(prompts, max_new_tokens=12, stop_token_ids=[96],
+                              compile=compile) == expected, compile
+    restored = check_keras_file_round_trip(model, _inputs(ids, mask),
+                                           os.path.join(tmp_path, "lm"), forward, atol=1e-6)
+    assert restored.backbone.get_config()["attention_scale_by_inverse_layer"] is True
+    assert GPTBackbone.from_config(model.backbone.get_config()).get_config() == (
+        model.backbone.get_config())
+    kzoo.presets.save(model, out, format="hf")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["scale_attn_by_inverse_layer_idx"] is True
+    assert_same_hf_tensors(src, out)
+    again = transformers.GPT2LMHeadModel.from_pretrained(out, attn_implementation="eager").eval()
+    np.testing.assert_allclose(_hf_forward(again, ids, mask)[real],
+                               _hf_forward(hf, ids, mask)[real], atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["modern", "moe"])
 def test_rotary_export_warns_that_only_attention_dropout_is_written(kind, tmp_path):
     """transformers' LLaMA / Mixtral have only `attention_dropout`: kzoo's dropout (also on the
@@ -911,9 +961,8 @@ def test_hf_checkpoint_with_tokenizer(tmp_path):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("scale_attn_by_inverse_layer_idx", True),
-        ("reorder_and_upcast_attn", True),
         ("add_cross_attention", True),
+        ("scale_attn_by_inverse_layer_idx", "yes"),
         ("activation_function", "gelu_10"),
         ("architectures", ["GPT2ForSequenceClassification"]),
     ],
@@ -958,6 +1007,9 @@ def test_to_hf_rejects_configs_without_hf_equivalent(tmp_path):
         kzoo.presets.save(tiny_lm("gpt2", norm="rmsnorm"), tmp_path, format="hf")
     with pytest.raises(ValueError, match="capacity_factor"):
         kzoo.presets.save(tiny_lm("moe", capacity_factor=1.0), tmp_path, format="hf")
+    with pytest.raises(ValueError, match="attention_scale_by_inverse_layer=True"):
+        kzoo.presets.save(tiny_lm("modern", attention_scale_by_inverse_layer=True), tmp_path,
+                          format="hf")
 
 
 # === LLaMA / Mixtral: the modern configurations as Hugging Face checkpoints ===

@@ -13,7 +13,8 @@ Drawn option space:
 - GPT-2 (`GPT2LMHeadModel` / `GPT2Model`): n_layer 1-3, n_head 1-4, n_embd = n_head * head_dim
   (head_dim 4, 8 or 16), n_inner None (4 * n_embd) or another size, every
   `activation_function` the converter documents, layer_norm_epsilon, scale_attn_weights,
-  tie_word_embeddings, n_positions, vocabulary 64-128.
+  scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, tie_word_embeddings,
+  n_positions, vocabulary 64-128.
 - LLaMA / Mistral / Mixtral (`*ForCausalLM` / `*Model`): layers, heads, num_key_value_heads
   (any divisor: MHA, GQA, MQA), head_dim, intermediate_size, hidden_act, rope_theta,
   rms_norm_eps, tie_word_embeddings, attention_bias = mlp_bias (LLaMA), sliding_window
@@ -126,6 +127,9 @@ def gpt2_configs(draw):
         activation_function=draw(st.sampled_from(HF_ACTIVATIONS), label="activation"),
         layer_norm_epsilon=draw(st.sampled_from(EPSILONS), label="layer_norm_epsilon"),
         scale_attn_weights=draw(st.booleans(), label="scale_attn_weights"),
+        scale_attn_by_inverse_layer_idx=draw(st.booleans(),
+                                             label="scale_attn_by_inverse_layer_idx"),
+        reorder_and_upcast_attn=draw(st.booleans(), label="reorder_and_upcast_attn"),
         tie_word_embeddings=draw(st.booleans(), label="tie_word_embeddings"),
         initializer_range=draw(st.sampled_from([0.02, 0.05, 0.1, 0.2])),
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -590,11 +594,6 @@ def _tiny_bert(cls_name="BertForMaskedLM", **overrides):
 
 
 UNSUPPORTED = {
-    "gpt2 reorder_and_upcast_attn": (lambda: _tiny_gpt2(reorder_and_upcast_attn=True),
-                                     "reorder_and_upcast_attn"),
-    "gpt2 scale_attn_by_inverse_layer_idx": (
-        lambda: _tiny_gpt2(scale_attn_by_inverse_layer_idx=True),
-        "scale_attn_by_inverse_layer_idx"),
     "gpt2 add_cross_attention": (lambda: _tiny_gpt2(add_cross_attention=True),
                                  "add_cross_attention"),
     "gpt2 pruned_heads": (_pruned_gpt2, "pruned_heads"),

@@ -10,8 +10,15 @@ order). `to_hf` writes the reverse.
 Every field of `GPT2Config` that changes the computation is honoured or rejected:
 `n_embd`, `n_layer`, `n_head`, `n_inner` (None -> 4 * n_embd), `n_positions`,
 `activation_function`, `layer_norm_epsilon`, `tie_word_embeddings`, `scale_attn_weights`
-(False -> attention scale 1.0) are honoured; `scale_attn_by_inverse_layer_idx`,
-`reorder_and_upcast_attn`, `add_cross_attention` and a non-empty `pruned_heads` raise
+(False -> attention scale 1.0), `scale_attn_by_inverse_layer_idx` (layer i's scores divided
+by i + 1 as well: kzoo's `attention_scale_by_inverse_layer`, written back by `to_hf`) are
+honoured; `reorder_and_upcast_attn` is accepted and changes nothing in kzoo: transformers
+then multiplies q and k in float32 (the scale applied to that product) before its float32
+softmax, which in float32 is the attention it computes without the flag. kzoo's softmax
+is float32 under every dtype policy too, but under a float16 / bfloat16 policy its q k^T
+product is in that dtype (then cast to float32 and scaled), so half-precision scores round
+differently and float16 ones above 65504 overflow where transformers' would not (`to_hf`
+writes the flag False). `add_cross_attention` and a non-empty `pruned_heads` raise
 `ValueError`.
 
 The modern configurations of the same backbone are LLaMA and Mixtral: `model_type="llama"`
@@ -134,6 +141,7 @@ _HF_NAMES = dict(
     dropout="resid_pdrop", layer_norm_epsilon="layer_norm_epsilon",
     activation="activation_function", tie_embeddings="tie_word_embeddings",
     initializer_range="initializer_range",
+    attention_scale_by_inverse_layer="scale_attn_by_inverse_layer_idx",
 )
 
 
@@ -175,13 +183,11 @@ def config_from_hf(hf_config, source="config.json"):
             f"reads {sorted(ARCHITECTURES)}. Load it with task='backbone' after editing "
             "`architectures`, or convert the head yourself."
         )
-    for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
-                  "add_cross_attention"):
-        if cfg[field]:
-            raise ValueError(
-                f"GPT-2 config field `{field}`={cfg[field]!r} is not supported by kzoo "
-                f"(only {field}=False)."
-            )
+    if cfg["add_cross_attention"]:
+        raise ValueError(
+            f"GPT-2 config field `add_cross_attention`={cfg['add_cross_attention']!r} is not "
+            "supported by kzoo (only add_cross_attention=False)."
+        )
     if cfg.get("pruned_heads"):
         # (transformers prunes them on load, shrinking `c_attn` and `c_proj`: kzoo stopped at a
         # shape mismatch that did not name the field)
@@ -224,6 +230,7 @@ def config_from_hf(hf_config, source="config.json"):
         use_bias=True,
         tie_embeddings=cfg["tie_word_embeddings"],
         attention_scale=None if cfg["scale_attn_weights"] else 1.0,
+        attention_scale_by_inverse_layer=cfg["scale_attn_by_inverse_layer_idx"],
         initializer_range=cfg["initializer_range"],
     )
     names = _HF_NAMES if cfg["n_inner"] else {**_HF_NAMES, "intermediate_dim": "n_embd"}
@@ -722,7 +729,7 @@ def _gpt2_to_hf(backbone, task):
         "layer_norm_epsilon": backbone.layer_norm_epsilon,
         "initializer_range": backbone.initializer_range,
         "scale_attn_weights": backbone.attention_scale is None,
-        "scale_attn_by_inverse_layer_idx": False,
+        "scale_attn_by_inverse_layer_idx": backbone.attention_scale_by_inverse_layer,
         "reorder_and_upcast_attn": False,
         "tie_word_embeddings": backbone.tie_embeddings,
         "use_cache": True,
@@ -781,6 +788,8 @@ def _modern_to_hf(backbone, task):
         problems.append(f"feedforward={backbone.feedforward!r} (LLaMA: 'gated'; Mixtral: 'moe')")
     if backbone.attention_scale is not None:
         problems.append(f"attention_scale={backbone.attention_scale} (LLaMA: None)")
+    if backbone.attention_scale_by_inverse_layer:
+        problems.append("attention_scale_by_inverse_layer=True (LLaMA: False)")
     if backbone.activation not in _HF_ACTIVATIONS:
         problems.append(f"activation={backbone.activation!r}")
     moe = backbone.feedforward == "moe"

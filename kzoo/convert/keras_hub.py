@@ -646,6 +646,8 @@ def _gpt2_from_kzoo(backbone):
     if scale is not None and math.isclose(scale, 1 / math.sqrt(head_dim), rel_tol=1e-12):
         scale = None  # e.g. head_dim ** -0.5, which can differ from 1 / sqrt in the last bit
     _require("attention_scale", scale, (None, 1 / math.sqrt(head_dim)), what)
+    _require("attention_scale_by_inverse_layer", backbone.attention_scale_by_inverse_layer,
+             (False,), what)
     _require_full_attention(backbone, what)
     return {key: getattr(backbone, key) for key in _GPT2_FIELDS}
 

@@ -149,6 +149,7 @@ class GPTConfig(FamilyConfig):
     rope_beta_slow: Optional[float] = None
     rope_attention_factor: Optional[float] = None
     rope_truncate: Optional[bool] = None
+    attention_scale_by_inverse_layer: bool = False
 
     def __post_init__(self):
         check = self._check
@@ -209,6 +210,7 @@ class GPTConfig(FamilyConfig):
             )
         check("tie_embeddings", check_bool)
         check("attention_scale", check_positive_float, allow_none=True)
+        check("attention_scale_by_inverse_layer", check_bool)
         check("initializer_range", check_positive_float)
         self._check_attention_fields()
         check("packed_inputs", check_bool)
@@ -271,6 +273,17 @@ class GPTConfig(FamilyConfig):
         return {"scaling_type": self.rope_scaling_type,
                 **{key: getattr(self, field) for key, field in _ROPE_FIELDS.items()
                    if getattr(self, field) is not None}}
+
+    def layer_attention_scale(self, index):
+        """The attention score scale of block `index` (counted from 0): `attention_scale`,
+        divided by `index + 1` with `attention_scale_by_inverse_layer` (None, the
+        attention's default `head_dim ** -0.5`, made explicit there)."""
+        if not self.attention_scale_by_inverse_layer:
+            return self.attention_scale
+        scale = self.attention_scale
+        if scale is None:
+            scale = 1.0 / math.sqrt(self.head_dim or self.hidden_dim // self.num_heads)
+        return scale / (index + 1)
 
 
 # RotaryEmbedding's scaling argument -> its GPTConfig field.
@@ -358,6 +371,10 @@ class GPTBackbone(FilledInputs, Backbone):
         rope_beta_fast, rope_beta_slow, rope_attention_factor, rope_truncate: the other
             "yarn" settings (None otherwise; with "yarn" None means the defaults 32.0, 1.0,
             `0.1 ln(rope_scaling_factor) + 1` and True).
+        attention_scale_by_inverse_layer: block i (counted from 0) divides its attention
+            scores by `i + 1` as well: its score scale is `attention_scale / (i + 1)`
+            (`head_dim ** -0.5 / (i + 1)` with attention_scale None). GPT-2's
+            `scale_attn_by_inverse_layer_idx` (Stanford CRFM's "Mistral" GPT-2 runs).
         dtype: dtype policy of every layer.
 
     The arguments (all but `dtype` and Keras' own) are the fields of `GPTConfig`, which
@@ -430,6 +447,7 @@ class GPTBackbone(FilledInputs, Backbone):
         rope_beta_slow=None,
         rope_attention_factor=None,
         rope_truncate=None,
+        attention_scale_by_inverse_layer=False,
         dtype=None,
         **kwargs,
     ):
@@ -472,6 +490,7 @@ class GPTBackbone(FilledInputs, Backbone):
             rope_beta_slow=rope_beta_slow,
             rope_attention_factor=rope_attention_factor,
             rope_truncate=rope_truncate,
+            attention_scale_by_inverse_layer=attention_scale_by_inverse_layer,
         )
         policy = _dtype_policy(dtype)
         init = gpt_initializer(initializer_range)
@@ -512,7 +531,7 @@ class GPTBackbone(FilledInputs, Backbone):
                 dropout=dropout,
                 attention_dropout=dropout,
                 activation_dropout=0.0,
-                attention_scale=attention_scale,
+                attention_scale=config.layer_attention_scale(i),
                 rope_max_wavelength=rope_max_wavelength if position == "rotary" else None,
                 rope_scaling_factor=config.rope_scaling_factor,
                 rope_scaling=config.rope_scaling,
