@@ -803,6 +803,95 @@ def test_hf_kzoo_hf_tensors_identical(version, tmp_path):
         assert getattr(config_b, key) == getattr(config_a, key), key
 
 
+def _overflowing_t5(path):
+    """A tiny transformers T5 v1.0 whose first encoder and decoder blocks' feed-forward
+    outputs exceed float16's range (65504) in 4 channels (positive output weights times
+    1e4-scale factors after a ReLU: every token, in any summation order), saved to `path`."""
+    import torch
+
+    hf = _hf_model(path, "v1_0")
+    with torch.no_grad():
+        for stack in (hf.encoder, hf.decoder):
+            wo = stack.block[0].layer[-1].DenseReluDense.wo.weight  # (d_model, d_ff)
+            wo[:4].copy_(wo[:4].abs() * 5e4)
+    hf_checkpoint(path, hf)
+    return hf
+
+
+def _unclamped(model):
+    for block in model.backbone.encoder_layers + model.backbone.decoder_layers:
+        block.clamp_float16 = False
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float16", "mixed_float16"])
+def test_float16_overflow_is_clamped_as_transformers_does(dtype, tmp_path):
+    """transformers' T5 clamps the hidden states after each sub-layer in float16 (to
+    +-(65504 - 1000) once any is inf): a T5 whose activations overflow float16 gives finite
+    logits there. kzoo's blocks did not: inf, then NaN from the next norm. T5 blocks now
+    clamp the same way (`TransformerBlock(clamp_float16=True)`): the logits are finite and
+    close to transformers' model run in torch.float16, the greedy tokens (cached decoding)
+    equal its own; with the option off, NaN/inf as before."""
+    import torch
+
+    hf = _overflowing_t5(tmp_path)
+    inputs = _batch()
+    real = inputs["decoder_padding_mask"].astype(bool)
+    hidden = torch_forward(hf, **_hf_kwargs(inputs), output_hidden_states=True)
+    assert hidden.encoder_hidden_states[1].abs().max() > 65504  # (float32: it overflows)
+    assert hidden.decoder_hidden_states[1].abs().max() > 65504
+    hf = hf.half()
+    expected = _hf_logits(hf, inputs).astype("float32")
+    assert np.isfinite(expected).all()
+
+    model = kzoo.presets.load(tmp_path, dtype=dtype)
+    assert all(b.clamp_float16 and b.get_config()["clamp_float16"]
+               for b in model.backbone.encoder_layers + model.backbone.decoder_layers)
+    logits = to_numpy(model(inputs)).astype("float32")
+    assert np.isfinite(logits).all()
+    # (float16 rounding: the logits are O(3), float16's spacing there 2e-3)
+    np.testing.assert_allclose(logits[real], expected[real], atol=1e-2)
+    if dtype == "float16":
+        prompts = {"encoder_token_ids": inputs["encoder_token_ids"],
+                   "encoder_padding_mask": inputs["encoder_padding_mask"]}
+        with torch.no_grad():
+            ref = hf.generate(input_ids=torch.tensor(prompts["encoder_token_ids"]).long(),
+                              attention_mask=torch.tensor(prompts["encoder_padding_mask"]),
+                              do_sample=False, max_new_tokens=6, eos_token_id=None,
+                              pad_token_id=0, decoder_start_token_id=0).numpy()[:, 1:]
+        ours = model.generate(prompts, max_new_tokens=6, stop_token_ids=None)
+        assert ours == ref.tolist()
+    unclamped = to_numpy(_unclamped(kzoo.presets.load(tmp_path, dtype=dtype))(inputs))
+    assert not np.isfinite(unclamped[real]).all()
+
+
+def test_clamp_float16_is_float16_only_and_saved():
+    """The block option: off by default, in the block config, T5's blocks on; a block
+    computing in float32 or bfloat16 leaves an inf as it is (no clamp there)."""
+    from kzoo.layers.blocks import TransformerBlock
+
+    assert TransformerBlock(num_heads=2, intermediate_dim=8).clamp_float16 is False
+    block = TransformerBlock(num_heads=2, intermediate_dim=8, clamp_float16=True)
+    assert TransformerBlock.from_config(block.get_config()).clamp_float16 is True
+    with pytest.raises(ValueError, match="clamp_float16"):
+        TransformerBlock(num_heads=2, intermediate_dim=8, clamp_float16="yes")
+    x = np.array([[[np.inf, -np.inf, 3.0, 65504.0]]], "float32")
+    for dtype in ("float32", "bfloat16"):
+        block = TransformerBlock(num_heads=2, intermediate_dim=8, clamp_float16=True,
+                                 dtype=dtype)
+        y = to_numpy(keras.ops.cast(block._clamped(keras.ops.cast(x, dtype)), "float32"))
+        np.testing.assert_array_equal(y, to_numpy(keras.ops.cast(keras.ops.cast(x, dtype),
+                                                                  "float32")))
+    block = TransformerBlock(num_heads=2, intermediate_dim=8, clamp_float16=True,
+                             dtype="float16")
+    top = np.float16(65504 - 1000)  # 64512 in float16, as torch's clamp rounds it
+    y = to_numpy(block._clamped(keras.ops.cast(x, "float16")))
+    np.testing.assert_array_equal(y, np.array([[[top, -top, 3, top]]], "float16"))
+    finite = np.array([[[-65504.0, 3.0, 65504.0]]], "float16")
+    np.testing.assert_array_equal(to_numpy(block._clamped(keras.ops.convert_to_tensor(finite))),
+                                  finite)
+
+
 def _edit_config(path, **changes):
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:

@@ -10,9 +10,9 @@ Every family constructs `TransformerBlock(...)` directly; families differ only i
 - LLaMA / Mixtral-style decoders: the GPT-2 block with `norm="rmsnorm"`, rotary
   (`rope_max_wavelength`), `num_kv_heads`, `feedforward="gated"` or `"moe"`, no biases.
 - T5: pre-LN RMSNorm, no biases, unscaled scores, relative bias via `attention_bias`,
-  feed-forward dropout = `dropout`; query N(0, (d * d_kv)^-1/2), key/value and feed-forward
-  input N(0, d^-1/2), attention output N(0, (h * d_kv)^-1/2), feed-forward output
-  N(0, d_ff^-1/2).
+  feed-forward dropout = `dropout`, `clamp_float16`; query N(0, (d * d_kv)^-1/2), key/value
+  and feed-forward input N(0, d^-1/2), attention output N(0, (h * d_kv)^-1/2), feed-forward
+  output N(0, d_ff^-1/2).
 - ViT: pre-LN LayerNorm, `qkv_bias` on or off with the other biases kept, Xavier-uniform.
 - Graphormer: pre- or post-LN, attention biases switched by `use_bias` while the
   feed-forward keeps its own (`feedforward_bias=True`), its own `activation_dropout`, and
@@ -26,6 +26,7 @@ attention through `attention_bias` (computed once per stack, e.g. with
 import re
 
 import keras
+import numpy as np
 from keras import ops
 
 from kzoo.layers import fast_decode
@@ -135,6 +136,13 @@ class TransformerBlock(keras.layers.Layer):
             this probability, one draw per call (the whole batch); in inference the block
             always runs, unscaled. A traced `keras.ops.cond`, so it works inside a compiled
             `fit` and a skipped block costs no compute; its weights get zero gradients.
+        clamp_float16: T5's guard against float16 overflow (transformers' `T5Block`): when
+            the block computes in float16, the output of each sub-layer (the residual sum;
+            post-LN: after the norm) is clipped to +-(65504 - 1000) if any of its values is
+            infinite, else to +-65504 (a no-op on finite values): an overflowed
+            feed-forward gives the largest finite values instead of inf (which the next
+            norm turns into NaN); see `clamp_float16_overflow`. Nothing is added in float32
+            or bfloat16.
 
     Call args:
         inputs: `(batch, seq, dim)`.
@@ -209,6 +217,7 @@ class TransformerBlock(keras.layers.Layer):
         router_initializer=None,
         remat=False,
         layerdrop=0.0,
+        clamp_float16=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -233,6 +242,7 @@ class TransformerBlock(keras.layers.Layer):
             check_positive_int("num_experts", num_experts)
         self.remat = check_bool("remat", remat)
         self.layerdrop = check_rate("layerdrop", layerdrop)
+        self.clamp_float16 = check_bool("clamp_float16", clamp_float16)
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
         self.head_dim = head_dim
@@ -586,7 +596,7 @@ class TransformerBlock(keras.layers.Layer):
         x = residual + self.self_attention_dropout(x, training=training)
         if not self.norm_first:
             x = self.self_attention_norm(x)
-        x = gradient_boundary(x)
+        x = gradient_boundary(self._clamped(x))
 
         # Cross-attention (keys/values precomputed in `cross_cache` when decoding).
         if self.cross_attention:
@@ -607,6 +617,7 @@ class TransformerBlock(keras.layers.Layer):
             x = residual + self.cross_attention_dropout(x, training=training)
             if not self.norm_first:
                 x = self.cross_attention_norm(x)
+            x = self._clamped(x)
 
         # Feed-forward. A mixture of experts routes only real tokens (while decoding the
         # padding mask covers the cache, not these tokens, so every token is routed).
@@ -621,6 +632,7 @@ class TransformerBlock(keras.layers.Layer):
         x = residual + self.feedforward_dropout(x, training=training)
         if not self.norm_first:
             x = self.feedforward_norm(x)
+        x = self._clamped(x)
 
         return x, cache, cross_cache
 
@@ -673,9 +685,27 @@ class TransformerBlock(keras.layers.Layer):
                 **{name: getattr(self, name) for name in _INITIALIZERS},
                 "remat": self.remat,
                 "layerdrop": self.layerdrop,
+                "clamp_float16": self.clamp_float16,
             }
         )
         return config
+
+    def _clamped(self, x):
+        """`x` through `clamp_float16_overflow` when `clamp_float16` is on and the block
+        computes in float16, else `x` itself."""
+        if self.clamp_float16 and self.compute_dtype == "float16":
+            return clamp_float16_overflow(x)
+        return x
+
+
+def clamp_float16_overflow(x):
+    """A float16 tensor clipped to +-(65504 - 1000) if any of its values is infinite, else
+    to +-65504, the largest float16 (a no-op on finite values; NaN stays NaN): transformers'
+    T5 clamp (`T5Block`), so that an overflow gives finite values. The reduction runs over
+    the whole tensor (every row of the batch), as transformers' does."""
+    top = float(np.finfo(np.float16).max)
+    limit = ops.cast(ops.where(ops.any(ops.isinf(x)), top - 1000.0, top), x.dtype)
+    return ops.minimum(ops.maximum(x, -limit), limit)
 
 
 def _mask_rows(mask, positions, key_length, causal):

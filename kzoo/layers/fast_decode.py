@@ -340,6 +340,7 @@ def _sublayer(block, norm, x, fn, rows=None):
     x = (x if rows is None else gather_rows(x, rows)) + h
     if not block.norm_first:
         x = _norm(norm, x)
+    x = block._clamped(x)
     return (x, extra) if isinstance(out, tuple) else x
 
 

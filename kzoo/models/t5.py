@@ -199,7 +199,10 @@ class T5Backbone(FilledInputs, Backbone):
         layerdrop: LayerDrop rate (Fan et al. 2019): in training, each block is skipped
             (is the identity) with this probability, one draw per block and batch; in
             inference every block runs.
-        dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16").
+        dtype: dtype policy of every layer (e.g. "float32", "mixed_bfloat16"). Computing
+            in float16 ("float16", "mixed_float16"), every block clamps its hidden states
+            after each sub-layer as transformers' T5 does, so that an overflow gives finite
+            values (`TransformerBlock(clamp_float16=True)`).
 
     The arguments (all but `dtype` and Keras' own) are the fields of `T5Config`, which
     validates them: `T5Backbone(**fields)` and `T5Config(**fields).build()` are the same
@@ -325,6 +328,7 @@ class T5Backbone(FilledInputs, Backbone):
                 dtype=policy,
                 remat=config.remat,
                 layerdrop=config.layerdrop,
+                clamp_float16=True,
                 name=f"{'decoder' if decoder else 'encoder'}_layer_{i}",
             )
 
