@@ -145,6 +145,26 @@ def test_layer_norm_bad_axes_named(axis, fragment):
         LayerNorm(axis=axis).build((4, 6, 5, 8))
 
 
+@pytest.mark.parametrize("epsilon", [0.0, -1e-5, float("nan"), float("inf"), "1e-5", None])
+def test_layer_norm_bad_epsilon_named(epsilon):
+    # Was accepted: 0, a negative or a NaN epsilon gave NaN for every constant row (an
+    # all-zero padding token) in silence; a string or None failed inside the backend's op at
+    # the first call (TypeError on JAX and torch, InvalidArgumentError on TensorFlow), or,
+    # with None on JAX and torch, normalised without any epsilon.
+    with pytest.raises(ValueError, match=r"`epsilon` must be a positive number; got "
+                                         r"epsilon="):
+        LayerNorm(epsilon=epsilon)
+
+
+def test_layer_norm_constant_rows_with_a_tiny_epsilon_are_finite():
+    # A constant row has variance 0: (x - mean) / sqrt(0 + epsilon) = 0, then + beta.
+    norm = LayerNorm(epsilon=1e-12)
+    x = np.full((2, 3, 8), 3.0, "float32")
+    want = np.zeros((2, 3, 8), "float32")  # gamma 1, beta 0
+    assert_close(norm(x), want, atol=1e-6, rtol=0)
+    assert LayerNorm.from_config(norm.get_config()).epsilon == 1e-12
+
+
 # === RMSNorm ===
 
 

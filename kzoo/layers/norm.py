@@ -106,6 +106,13 @@ class LayerNorm(keras.layers.LayerNormalization):
     ```
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Keras takes any epsilon: 0, a negative or a NaN one gave NaN for every constant
+        # row (an all-zero padding token) in silence, and a string or None failed in the
+        # backend's op at the first call (or, None on JAX and torch, meant no epsilon).
+        self.epsilon = check_positive_float("epsilon", self.epsilon)
+
     def build(self, input_shape):
         ndim = len(input_shape)
         axes = list(self.axis) if isinstance(self.axis, (list, tuple)) else [self.axis]
