@@ -277,3 +277,49 @@ def test_multi_head_attention_refuses_an_additive_float_mask():
     with pytest.raises(ValueError, match=r"`attention_mask` must be boolean .* got "
                                          r"-1000000000\.0 .*goes in `attention_bias`"):
         mha(x, attention_mask=np.where(allowed, 0.0, -1e9).astype("float32"))
+
+
+# === Initialiser arguments ===
+
+
+def _initializer_cases():
+    from kzoo.layers import (FeedForward, GatedFeedForward, MixtureOfExperts,
+                             MultiHeadAttention, RMSNorm, TokenEmbedding, TransformerBlock)
+    from kzoo.layers.embedding import PatchEmbedding
+
+    return [
+        (MultiHeadAttention, dict(num_heads=2), "kernel_initializer"),
+        (MultiHeadAttention, dict(num_heads=2), "bias_initializer"),
+        (MultiHeadAttention, dict(num_heads=2), "query_initializer"),
+        (MultiHeadAttention, dict(num_heads=2), "key_value_initializer"),
+        (MultiHeadAttention, dict(num_heads=2), "output_kernel_initializer"),
+        (FeedForward, dict(intermediate_dim=8), "kernel_initializer"),
+        (FeedForward, dict(intermediate_dim=8), "bias_initializer"),
+        (GatedFeedForward, dict(intermediate_dim=8), "output_kernel_initializer"),
+        (MixtureOfExperts, dict(num_experts=2, intermediate_dim=8), "kernel_initializer"),
+        (MixtureOfExperts, dict(num_experts=2, intermediate_dim=8), "bias_initializer"),
+        (MixtureOfExperts, dict(num_experts=2, intermediate_dim=8), "router_initializer"),
+        (MixtureOfExperts, dict(num_experts=2, intermediate_dim=8),
+         "output_kernel_initializer"),
+        (RMSNorm, dict(), "scale_initializer"),
+        (TokenEmbedding, dict(vocabulary_size=5, embedding_dim=4), "embeddings_initializer"),
+        (PatchEmbedding, dict(patch_size=2, hidden_dim=4), "kernel_initializer"),
+        (PatchEmbedding, dict(patch_size=2, hidden_dim=4), "bias_initializer"),
+        (TransformerBlock, dict(num_heads=2, intermediate_dim=8), "kernel_initializer"),
+        (TransformerBlock, dict(num_heads=2, intermediate_dim=8), "query_initializer"),
+        (TransformerBlock, dict(num_heads=2, intermediate_dim=8), "feedforward_initializer"),
+        (TransformerBlock, dict(num_heads=2, intermediate_dim=8), "router_initializer"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_initializer_cases())))
+@pytest.mark.parametrize("bad", ["glorot_bogus", 3, [1.0]])
+def test_bad_initializers_are_refused_by_name(case, bad):
+    # Were Keras' "Could not interpret initializer identifier: glorot_bogus", naming neither
+    # the argument nor what is allowed (PositionEmbedding and RelativePositionBias already
+    # named theirs).
+    cls, kwargs, argument = _initializer_cases()[case]
+    with pytest.raises(ValueError, match=rf"`{argument}` must be a Keras initializer, its "
+                                         rf"name .* got {argument}="):
+        cls(**kwargs, **{argument: bad})
+    cls(**kwargs, **{argument: "zeros"})  # a good one still works

@@ -28,9 +28,9 @@ from kzoo.layers.utils import (
 )
 
 
-def _optional_initializer(initializer):
-    """None (use the layer's default) or the serialised initialiser."""
-    return None if initializer is None else serialize_initializer(initializer)
+def _optional_initializer(initializer, name):
+    """None (use the layer's default) or the serialised initialiser (`name`: the argument)."""
+    return None if initializer is None else serialize_initializer(initializer, name)
 
 
 def _check_float_mask(mask):
@@ -246,11 +246,14 @@ class MultiHeadAttention(keras.layers.Layer):
         self.rope_scaling_factor = rope_scaling_factor
         self.rope_scaling = rope_scaling
         self.kernel = kernel
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.bias_initializer = serialize_initializer(bias_initializer)
-        self.query_initializer = _optional_initializer(query_initializer)
-        self.key_value_initializer = _optional_initializer(key_value_initializer)
-        self.output_kernel_initializer = _optional_initializer(output_kernel_initializer)
+        self.kernel_initializer = serialize_initializer(kernel_initializer,
+                                                        "kernel_initializer")
+        self.bias_initializer = serialize_initializer(bias_initializer, "bias_initializer")
+        self.query_initializer = _optional_initializer(query_initializer, "query_initializer")
+        self.key_value_initializer = _optional_initializer(key_value_initializer,
+                                                           "key_value_initializer")
+        self.output_kernel_initializer = _optional_initializer(output_kernel_initializer,
+                                                               "output_kernel_initializer")
         self._kv_heads = num_kv_heads or num_heads
         self.seed_generator = keras.random.SeedGenerator()
         self.rotary = None

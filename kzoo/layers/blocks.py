@@ -270,13 +270,17 @@ class TransformerBlock(keras.layers.Layer):
         self.expert_type = expert_type
         self.kernel = kernel
         self.attention, self.attention_options = check_attention(attention, attention_options)
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.query_initializer = _optional(query_initializer)
-        self.key_value_initializer = _optional(key_value_initializer)
-        self.attention_output_initializer = _optional(attention_output_initializer)
-        self.feedforward_initializer = _optional(feedforward_initializer)
-        self.feedforward_output_initializer = _optional(feedforward_output_initializer)
-        self.router_initializer = _optional(router_initializer)
+        self.kernel_initializer = serialize_initializer(kernel_initializer,
+                                                        "kernel_initializer")
+        self.query_initializer = _optional(query_initializer, "query_initializer")
+        self.key_value_initializer = _optional(key_value_initializer, "key_value_initializer")
+        self.attention_output_initializer = _optional(attention_output_initializer,
+                                                      "attention_output_initializer")
+        self.feedforward_initializer = _optional(feedforward_initializer,
+                                                 "feedforward_initializer")
+        self.feedforward_output_initializer = _optional(feedforward_output_initializer,
+                                                        "feedforward_output_initializer")
+        self.router_initializer = _optional(router_initializer, "router_initializer")
 
         # === Layers ===
         self.self_attention = self._attention("self_attention", is_self=True)
@@ -739,9 +743,10 @@ class _StateOverlay(keras.StatelessScope):
         return value
 
 
-def _optional(initializer):
-    """None (fall back to `kernel_initializer`) or the serialised initialiser."""
-    return None if initializer is None else serialize_initializer(initializer)
+def _optional(initializer, name):
+    """None (fall back to `kernel_initializer`) or the serialised initialiser (`name`: the
+    argument)."""
+    return None if initializer is None else serialize_initializer(initializer, name)
 
 
 def _redirect_legacy_path(store):

@@ -78,7 +78,8 @@ class TokenEmbedding(keras.layers.Layer):
         self.vocabulary_size = check_positive_int("vocabulary_size", vocabulary_size)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
         self.tie_weights = check_bool("tie_weights", tie_weights)
-        self.embeddings_initializer = serialize_initializer(embeddings_initializer)
+        self.embeddings_initializer = serialize_initializer(embeddings_initializer,
+                                                            "embeddings_initializer")
         if logit_soft_cap is not None:
             logit_soft_cap = check_positive_float("logit_soft_cap", logit_soft_cap)
         self.logit_soft_cap = logit_soft_cap
@@ -535,8 +536,8 @@ class PatchEmbedding(keras.layers.Layer):
         self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
         self.num_channels = check_positive_int("num_channels", num_channels, allow_none=True)
         self.use_bias = check_bool("use_bias", use_bias)
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.bias_initializer = serialize_initializer(bias_initializer)
+        self.kernel_initializer = serialize_initializer(kernel_initializer, "kernel_initializer")
+        self.bias_initializer = serialize_initializer(bias_initializer, "bias_initializer")
 
         # === Layers ===
         self.projection = keras.layers.Conv2D(

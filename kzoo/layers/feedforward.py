@@ -282,11 +282,11 @@ class _FeedForwardBase(keras.layers.Layer):
         self.use_bias = check_bool("use_bias", use_bias)
         self.dropout = check_rate("dropout", dropout)
         self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.bias_initializer = serialize_initializer(bias_initializer)
+        self.kernel_initializer = serialize_initializer(kernel_initializer, "kernel_initializer")
+        self.bias_initializer = serialize_initializer(bias_initializer, "bias_initializer")
         self.output_kernel_initializer = (
             None if output_kernel_initializer is None
-            else serialize_initializer(output_kernel_initializer)
+            else serialize_initializer(output_kernel_initializer, "output_kernel_initializer")
         )
         self._activation_fn = get_activation(activation)
         self.dropout_layer = keras.layers.Dropout(

@@ -342,12 +342,12 @@ class MixtureOfExperts(keras.layers.Layer):
             "router_z_loss_weight", router_z_loss_weight
         )
         self.dropout = check_rate("dropout", dropout)
-        self.kernel_initializer = serialize_initializer(kernel_initializer)
-        self.bias_initializer = serialize_initializer(bias_initializer)
-        self.router_initializer = serialize_initializer(router_initializer)
+        self.kernel_initializer = serialize_initializer(kernel_initializer, "kernel_initializer")
+        self.bias_initializer = serialize_initializer(bias_initializer, "bias_initializer")
+        self.router_initializer = serialize_initializer(router_initializer, "router_initializer")
         self.output_kernel_initializer = (
             None if output_kernel_initializer is None
-            else serialize_initializer(output_kernel_initializer)
+            else serialize_initializer(output_kernel_initializer, "output_kernel_initializer")
         )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be None or an int; got seed={seed!r}.")

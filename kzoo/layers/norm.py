@@ -48,7 +48,7 @@ class RMSNorm(keras.layers.Layer):
         if not isinstance(use_scale, bool):
             raise ValueError(f"`use_scale` must be True or False; got use_scale={use_scale!r}.")
         self.use_scale = use_scale
-        self.scale_initializer = serialize_initializer(scale_initializer)
+        self.scale_initializer = serialize_initializer(scale_initializer, "scale_initializer")
         self.supports_masking = True
 
     def build(self, input_shape):

@@ -209,8 +209,19 @@ def compute_float32(x):
     return ops.cast(x, "float32")
 
 
-def serialize_initializer(initializer):
-    return keras.initializers.serialize(keras.initializers.get(initializer))
+def serialize_initializer(initializer, name=None):
+    """The config of `initializer` (a Keras initializer, its name or its config). With
+    `name` (the argument it was given as) a value Keras cannot read raises a `FieldError`
+    naming that argument, its value and what is allowed (Keras' own message, "Could not
+    interpret initializer identifier: ...", named neither)."""
+    try:
+        return keras.initializers.serialize(keras.initializers.get(initializer))
+    except (ValueError, TypeError) as error:
+        if name is None:
+            raise
+        raise FieldError(
+            f"`{name}` must be a Keras initializer, its name (e.g. \"glorot_uniform\") or "
+            f"its config; got {name}={initializer!r:.200}.", name) from error
 
 
 def last_axis_size(layer_name, input_shape):
