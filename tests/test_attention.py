@@ -1122,6 +1122,30 @@ def test_uniform_empty_rows_against_numpy(form):
         np.testing.assert_array_equal(to_numpy(got), out)
 
 
+def test_uniform_empty_rows_refused_with_a_causal_mask():
+    """`uniform_empty_rows=True` with `use_causal_mask=True` found the empty rows from the
+    padding mask alone and gave them the mean of every value: query 0 of an all-padding row
+    changed when only the last token did (a causal attention reading the future). It is
+    refused now; without it such a causal row gives zeros (the output projection's bias),
+    and a non-causal one the mean of every projected value (NumPy)."""
+    r = np.random.default_rng(5)
+    mha = MultiHeadAttention(num_heads=2, head_dim=3, bias_initializer="glorot_uniform")
+    x = r.normal(size=(2, 4, 6)).astype("float32")
+    mask = np.ones((2, 4), bool)
+    mask[1] = False  # a whole row of padding
+    mha(x)
+    with pytest.raises(ValueError, match=r"`uniform_empty_rows=True` is for non-causal .*"
+                                         r"use_causal_mask=True"):
+        mha(x, attention_mask=mask, use_causal_mask=True, uniform_empty_rows=True)
+    vk, vb = to_numpy(mha.value_dense.kernel), to_numpy(mha.value_dense.bias)
+    ok, ob = to_numpy(mha.output_dense.kernel), to_numpy(mha.output_dense.bias)
+    causal = to_numpy(mha(x, attention_mask=mask, use_causal_mask=True))
+    assert_close(causal[1], np.broadcast_to(ob, (4, 6)), atol=1e-6, rtol=0)
+    uniform = to_numpy(mha(x, attention_mask=mask, uniform_empty_rows=True))
+    mean_value = (x[1] @ vk + vb).mean(0)  # (heads * head_dim,): each head's mean value
+    assert_close(uniform[1], np.broadcast_to(mean_value @ ok + ob, (4, 6)), atol=1e-5)
+
+
 # === TensorFlow's reference formula with a hand-written gradient ===
 
 

@@ -169,7 +169,8 @@ class MultiHeadAttention(keras.layers.Layer):
         uniform_empty_rows: full attention only: a query row whose every key is masked
             attends uniformly to all the keys (the mean of the values), as transformers'
             encoders and cross-attentions compute it (`kzoo.layers.kernels.
-            uniform_empty_rows`); False (default): such a row gives zeros.
+            uniform_empty_rows`); False (default): such a row gives zeros. Refused with
+            `use_causal_mask=True` (a ValueError).
 
     Returns:
         `output`, followed by the weights if asked, followed by the updated cache if a
@@ -401,6 +402,15 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
     ):
         cross = value is not None
+        if uniform_empty_rows and use_causal_mask:
+            # The empty rows were found from `attention_mask` alone and given the mean of
+            # every value: a causal query read the positions after it.
+            raise ValueError(
+                "`uniform_empty_rows=True` is for non-causal attention (transformers' encoders "
+                "and cross-attentions); got it with use_causal_mask=True, where a query row "
+                "without an allowed key would read the mean of every value, later positions "
+                "included. With a causal mask leave uniform_empty_rows=False (such rows give "
+                "zeros).")
         if len(query.shape) != 3:
             raise ValueError(
                 f"`query` must have rank 3 (batch, seq, dim); got shape {tuple(query.shape)}."
