@@ -374,6 +374,28 @@ def test_char_tokenizer():
         D.CharTokenizer(["ab"])
 
 
+def test_char_tokenizer_truncation_keeps_bos_and_eos():
+    """`batch_encode(..., add_eos=True, truncate=True)` cut a long text's ids after
+    `max_len`, dropping its `eos_id`: the rows of long texts had no end token (a seq2seq
+    target then never teaches the model to stop). keras-hub's `StartEndPacker` and Hugging
+    Face tokenizers truncate the text and keep the start / end tokens; the expected rows
+    are what `StartEndPacker(sequence_length=5, start_value=1, end_value=2)` returns."""
+    tok = D.CharTokenizer("abcdef")  # a..f are ids 4..9
+    ids, mask = tok.batch_encode(["abcdef", "ab"], 5, add_bos=True, add_eos=True,
+                                 truncate=True)
+    np.testing.assert_array_equal(ids, [[1, 4, 5, 6, 2], [1, 4, 5, 2, 0]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    ids, mask = tok.batch_encode(["abcdef", "ab"], 5, add_eos=True, truncate=True)
+    np.testing.assert_array_equal(ids, [[4, 5, 6, 7, 2], [4, 5, 2, 0, 0]])
+    ids, _ = tok.batch_encode(["abcdef"], 5, add_bos=True, truncate=True)
+    np.testing.assert_array_equal(ids, [[1, 4, 5, 6, 7]])
+    assert tok.decode(tok.batch_encode(["abcdef"], 4, add_eos=True, truncate=True)[0][0]) \
+        == "abc"
+    # A row too short for the special tokens themselves is refused, naming max_len.
+    with pytest.raises(ValueError, match=r"max_len=1 .*bos_id and eos_id"):
+        tok.batch_encode(["abc"], 1, add_bos=True, add_eos=True, truncate=True)
+
+
 # === Molecules ===
 
 

@@ -228,7 +228,10 @@ class CharTokenizer:
             texts: sequence of `str`.
             max_len: positive int, the length of every row.
             add_bos, add_eos: wrap each text in `bos_id` / `eos_id`.
-            truncate: cut longer sequences to `max_len` (default: raise ValueError).
+            truncate: cut longer texts so that each row fits `max_len`, keeping the
+                `bos_id` / `eos_id` asked for (the text is cut, as keras-hub's
+                `StartEndPacker` and Hugging Face tokenizers truncate); default: raise
+                ValueError.
 
         Returns:
             `(ids, padding_mask)`: int32 `(len(texts), max_len)` ids padded with `pad_id`,
@@ -252,7 +255,16 @@ class CharTokenizer:
                         f"Text {row} encodes to {len(encoded)} ids, more than max_len={max_len}; "
                         "raise max_len or pass truncate=True."
                     )
-                encoded = encoded[:max_len]
+                # Cut the text, not the end token (it was cut off with the text's tail).
+                specials = int(bool(add_bos)) + int(bool(add_eos))
+                if max_len < specials:
+                    raise ValueError(
+                        f"max_len={max_len} cannot hold bos_id and eos_id of a truncated "
+                        f"text (text {row}); use max_len >= {specials}."
+                    )
+                body = encoded[int(bool(add_bos)):len(encoded) - int(bool(add_eos))]
+                encoded = (encoded[:int(bool(add_bos))] + body[:max_len - specials]
+                           + encoded[len(encoded) - int(bool(add_eos)):])
             ids[row, : len(encoded)] = encoded
             mask[row, : len(encoded)] = True
         return ids, mask
