@@ -307,6 +307,23 @@ def test_get_config_is_exactly_the_arguments():
     assert BertClassifier.from_config(clf_config).get_config() == clf_config
 
 
+@pytest.mark.parametrize("hidden_dropout", [0.0, 0.1, 0.25])
+def test_classifier_dropout_follows_the_backbone_as_in_transformers(hidden_dropout):
+    """Left unset, the head's dropout is the backbone's, as transformers' classifier takes
+    `hidden_dropout_prob` when `classifier_dropout` is None (it was 0.1 whatever the
+    backbone's: `load(..., task="classifier", dropout=0.0)` kept a dropout in the head)."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=61, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, hidden_dropout_prob=hidden_dropout, num_labels=3))
+    clf = kzoo.presets.load("bert_tiny_uncased", task="classifier", num_classes=3,
+                            dropout=hidden_dropout, vocabulary_size=61, max_sequence_length=16)
+    assert clf.classifier_dropout.rate == reference.dropout.p == hidden_dropout
+    assert clf.get_config()["dropout"] == hidden_dropout
+    assert BertClassifier(clf.backbone, num_classes=3, dropout=0.4).classifier_dropout.rate == 0.4
+    assert BertClassifier(clf.backbone, num_classes=3, dropout=0.0).classifier_dropout.rate == 0.0
+
+
 @pytest.mark.parametrize("task", ["masked_lm", "classifier", "backbone"])
 def test_presets_save_load_directory(task, tmp_path):
     backbone = tiny_backbone(activation="relu")

@@ -665,7 +665,9 @@ class BertClassifier(_BertTask):
     Args:
         backbone: a `BertBackbone`.
         num_classes: number of classes (logits per example).
-        dropout: dropout rate on the pooled output.
+        dropout: dropout rate on the pooled output (None: the backbone's `dropout`, as
+            transformers' `classifier_dropout=None` follows `hidden_dropout_prob`; so
+            `kzoo.presets.load(..., task="classifier", dropout=0.0)` turns both off).
         dtype: dtype policy of the head (defaults to the backbone's).
 
     Inputs: the backbone's dict. Output: logits `(batch, num_classes)`.
@@ -684,7 +686,7 @@ class BertClassifier(_BertTask):
         categorical cross-entropy on the logits; mean squared error with one output)."""
         return class_loss(self.num_classes)
 
-    def __init__(self, backbone, num_classes=2, dropout=0.1, dtype=None, **kwargs):
+    def __init__(self, backbone, num_classes=2, dropout=None, dtype=None, **kwargs):
         _check_backbone(backbone)
         if backbone.packed_inputs:
             raise ValueError(
@@ -696,7 +698,8 @@ class BertClassifier(_BertTask):
                 "get_weights())`."
             )
         num_classes = check_positive_int("num_classes", num_classes)
-        dropout = check_rate("dropout", dropout)
+        # (was 0.1 whatever the backbone's: `load(..., dropout=0.0)` left the head's on)
+        dropout = check_rate("dropout", backbone.config.dropout if dropout is None else dropout)
         policy = _dtype_policy(dtype) or backbone.dtype_policy
         # === Layers ===
         self.backbone = backbone
