@@ -225,6 +225,8 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
             "the adapters with `model.save_lora_weights(path)`, and put them back on the "
             "reloaded model with `enable_lora` + `load_lora_weights`.",
             stacklevel=2)
+    if "head" not in targets:
+        _warn_zero_heads(model, found["head"])
     unfrozen = [v for v in model.weights if v.trainable]
     for variable in unfrozen:
         variable.trainable = False
@@ -236,6 +238,21 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
     object.__setattr__(model, "_kzoo_lora_frozen", tuple(unfrozen))
     _after_change(model)
     return [layer.path for layer in layers]
+
+
+def _warn_zero_heads(model, heads):
+    """Warn when a frozen head's kernel is all zeros (a new ViT classifier's is): nothing
+    before it gets a gradient, so the adapters `enable_lora` adds never train (the loss of
+    `python -m training vit_digits --lora-rank 2` stayed at ln 10, without a word)."""
+    dead = [layer.path for layer in heads
+            if layer.quantization_mode is None and layer.trainable
+            and not np.any(keras.ops.convert_to_numpy(layer.kernel))]
+    if dead:
+        warnings.warn(
+            f"The kernels of {dead} in {model.name!r} are all zeros (a newly built head) and "
+            "`enable_lora` freezes them: no gradient reaches the adapters before them, so "
+            "training changes nothing. Add \"head\" to `targets` (adapters on the head "
+            "train from zero), or train the head before enabling LoRA.", stacklevel=3)
 
 
 def _after_change(model):

@@ -62,6 +62,33 @@ def test_bad_arguments_are_refused():
         model.enable_lora(2)
 
 
+def test_a_frozen_all_zero_head_is_warned_of():
+    """A new ViT classifier's head kernel is zeros: with it frozen (targets without "head"),
+    no gradient reaches the adapters and a training step changes nothing. `enable_lora` says
+    so; with "head" among the targets, or a head that is not zeros, it says nothing."""
+    from tests.test_quantize import _build_model
+
+    model = _build_model("vit")  # the head as built: zeros
+    x, y = model_inputs("vit"), np.array([0, 2])
+    with pytest.warns(UserWarning, match=r"all zeros.*\"head\" to `targets`"):
+        model.enable_lora(2)
+    model.compile(optimizer=keras.optimizers.SGD(1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [to_numpy(v) for v in model.trainable_weights]
+    model.train_on_batch(x, y)
+    for a, b in zip(before, model.trainable_weights):  # what the warning says: no change
+        np.testing.assert_array_equal(a, to_numpy(b))
+    np.testing.assert_array_equal(to_numpy(model(x)), np.zeros((2, 3)))
+    import warnings
+
+    for build, targets in ((lambda: _build_model("vit"), ("query", "value", "head")),
+                           (lambda: build_model("vit"), ("query", "value")),
+                           (lambda: build_model("gpt"), ("query", "value"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            build().enable_lora(2, targets=targets)
+
+
 # === Every family ===
 
 
