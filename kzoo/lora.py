@@ -29,6 +29,15 @@ stored settings when needed and assigns them. `merge_lora(model)` folds `(alpha/
 into each kernel (float or int8/int4-quantized) and removes the adapters, leaving a plain
 model whose weights are all trainable again.
 
+`model.save` (`.keras`) and `kzoo.presets.save` of a model with adapters store the merged
+kernels `W + (alpha/rank) A B`: the reloaded model gives the same outputs but has no adapters
+(all its weights trainable). To go on training the adapters later, keep them with
+`save_lora_weights` and put them back with `load_lora_weights` on the model saved before
+`enable_lora` (the training CLI writes both: the merged model and `adapters.lora.npz`).
+
+A newly built classifier head (ViT's) is all zeros: frozen, it passes no gradient back, so
+`enable_lora` warns unless "head" is among the targets.
+
 Example:
 
 ```python
