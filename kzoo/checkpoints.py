@@ -479,6 +479,15 @@ class WeightReader:
             return None
         self.used.add(name)
         value = np.asarray(self.state[name])
+        if value.dtype.kind in "biuc":
+            # Every tensor a converter takes is a float weight; integer, boolean or complex
+            # values were cast to float32 and loaded as weights, with nothing said.
+            raise ValueError(
+                f"Checkpoint tensor {name!r} has dtype {value.dtype} (shape "
+                f"{tuple(value.shape)}); a weight must be floating-point (float32, float16, "
+                "bfloat16 or float64). The checkpoint is damaged, or holds quantized or "
+                "other non-weight values under that name."
+            )
         if value.dtype not in (np.float32, np.float64, np.int64, np.int32):
             value = value.astype(np.float32)
         return value.T if transpose else value

@@ -521,6 +521,28 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
     assert name in str(err.value)
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int8", "uint8", "bool"])
+def test_integer_or_boolean_tensor_for_a_weight_is_refused(tmp_path, dtype):
+    """A safetensors file whose weight holds integers or booleans (damaged, or quantized
+    codes under a float weight's name) was cast to float32 and loaded as that weight: the
+    model gave other outputs, with nothing said. The tensor is refused, named with its
+    dtype; the same weights as float16 still load (to float16's rounding)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = _hf_gpt(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    name = "transformer.h.0.mlp.c_fc.weight"
+    save_file({**state, name: (state[name] * 100).astype(dtype)}, str(path))
+    with pytest.raises(ValueError, match=f"{name}.*dtype {dtype}.*floating-point"):
+        kzoo.presets.load(tmp_path)
+    save_file({k: v.astype("float16") for k, v in state.items()}, str(path))
+    x = {"token_ids": np.array([[1, 2, 3]], "int32"), "padding_mask": np.ones((1, 3), "int32")}
+    want = model.predict(x, verbose=0)
+    np.testing.assert_allclose(to_numpy(kzoo.presets.load(tmp_path).predict(x, verbose=0)),
+                               to_numpy(want), atol=2e-2)
+
+
 def _bert_hf_dir(directory):
     from kzoo.models.bert import BertBackbone, BertMaskedLM
 
