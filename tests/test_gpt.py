@@ -1012,6 +1012,28 @@ def test_to_hf_rejects_configs_without_hf_equivalent(tmp_path):
                           format="hf")
 
 
+def test_gpt2_export_refuses_a_head_dim_gpt2_cannot_express(tmp_path):
+    """GPT-2's config has no head width: its heads are n_embd // n_head wide. A GPT-2-style
+    model with another `head_dim` (4 heads of 4 on a width of 32) was written as a GPT-2
+    checkpoint that transformers could not load ("Error(s) in loading state_dict for
+    Conv1D": c_attn is (32, 48), not (32, 96)); it is refused, naming the field, before
+    anything is written. A `head_dim` equal to hidden_dim // num_heads is the same model:
+    transformers loads it and gives kzoo's logits."""
+    import torch
+    import transformers
+
+    with pytest.raises(ValueError, match=r"head_dim=4 \(GPT-2: hidden_dim // num_heads = 8\)"):
+        kzoo.presets.save(tiny_lm("gpt2", head_dim=4), tmp_path / "narrow", format="hf")
+    assert not (tmp_path / "narrow").exists()
+    lm = tiny_lm("gpt2", head_dim=8, initializer_range=0.3)
+    kzoo.presets.save(lm, tmp_path / "same", format="hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "same").eval()
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids).long()).logits.numpy()
+    np.testing.assert_allclose(to_numpy(lm(_inputs(ids))), want, atol=1e-5)
+
+
 # === LLaMA / Mixtral: the modern configurations as Hugging Face checkpoints ===
 
 

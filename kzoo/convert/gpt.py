@@ -700,6 +700,12 @@ def _gpt2_to_hf(backbone, task):
         problems.append(f"feedforward={backbone.feedforward!r} (GPT-2: 'plain')")
     if backbone.num_kv_heads not in (None, backbone.num_heads):
         problems.append(f"num_kv_heads={backbone.num_kv_heads} (GPT-2: num_heads)")
+    if backbone.head_dim not in (None, backbone.hidden_dim // backbone.num_heads) or (
+            backbone.hidden_dim % backbone.num_heads):
+        # (GPT-2 has no such field: its heads are n_embd // n_head wide; written without
+        # it, transformers failed to load the query/key/value weights)
+        problems.append(f"head_dim={backbone.head_dim} (GPT-2: hidden_dim // num_heads = "
+                        f"{backbone.hidden_dim / backbone.num_heads:g})")
     if not backbone.use_bias:
         problems.append("use_bias=False (GPT-2: True)")
     if backbone.activation not in _HF_ACTIVATIONS:
