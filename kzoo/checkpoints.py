@@ -378,9 +378,17 @@ def write_hf(directory, hf_config, state, tokenizer=None, max_shard_size=DEFAULT
     names = [HF_WEIGHTS] if len(shards) == 1 else [
         shard_name(i + 1, len(shards)) for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        tmp = os.path.join(directory, name + ".tmp")
-        save_file({k: state[k] for k in shard}, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(directory, name))
+        save_file({k: state[k] for k in shard}, os.path.join(directory, name + ".tmp"),
+                  metadata={"format": "pt"})
+    # An earlier save's config.json does not describe these weights: removed before they
+    # replace its own, a save interrupted before the new config is written leaves no config
+    # (`load` says so) instead of the old one over the new weights (a mixed model).
+    try:
+        os.remove(os.path.join(directory, HF_CONFIG))
+    except FileNotFoundError:
+        pass
+    for name in names:
+        os.replace(os.path.join(directory, name + ".tmp"), os.path.join(directory, name))
     index_path = os.path.join(directory, HF_WEIGHTS_INDEX)
     if len(shards) > 1:
         index = {

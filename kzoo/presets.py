@@ -466,6 +466,11 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         meta["metrics"] = metrics
     weights_tmp = os.path.join(directory, "tmp." + WEIGHTS_FILE)
     model.save_weights(weights_tmp, overwrite=True)
+    # An earlier save's config does not describe these weights: removed first, a save
+    # interrupted before its own config is written leaves no config (`load` says so) where
+    # it left the old config over the new weights, loaded as a mixed model with nothing said.
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(config_path)
     os.replace(weights_tmp, os.path.join(directory, WEIGHTS_FILE))
     checkpoints.write_tokenizer(directory, getattr(model, "tokenizer", None))
     checkpoints.write_json(config_path, meta, default=_json_default)

@@ -511,6 +511,31 @@ def test_hf_checkpoint_weights_problems_name_the_file(tmp_path):
         kzoo.presets.load(tmp_path / "hf")
 
 
+@pytest.mark.parametrize("format", ["kzoo", "hf"])
+def test_interrupted_overwrite_never_loads_a_mixed_model(format, tmp_path, monkeypatch):
+    """A save over an earlier checkpoint that stops after writing its weights, before its
+    config (killed, disk full), left the old config beside the new weights: `load` built
+    the old model (GELU) with the new one's weights (trained with ReLU) and said nothing
+    (logits 0.06-0.6 from either). The old config is removed before the weights are
+    replaced: such a directory is refused as having no config."""
+    small = dict(SMALL["gpt_mini"], vocabulary_size=50)
+    first = kzoo.presets.load("gpt_mini", **small)
+    second = kzoo.presets.load("gpt_mini", **dict(small, activation="relu"))
+    kzoo.presets.save(first, tmp_path / "m", format=format)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("killed while saving")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kzoo.checkpoints, "write_json", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            kzoo.presets.save(second, tmp_path / "m", format=format)
+    with pytest.raises(ValueError, match="is neither a kzoo preset directory"):
+        kzoo.presets.load(tmp_path / "m")
+    kzoo.presets.save(second, tmp_path / "m", format=format)  # a save run to its end
+    assert kzoo.presets.load(tmp_path / "m").backbone.activation == "relu"
+
+
 @pytest.mark.spread
 @pytest.mark.parametrize("format", ["kzoo", "hf", "keras_hub"])
 def test_save_with_overwrite_false_refuses_an_existing_checkpoint(format, tmp_path):
