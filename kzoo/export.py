@@ -302,6 +302,32 @@ def _check_sequence_sizes(model, sizes):
             )
 
 
+# Attention types whose kernels work on blocks of a static sequence length (see
+# `kzoo.layers.sparse_attention`): an exported graph needs the length fixed.
+_STATIC_LENGTH_ATTENTION = ("sliding_window", "strided", "longformer", "block_sparse",
+                            "bigbird")
+
+
+def _check_static_length_attention(model, shapes):
+    """A model whose attention needs a static sequence length, exported without one, is
+    refused naming `shapes`: it failed inside the trace ("sparse attention needs static
+    sequence lengths; got None.", wrapped in a Keras call error), naming no argument."""
+    attention = getattr(_config_of(model), "attention", "full")
+    if attention not in _STATIC_LENGTH_ATTENTION:
+        return
+    given = shapes if isinstance(shapes, Mapping) else {}
+    missing = sorted({name for names in input_axes(model).values() for name in names
+                      if isinstance(name, str) and name.endswith("sequence")
+                      and given.get(name) is None})
+    if missing:
+        raise ValueError(
+            f"{model.name!r} has attention={attention!r}, whose kernel needs a fixed sequence "
+            f"length in the exported graph; give it with `shapes`, e.g. "
+            f"shapes={{{missing[0]!r}: 128}} (the batch may stay dynamic); got "
+            f"shapes={shapes!r}."
+        )
+
+
 def resolve_axes(model, shapes=None, dynamic=None):
     """`{input name: (int or axis name, ...)}`: `input_axes` with the sizes of `shapes`
     (axis name -> int, or None for dynamic) and the model's own fixed sizes filled in.
@@ -496,6 +522,7 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
     dynamic = _DYNAMIC_AXES.get((backend, format))
     if input_signature is None:
         signature = globals()["input_signature"](model, shapes, dynamic=dynamic)
+        _check_static_length_attention(model, shapes)
     else:
         if shapes is not None:
             raise ValueError("Give `shapes` or `input_signature`, not both.")

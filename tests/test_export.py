@@ -112,6 +112,24 @@ def test_quantized_model_exports(format, tmp_path):  # noqa: A002
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_sliding_window_model_exports_with_a_fixed_sequence(format, tmp_path):  # noqa: A002
+    """A model whose attention works on blocks of a static length (here a sliding window)
+    exported without a sequence length is refused naming `shapes` and the axis (it failed
+    inside the trace, e.g. "sparse attention needs static sequence lengths; got None.",
+    naming no argument); with `shapes={"sequence": 8}` its file gives the Keras outputs."""
+    model = GPTCausalLM(GPTBackbone(
+        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=16, attention="sliding_window", attention_options={"window": 3}))
+    x = _gpt_inputs(2, 8, seed=4)
+    path = str(tmp_path / f"window{SUFFIX[format]}")
+    with pytest.raises(ValueError, match=r"shapes=\{'sequence'"):
+        model.export(path, format=format)
+    model.export(path, format=format, shapes={"batch": 2, "sequence": 8})
+    np.testing.assert_allclose(run_exported(format, path, feed(model, x)), to_numpy(model(x)),
+                               atol=1e-5, rtol=1e-5)
+
+
 def _gpt_inputs(batch, length, seed):
     r = np.random.default_rng(seed)
     mask = np.ones((batch, length), "int32")
