@@ -205,6 +205,73 @@ def test_rolling_cache_holds_window_slots_and_equals_the_band():
         assert_close(got[0], expected[0], atol=2e-5)
 
 
+# Patterns that depend on where the tokens are, not only on how far apart (global tokens,
+# blocks): `generate` left-pads prompts (to a multiple of 8), which must not move them.
+POSITIONAL_CASES = [c for c in SPARSE_CASES if c[0] in ("longformer", "block_sparse")] + [
+    ("bigbird", {"block_size": 2, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1,
+                 "seed": 5})]
+
+
+@pytest.mark.parametrize("kind, options", POSITIONAL_CASES,
+                         ids=[c[0] for c in POSITIONAL_CASES])
+def test_decoding_lays_the_pattern_on_a_left_padded_rows_tokens(kind, options):
+    pad = 3  # row 1: 3 pad slots in front, its tokens at positions 0, 1, ... after them
+    x = np.random.default_rng(4).normal(size=(2, N, DIM)).astype("float32")
+    padding = np.ones((2, N), bool)
+    padding[1, :pad] = False
+    layer = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, attention=kind,
+                               attention_options=options)
+    full = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS)
+    layer.build(x.shape)
+    full.build(x.shape)
+    _copy_weights(full, layer)
+    if kind == "bigbird":
+        pattern_options = {"layout": bigbird_layout(
+            -(-N // 2), **{k: v for k, v in options.items() if k != "block_size"},
+            causal=True)[0], "block_size": 2}
+    elif kind == "block_sparse":
+        pattern_options = {"layout": BLOCK_LAYOUT, "block_size": 4}
+    else:
+        pattern_options = options
+    dense = np.zeros((2, 1, N, N), bool)
+    dense[0, 0] = _np_pattern(kind, N, True, **pattern_options)
+    dense[1, 0, pad:, pad:] = _np_pattern(kind, N - pad, True, **pattern_options)
+    expected = to_numpy(full(x, attention_mask=dense))
+    shift = np.array([0, pad], "int32")
+    cache = layer.init_cache(2, N)
+    prompt = 5
+    out, cache = layer(x[:, :prompt], attention_mask=padding, use_causal_mask=True,
+                       cache=cache, cache_index=0, position_index=0 - shift)
+    steps = [to_numpy(out)]
+    for t in range(prompt, N):
+        out, cache = layer(x[:, t:t + 1], attention_mask=padding, use_causal_mask=True,
+                           cache=cache, cache_index=t, position_index=t - shift)
+        steps.append(to_numpy(out))
+    got = np.concatenate(steps, axis=1)
+    assert_close(got[0], expected[0], atol=2e-5)
+    assert_close(got[1, pad:], expected[1, pad:], atol=2e-5)
+    # `generate` (prompts of 7 and 3 tokens, left-padded to 8 slots): each new token is the
+    # argmax of the model's forward pass on the prompt and the tokens before it, unpadded.
+    layout = {"layout": np.eye(6, dtype=bool) | np.eye(6, k=-2, dtype=bool)} \
+        if kind == "block_sparse" else {}
+    backbone = GPTBackbone(vocabulary_size=50, num_layers=1, num_heads=4, hidden_dim=16,
+                           intermediate_dim=32, max_sequence_length=32, dropout=0.0,
+                           initializer_range=0.5, attention=kind,
+                           attention_options={**options, **layout})
+    lm = GPTCausalLM(backbone)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 12]]
+    for prompt, tokens in zip(prompts, lm.generate(prompts, max_new_tokens=8,
+                                                    stop_token_ids=None)):
+        ids = np.array([prompt + tokens], "int32")
+        logits = to_numpy(lm({"token_ids": ids, "padding_mask": np.ones_like(ids)}))
+        assert tokens == np.argmax(logits[0, len(prompt) - 1:-1], axis=-1).tolist()
+    if kind == "block_sparse":  # the layout covers 24 tokens: 7 + 17, not the 8 + 17 slots
+        assert len(lm.generate([prompts[0]], max_new_tokens=17, stop_token_ids=None)[0]) == 17
+        with pytest.raises(ValueError, match=r"max_new_tokens=18 exceeds the 24 tokens that "
+                           r"the attention option `layout` covers"):
+            lm.generate([prompts[0]], max_new_tokens=18)
+
+
 # === GPT: Mistral / Mixtral sliding windows against transformers ===
 
 

@@ -159,7 +159,9 @@ class MultiHeadAttention(keras.layers.Layer):
             state `(S, z)`; both take a prompt of several tokens only at `cache_index=0`.
         cache_index: int or scalar tensor, position of the first query.
         position_index: first position for the rotary embedding (defaults to `cache_index`
-            or 0).
+            or 0); int or `(batch,)`. When decoding with "longformer", "block_sparse" or
+            "bigbird", also where their global tokens and blocks lie: row `b`'s cache slot
+            `s` holds position `s - (cache_index - position_index[b])`.
         return_attention_weights: also return `(batch, heads, q_len, k_len)` probabilities
             (efficient types: computed by the explicit quadratic formula of their pattern).
         global_attention_mask: "longformer" only: `(batch, seq)`, True/1 for global tokens
@@ -430,7 +432,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.attention != "full" and not cross:
             return self._efficient_call(
                 q, query, q_len, start, attention_mask, attention_bias, use_causal_mask, cache,
-                cache_index, return_attention_weights, global_attention_mask, training)
+                cache_index, return_attention_weights, global_attention_mask, training,
+                shifted=position_index is not None)
         if global_attention_mask is not None:
             raise ValueError(
                 "`global_attention_mask` is for attention='longformer' self-attention; this "
@@ -508,7 +511,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _efficient_call(self, q, query, q_len, start, attention_mask, attention_bias,
                         use_causal_mask, cache, cache_index, return_weights, global_mask,
-                        training):
+                        training, shifted=False):
         kind = self.attention
         if attention_bias is not None:
             raise ValueError(
@@ -546,8 +549,12 @@ class MultiHeadAttention(keras.layers.Layer):
                     f"attention={kind!r} caches are for causal self-attention decoding: pass "
                     "`cache_index` and use_causal_mask=True."
                 )
+            # (a `position_index` other than `cache_index`: per-row positions, e.g. a
+            # left-padded prompt, on which the global tokens and blocks are laid)
+            shift = (ops.cast(cache_index, "int32") - ops.cast(start, "int32")
+                     if shifted else None)
             out, weights, values, new_cache = self._efficient_decode(
-                q, k, v, mask, cache, cache_index, q_len, need_weights)
+                q, k, v, mask, cache, cache_index, q_len, need_weights, shift=shift)
         elif need_weights:
             global_rows = None
             values = v
@@ -708,9 +715,11 @@ class MultiHeadAttention(keras.layers.Layer):
             slots = efficient.rolling_cache_length(self.attention_options, max_length)
         return ops.zeros((batch_size, 2, self._kv_heads, slots, head_dim), dtype=dtype)
 
-    def _efficient_decode(self, q, k, v, mask, cache, cache_index, q_len, need_weights):
+    def _efficient_decode(self, q, k, v, mask, cache, cache_index, q_len, need_weights,
+                          shift=None):
         """(output, weights or None, the values the weights apply to, new cache) of a
-        decoding call on this type's cache."""
+        decoding call on this type's cache. `shift` `(batch,)`: the slot of each row's
+        position 0 (see `efficient.dense_pattern`)."""
         kind = self.attention
         padding = None if mask is None else mask[:, 0, 0, :]  # (batch, max_length)
         multi = not (isinstance(q_len, int) and q_len == 1)
@@ -729,7 +738,7 @@ class MultiHeadAttention(keras.layers.Layer):
         new_cache = self.write_key_value(cache, k, v, index)
         keys, values = self.cached_key_value(new_cache)
         pattern = efficient.dense_pattern(kind, self.attention_options, q_len, causal=True,
-                                          offset=index, k_len=keys.shape[1])
+                                          offset=index, k_len=keys.shape[1], shift=shift)
         full_mask = merge_masks(None if padding is None else padding[:, None, None, :],
                                 pattern)
         out, weights = reference_attention(q, keys, values, mask=full_mask, scale=self.scale,

@@ -409,10 +409,16 @@ def _key_mask(mask):
 
 
 def dense_pattern(attention, options, n, *, causal=False, global_mask=None, heads=1,
-                  offset=0, k_len=None):
+                  offset=0, k_len=None, shift=None):
     """The boolean `(batch|1, heads|1, q, k)` mask equal to a sparse type's pattern, for the
     exact formula (taps, decoding on a full cache): query `i` sits at position `offset + i`,
     key `j` at position `j`. Not for the linear types (they are not a mask).
+
+    `shift` (int `(batch,)`, or None): row `b`'s slots hold the positions `slot - shift[b]`
+    (a left-padded prompt in decoding: `shift` is its number of pad slots), so the global
+    tokens and blocks of a row's pattern sit where they would without its padding. Slots
+    before the row's first position (its padding) count as position 0 (they are masked
+    out as keys anyway). Sliding-window and strided patterns depend on `i - j` only.
 
     Example:
     >>> dense_pattern("sliding_window", {"window": 2, "block_size": None}, 3, causal=True)[0, 0]
@@ -429,6 +435,21 @@ def dense_pattern(attention, options, n, *, causal=False, global_mask=None, head
         allowed = ops.logical_or(ops.abs(diff) < stride, ops.equal(diff % stride, 0))
     elif attention == "longformer":
         band = ops.abs(diff) < options["window"]
+        if global_mask is None and shift is not None:
+            g = options["global_tokens"]
+            positions = np.asarray(list(g) if isinstance(g, tuple) else range(g), "int32")
+            allowed = band[None]
+            if positions.size:
+                q_at, k_at = _shifted(qpos[:, 0], shift), _shifted(kpos[0], shift)  # (b, n|k)
+                marks = ops.convert_to_tensor(positions)[None, None, :]
+                k_flags = ops.any(ops.equal(k_at[:, :, None], marks), axis=-1)  # (b, k)
+                q_flags = ops.any(ops.equal(q_at[:, :, None], marks), axis=-1)  # (b, n)
+                allowed = ops.logical_or(allowed, k_flags[:, None, :])
+                allowed = ops.logical_or(allowed, q_flags[:, :, None])
+            allowed = allowed[:, None]
+            if causal:
+                allowed = ops.logical_and(allowed, (diff >= 0)[None, None])
+            return allowed
         if global_mask is not None:
             flags = ops.cast(ops.convert_to_tensor(global_mask), "bool")  # (b, k_len)
         else:
@@ -453,12 +474,24 @@ def dense_pattern(attention, options, n, *, causal=False, global_mask=None, head
                 global_blocks=options["global_blocks"], random_blocks=options["random_blocks"],
                 num_heads=1, seed=options["seed"], causal=causal)
         else:
-            layout = _layout_for(options, max(k_len, n))
+            if shift is not None:
+                # (the slots of a left-padded row run past its last position; positions past
+                # the layout are refused by `generate`, which knows the prompts' lengths)
+                blocks = min(blocks, len(options["layout"][0]))
+            layout = _layout_for(options, blocks * block if shift is not None
+                                 else max(k_len, n))
         layout = ops.convert_to_tensor(np.asarray(layout, bool))
-        qb = ops.clip(qpos[:, 0] // block, 0, blocks - 1)
-        kb = kpos[0] // block
-        allowed = ops.take(ops.take(layout, qb, axis=1), kb, axis=2)  # (h, n, k)
-        allowed = allowed[None]
+        if shift is None:
+            qb = ops.clip(qpos[:, 0] // block, 0, blocks - 1)
+            kb = kpos[0] // block
+            allowed = ops.take(ops.take(layout, qb, axis=1), kb, axis=2)  # (h, n, k)
+            allowed = allowed[None]
+        else:
+            qb = ops.clip(_shifted(qpos[:, 0], shift) // block, 0, blocks - 1)  # (b, n)
+            kb = ops.clip(_shifted(kpos[0], shift) // block, 0, blocks - 1)  # (b, k)
+            flat = ops.reshape(layout, (layout.shape[0], blocks * blocks))
+            allowed = ops.take(flat, qb[:, :, None] * blocks + kb[:, None, :], axis=1)
+            allowed = ops.transpose(allowed, (1, 0, 2, 3))  # (b, h, n, k)
         if causal:
             allowed = ops.logical_and(allowed, (diff >= 0)[None, None])
         return allowed
@@ -467,6 +500,13 @@ def dense_pattern(attention, options, n, *, causal=False, global_mask=None, head
     if causal:
         allowed = ops.logical_and(allowed, diff >= 0)
     return allowed[None, None]
+
+
+def _shifted(slots, shift):
+    """Positions `(batch, len)` of the slots `(len,)` of rows shifted by `shift` `(batch,)`
+    (see `dense_pattern`); before a row's first position: 0."""
+    shift = ops.reshape(ops.cast(shift, "int32"), (-1, 1))
+    return ops.maximum(ops.cast(slots, "int32")[None, :] - shift, 0)
 
 
 def rolling_cache_length(options, max_length):

@@ -697,11 +697,13 @@ class GPTBackbone(FilledInputs, Backbone):
         per_layer = isinstance(cache, list)
         new_caches = []
         extra = {}
-        if (self.position == "rotary" and self.attention in ("linear", "performer")
-                and position_offset is not None):
-            # Rotated feature maps are not functions of relative positions alone: keep each
-            # left-padded row's positions where they would be without its padding.
-            # (Pad slots get negative positions; they are never attended.)
+        if position_offset is not None and (
+                self.attention in ("longformer", "block_sparse", "bigbird")
+                or self.position == "rotary" and self.attention in ("linear", "performer")):
+            # Rotated feature maps are not functions of relative positions alone, nor are
+            # global tokens and blocks: keep each left-padded row's positions where they
+            # would be without its padding. (Pad slots get negative positions; they are
+            # never attended.)
             extra["position_index"] = (ops.cast(cache_index, "int32")
                                        - ops.cast(position_offset, "int32"))
         for i, block in enumerate(self.transformer_layers):
@@ -1056,6 +1058,16 @@ class GPTCausalLM(FilledInputs, TaskModel):
                 f"The longest prompt ({prompt_len} tokens) plus max_new_tokens="
                 f"{max_new_tokens} exceeds max_sequence_length={limit} of the model."
             )
+        if self.backbone.attention == "block_sparse":
+            options = self.backbone.attention_options
+            blocks, block = len(options["layout"][0]), options["block_size"]
+            if prompt_len + max_new_tokens > blocks * block:
+                raise ValueError(
+                    f"The longest prompt ({prompt_len} tokens) plus max_new_tokens="
+                    f"{max_new_tokens} exceeds the {blocks * block} tokens that the "
+                    f"attention option `layout` covers ({blocks} blocks of "
+                    f"block_size={block})."
+                )
         # Left padding up to a multiple of 8: prompts of similar lengths share one compiled
         # loop (the pads never count as positions, see `position_offset`).
         prompt_len = -(-prompt_len // 8) * 8
