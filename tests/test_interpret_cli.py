@@ -102,6 +102,32 @@ def test_vit_image_gets_a_rollout_picture(tmp_path):
     _png_ok(os.path.join(out, "rollout.png"))
 
 
+def test_an_8_bit_jpeg_is_read_in_0_1_like_a_png(tmp_path):
+    # matplotlib reads a JPEG as uint8 0..255 (a PNG as floats in [0, 1]); the CLI fed the
+    # 0..255 values to the model, so a JPEG's maps and entropies were those of an image 255
+    # times too bright (the scaling to [0, 1] sat in dead code after a `raise`).
+    from PIL import Image
+
+    from kzoo.interpret import attention_maps
+
+    model = kzoo.presets.load("vit_tiny_patch16_224", image_size=8, patch_size=2,
+                              num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
+                              num_classes=3)
+    source = str(tmp_path / "vit.keras")
+    model.save(source)
+    pixels = (np.random.RandomState(0).rand(8, 8, 3) * 255).astype("uint8")
+    Image.fromarray(pixels).save(tmp_path / "photo.jpg", quality=95)
+    decoded = np.asarray(Image.open(tmp_path / "photo.jpg"), "float32") / 255.0
+    out = str(tmp_path / "out")
+    assert main([source, "--image", str(tmp_path / "photo.jpg"), "--out", out]) == 0
+    maps = attention_maps(model, decoded[None])["self"]
+    rows = _entropy_rows(os.path.join(out, "entropy.csv"))
+    assert len(rows) == 2
+    expected = _numpy_mean_entropy(maps[0])
+    for row in rows:
+        assert abs(float(row["mean_entropy_nats"]) - expected[int(row["head"])]) < 1e-5, row
+
+
 def test_an_image_that_cannot_be_read_is_named(tmp_path):
     model = kzoo.presets.load("vit_tiny_patch16_224", image_size=8, patch_size=2,
                               num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,

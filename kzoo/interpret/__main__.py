@@ -40,7 +40,8 @@ def _parser():
     given.add_argument("--text", help="input text (BERT, GPT, T5; needs a tokenizer)")
     given.add_argument("--ids", help="comma-separated token ids (BERT, GPT, T5)")
     given.add_argument("--image", help="image file (PNG/JPEG, read with matplotlib) or .npy "
-                                       "array, values in [0, 1] (ViT)")
+                                       "array, values in [0, 1] (integer pixels are scaled "
+                                       "by their type's range, 0..255 for 8 bits) (ViT)")
     p.add_argument("--target", help="T5: decoder text (default: only the start token)")
     p.add_argument("--out", required=True, help="directory for the PNGs, HTML and CSV")
     return p
@@ -94,17 +95,19 @@ def _image(path, backbone):
         raise ValueError(f"`--image` {path!r} is not a file.")
     try:
         if path.endswith(".npy"):
-            image = np.load(path, allow_pickle=False).astype("float32")
+            image = np.load(path, allow_pickle=False)
         else:
             import matplotlib.image
 
-            image = np.asarray(matplotlib.image.imread(path), "float32")
+            image = np.asarray(matplotlib.image.imread(path))
+        # Integer pixels (matplotlib reads a JPEG as uint8 0..255, a PNG as floats in
+        # [0, 1]) are scaled to [0, 1] by their type's range.
+        scale = np.iinfo(image.dtype).max if image.dtype.kind in "iu" else 1.0
+        image = image.astype("float32") / np.float32(scale)
     except (OSError, SyntaxError, ValueError, TypeError) as error:  # (PIL: SyntaxError)
         raise ValueError(
             f"`--image` {path!r} could not be read as a PNG/JPEG image or a .npy array of "
             f"numbers: {error}") from None
-        if image.max() > 1.0:  # 8-bit JPEG
-            image = image / 255.0
     if image.ndim == 2:
         image = image[..., None]
     if image.ndim != 3:
