@@ -84,6 +84,23 @@ def test_t5_ids_give_encoder_decoder_and_cross_maps(tmp_path):
     assert stacks == {"encoder", "decoder", "cross"}
 
 
+def test_t5_target_text_without_a_tokenizer_names_target(tmp_path):
+    # (was "pass token ids with --ids instead of --text" to a user who had passed --ids and
+    # --target: --target is the text that needed the tokenizer)
+    model = kzoo.presets.load("t5_small", num_layers=1, num_decoder_layers=1, num_heads=2,
+                              hidden_dim=16, key_value_dim=8, intermediate_dim=32,
+                              vocabulary_size=50)
+    source = str(tmp_path / "t5")
+    kzoo.presets.save(model, source)
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"No tokenizer was found for .*t5'.*`--target` "
+                                         r"'le chat' is text"):
+        main([source, "--ids", "5,6,7", "--target", "le chat", "--out", out])
+    assert not os.path.exists(out)
+    with pytest.raises(ValueError, match=r"`--text` 'the cat' is text.*--ids instead of --text"):
+        main([source, "--text", "the cat", "--out", out])
+
+
 @pytest.mark.spread
 def test_vit_image_gets_a_rollout_picture(tmp_path):
     model = kzoo.presets.load("vit_tiny_patch16_224", image_size=8, patch_size=2,

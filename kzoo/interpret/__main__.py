@@ -62,8 +62,9 @@ def _tokenizer_for(source, model):
     return None
 
 
-def _ids(args, source, model, text):
-    """Token ids (int32 array) and their labels for `text` (or `--ids`)."""
+def _ids(args, source, model, text, option="--text"):
+    """Token ids (int32 array) and their labels for `text` (or `--ids`); `option` names
+    where `text` came from (`--text` or `--target`) in errors."""
     tokenizer = _tokenizer_for(source, model)
     if args.ids is not None and text is args.text:
         try:
@@ -72,9 +73,12 @@ def _ids(args, source, model, text):
             raise ValueError(f"`--ids` must be comma-separated integers; got {args.ids!r}.")
     else:
         if tokenizer is None:
+            # (--target is text only: the decoder then gets just the start token)
+            remedy = ("pass token ids with --ids instead of --text" if option == "--text"
+                      else "leave --target out (the decoder gets only the start token)")
             raise ValueError(
                 f"No tokenizer was found for {source!r} (none saved with the model, no "
-                "tokenizer.json beside it): pass token ids with --ids instead of --text.")
+                f"tokenizer.json beside it), and `{option}` {text!r} is text: {remedy}.")
         ids = list(tokenizer.encode(text).ids)
     if not ids:
         raise ValueError("The input has no tokens: give a non-empty --text or --ids.")
@@ -151,7 +155,8 @@ def _inputs(args, family, model):
     decoder = np.zeros((1, 1), "int32")
     decoder_labels = ["<start>"]
     if args.target:
-        target, target_labels = _ids(args, args.source, model, args.target)
+        target, target_labels = _ids(args, args.source, model, args.target,
+                                     option="--target")
         decoder = np.concatenate([decoder, target], axis=1)
         decoder_labels += target_labels
     inputs = {"encoder_token_ids": ids, "encoder_padding_mask": ones,
