@@ -159,6 +159,52 @@ def test_an_image_that_cannot_be_read_is_named(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_crash_while_writing_leaves_no_partial_file(tmp_path, monkeypatch):
+    # (each file was written in place: a crash or a full disk in savefig or in the CSV's
+    # rows left a truncated PNG, or an entropy.csv with its header only, under the final
+    # name, which a later reader took for a complete result)
+    import matplotlib.figure
+
+    import kzoo.interpret
+
+    model = kzoo.presets.load("gpt_mini", num_layers=2, num_heads=2, hidden_dim=16,
+                              intermediate_dim=32, vocabulary_size=40, max_sequence_length=16)
+    source = str(tmp_path / "model")
+    kzoo.presets.save(model, source)
+    out = tmp_path / "out"
+    savefig = matplotlib.figure.Figure.savefig
+
+    def full_disk(self, fname, *args, **kwargs):
+        if "layer1" in os.fspath(fname):
+            with open(fname, "wb") as f:
+                f.write(b"\x89PNG\r\n")  # the first bytes, then the disk is full
+            raise OSError(28, "No space left on device")
+        return savefig(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        main([source, "--ids", "1,2,3", "--out", str(out)])
+    assert sorted(os.listdir(out)) == ["attention_self_layer0.png"]
+    _png_ok(str(out / "attention_self_layer0.png"))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+
+    entropy = kzoo.interpret.attention_entropy
+
+    def interrupted(layers, padding_mask=None):  # Ctrl-C while the rows are written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kzoo.interpret, "attention_entropy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main([source, "--ids", "1,2,3", "--out", str(out)])
+    assert "entropy.csv" not in os.listdir(out), "a CSV with its header only was left"
+    assert not [name for name in os.listdir(out) if "tmp" in name], os.listdir(out)
+    monkeypatch.setattr(kzoo.interpret, "attention_entropy", entropy)
+    assert main([source, "--ids", "1,2,3", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == sorted([
+        "attention_self_layer0.png", "attention_self_layer1.png", "head_view.html",
+        "entropy.csv"])
+
+
 def test_errors_name_the_option(tmp_path):
     model = kzoo.presets.load("gpt_mini", num_layers=1, num_heads=2, hidden_dim=16,
                               intermediate_dim=32, vocabulary_size=40, max_sequence_length=16)

@@ -11,7 +11,8 @@ DIR:
 - `entropy.csv`: the mean attention entropy (nats) of every layer and head, real queries only;
 - `rollout.png` (ViT): the class token's attention rollout laid over the image.
 
-It prints where each file is. Text needs a tokenizer: the one saved with the model (a Hugging
+It prints where each file is. Each file is written to a temporary name and renamed into
+place, so a crash (a full disk, Ctrl-C) leaves no truncated file behind. Text needs a tokenizer: the one saved with the model (a Hugging
 Face directory's, or `tokenizer.json` next to the model or in the run directory above it, as
 the training recipes write it); otherwise pass token ids with `--ids`.
 
@@ -165,6 +166,36 @@ def _inputs(args, family, model):
                     "cross": (decoder_labels, labels)}, None, None
 
 
+def _write_atomically(path, write):
+    """`write(tmp)` to a temporary file beside `path`, then renamed onto it: a crash (a full
+    disk, Ctrl-C) leaves no truncated file under the final name, and no temporary one."""
+    tmp = f"{path}.tmp-{os.getpid()}{os.path.splitext(path)[1]}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def _write_entropy_csv(tmp, maps, padding_mask):
+    from kzoo.interpret import attention_entropy
+
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["stack", "layer", "head", "mean_entropy_nats"])
+        for stack, layers in maps.items():
+            mask = padding_mask if stack in ("self", "encoder") else None
+            result = attention_entropy(layers, padding_mask=mask)
+            per_head = np.asarray(result["per_head"] if isinstance(result, dict)
+                                  else result.per_head)
+            for layer in range(per_head.shape[0]):
+                for head in range(per_head.shape[1]):
+                    writer.writerow([stack, layer, head, f"{per_head[layer, head]:.6f}"])
+
+
 def _takes_dict(model):
     return isinstance(model.input, dict)
 
@@ -176,8 +207,8 @@ def main(argv=None):
     import kzoo
 
     kzoo.presets._check_writable_directory(args.out, "--out")  # (before the model loads)
-    from kzoo.interpret import (attention_entropy, attention_maps, attention_rollout,
-                                head_view_html, plot_attention, plot_rollout)
+    from kzoo.interpret import (attention_maps, attention_rollout, head_view_html,
+                                plot_attention, plot_rollout)
 
     model = kzoo.presets.load(args.source)
     family = kzoo.registry.for_model(model).name
@@ -192,36 +223,32 @@ def main(argv=None):
             figure = plot_attention(maps, tokens, layer=index, head=None, stack=stack,
                                     title=f"{family} {stack} attention, layer {index}")
             path = os.path.join(args.out, f"attention_{stack}_layer{index}.png")
-            figure.savefig(path)
+            _write_atomically(path, lambda tmp: figure.savefig(tmp, format="png"))
             written.append(path)
 
     if labels:
         stack = "self" if "self" in maps else "encoder"
         path = os.path.join(args.out, "head_view.html")
-        head_view_html(maps, labels[stack], path, stack=stack,
-                       title=f"{os.path.basename(os.path.normpath(args.source))}: {stack} "
-                             "attention")
+        page = head_view_html(
+            maps, labels[stack], stack=stack,
+            title=f"{os.path.basename(os.path.normpath(args.source))}: {stack} attention")
+
+        def write_page(tmp):
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(page)
+
+        _write_atomically(path, write_page)
         written.append(path)
 
     path = os.path.join(args.out, "entropy.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["stack", "layer", "head", "mean_entropy_nats"])
-        for stack, layers in maps.items():
-            mask = padding_mask if stack in ("self", "encoder") else None
-            result = attention_entropy(layers, padding_mask=mask)
-            per_head = np.asarray(result["per_head"] if isinstance(result, dict)
-                                  else result.per_head)
-            for layer in range(per_head.shape[0]):
-                for head in range(per_head.shape[1]):
-                    writer.writerow([stack, layer, head, f"{per_head[layer, head]:.6f}"])
+    _write_atomically(path, lambda tmp: _write_entropy_csv(tmp, maps, padding_mask))
     written.append(path)
 
     if family == "vit":
         rollout = attention_rollout(maps["self"])
         figure = plot_rollout(rollout, image, title="class-token attention rollout")
         path = os.path.join(args.out, "rollout.png")
-        figure.savefig(path)
+        _write_atomically(path, lambda tmp: figure.savefig(tmp, format="png"))
         written.append(path)
 
     print(f"Wrote {len(written)} files for {args.source!r} ({family}):")
