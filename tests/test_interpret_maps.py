@@ -289,3 +289,15 @@ def test_errors_name_the_argument(bert, t5, vit):
         masked_heads(t5[0], {"self": np.ones((2, 3))})
     with pytest.raises(ValueError, match=r"`head_mask\['decoder'\]` must have shape"):
         masked_heads(t5[0], {"decoder": np.ones((2, 4))})
+
+
+def test_a_head_mask_that_is_not_an_array_is_named_with_its_value():
+    # (a string or a scalar read "got shape ()", without saying what had been passed)
+    model = kzoo.presets.load("gpt_mini", num_layers=2, num_heads=2, hidden_dim=16,
+                              intermediate_dim=32, vocabulary_size=50, max_sequence_length=16)
+    for bad in ("abc", 3):
+        with pytest.raises(ValueError, match=r"`head_mask` must have shape \(layers, heads\) = "
+                                             rf"\(2, 2\).*got head_mask={bad!r} \(shape \(\)\)"):
+            masked_heads(model, bad)
+    with pytest.raises(ValueError, match=r"got shape \(1, 2\)"):
+        masked_heads(model, [[1, 0]])

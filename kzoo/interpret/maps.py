@@ -393,9 +393,11 @@ def _check_head_mask(layout, head_mask, name="head_mask"):
         array = np.asarray(keras.ops.convert_to_numpy(value)
                            if hasattr(value, "shape") else value)
         if array.shape != shapes[key]:
+            got = (f"got {label}={value!r} (shape ())" if array.ndim == 0
+                   else f"got shape {array.shape}")
             raise ValueError(
                 f"`{label}` must have shape (layers, heads) = {shapes[key]} for "
-                f"{layout.model.name}; got shape {array.shape}."
+                f"{layout.model.name}; {got}."
             )
         if array.dtype.kind not in "biuf" or not np.all(np.isfinite(array.astype("float64"))):
             raise ValueError(
