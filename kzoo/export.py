@@ -399,6 +399,30 @@ def _max_sequence_constraints(model, shapes):
     return [f"{name} <= {int(limit)}" for name in sorted(names) if name.endswith("sequence")]
 
 
+def _check_moe_dynamic_batch(model, format, backend, signature):  # noqa: A002
+    """ONNX on JAX of a mixture-of-experts model with a dynamic batch is refused by name:
+    the routing sizes its slot grid from the token count, which jax2onnx cannot carry as a
+    symbolic size ("no origin recorded for symbolic dim"; before that,
+    InconclusiveDimensionOperation from inside the MoE layer)."""
+    if (backend, format) != ("jax", "onnx"):
+        return
+    from keras import tree
+
+    from kzoo.layers.moe import MixtureOfExperts
+
+    if not any(isinstance(layer, MixtureOfExperts) for layer in model._flatten_layers()):
+        return
+    if all(None not in tuple(getattr(spec, "shape", ()) or ()) for spec in tree.flatten(
+            signature)):
+        return
+    raise ValueError(
+        f"{model.name!r} has mixture-of-experts layers, whose routing jax2onnx cannot "
+        "export with a dynamic batch: format='onnx' on the jax backend needs a fixed batch "
+        "for it, e.g. shapes={'batch': 1, 'sequence': 128}. format='tf_saved_model' on JAX, "
+        "or format='onnx' on the tensorflow backend, keep the batch dynamic."
+    )
+
+
 # === Export ===
 
 
@@ -411,12 +435,13 @@ def exportable():
     from kzoo import inputs as input_checks
     from kzoo.layers import kernels
     from kzoo.layers.feedforward import portable_activations
+    from kzoo.layers.moe import exporting as moe_exporting
 
     previous = kernels._OVERRIDE["kernel"]
     kernels.set_attention_kernel("reference")
     try:
         with (input_checks.suspend_checks(), _no_default_save_signature(),
-              portable_activations()):
+              portable_activations(), moe_exporting()):
             yield
     finally:
         kernels.set_attention_kernel(previous)
@@ -533,6 +558,7 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
                 "(keras.InputSpec, tf.TensorSpec or KerasTensor), as the model's inputs are; "
                 f"got input_signature={input_signature!r}.")
         signature = input_signature
+    _check_moe_dynamic_batch(model, format, backend, signature)
     with exportable():
         if format == "onnx" and backend == "jax":
             _onnx_jax(model, filepath, signature, shapes, **kwargs)

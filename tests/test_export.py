@@ -186,6 +186,40 @@ def test_onnx_batch_sizes(position, tmp_path):
                                    atol=1e-5, rtol=1e-5)
 
 
+def _moe_gpt(position):
+    """A Mixtral-style GPT (sparse mixture-of-experts feed-forward), tiny."""
+    keras.utils.set_random_seed(0)
+    return GPTCausalLM(GPTBackbone(
+        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=24,
+        max_sequence_length=16, position=position, feedforward="moe", num_experts=4,
+        top_k=2, initializer_range=0.3, dropout=0.0))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("position", ["rotary", "learned"])
+def test_mixture_of_experts_model_exports(position, format, tmp_path):  # noqa: A002
+    """A mixture-of-experts GPT exports and its file gives the Keras outputs. It failed on
+    every backend: TensorFlow's ONNX held `_SwitchN`/`Merge` (the `switch` over expert
+    capacities), which onnxruntime rejects; JAX's ONNX failed in jax2onnx (a `switch` of
+    more than two branches; int32 `OneHot`, which onnxruntime lacks); torch's failed in the
+    trace. The exported graph takes the largest capacity (the same numbers). On JAX, ONNX
+    with a dynamic batch is refused up front naming the fix (it failed in the trace with
+    InconclusiveDimensionOperation); its SavedModel keeps the batch dynamic."""
+    model = _moe_gpt(position)
+    path = str(tmp_path / f"moe{SUFFIX[format]}")
+    fixed = (backend(), format) in exporting._DYNAMIC_AXES
+    if (backend(), format) == ("jax", "onnx"):
+        with pytest.raises(ValueError, match=r"mixture-of-experts.*format='onnx' on the jax "
+                                             r"backend needs a fixed batch.*tf_saved_model"):
+            model.export(path, format=format, shapes={"sequence": 8})
+    model.export(path, format=format,
+                 shapes={"batch": 3, "sequence": 8} if fixed else None)
+    for batch, length in ((3, 8),) if fixed else ((3, 8), (1, 5)):
+        x = _gpt_inputs(batch, length, seed=length)
+        np.testing.assert_allclose(run_exported(format, path, x), to_numpy(model(x)),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_onnx_export_twice_to_the_same_path(tmp_path, monkeypatch):
     """On JAX, weights of 1 MB or more go to a `.onnx.data` file beside the `.onnx`;
     exporting again to the same path (a script run twice, a relative path as in the README)

@@ -40,6 +40,7 @@ Gradients of the two gathers (tokens -> slots, slots -> assignments) are written
 gathers the other way round, so the backward pass has no scatter-add.
 """
 
+import contextlib
 import functools
 import math
 
@@ -58,6 +59,32 @@ from kzoo.layers.utils import serialize_initializer
 # Capacities tried, in order, when `capacity_factor is None` (multiples of the balanced load
 # tokens * top_k / num_experts); the last resort is capacity = tokens.
 NO_DROP_CAPACITY_FACTORS = (1.25, 1.5, 2.0, 3.0)
+
+
+# True while `kzoo.export` traces a model (see `exporting`).
+_EXPORTING = [False]
+
+
+@contextlib.contextmanager
+def exporting():
+    """Route for an exported graph: the largest static capacity only (no `switch` over
+    capacities, which tf2onnx writes as TensorFlow's `_SwitchN`/`Merge` that onnxruntime
+    rejects and jax2onnx cannot read with more than two branches), and one-hot masks as an
+    equality against `arange` (onnxruntime has no int32 `OneHot`). The same numbers: the
+    largest capacity holds every assignment the chosen smaller one would."""
+    previous = _EXPORTING[0]
+    _EXPORTING[0] = True
+    try:
+        yield
+    finally:
+        _EXPORTING[0] = previous
+
+
+def _one_hot(indices, depth, dtype):
+    if not _EXPORTING[0]:
+        return ops.one_hot(indices, depth, dtype=dtype)
+    return ops.cast(ops.expand_dims(indices, -1) == ops.arange(depth, dtype=indices.dtype),
+                    dtype)
 
 
 def _TRACKERS_SUPPORTED():
@@ -133,8 +160,11 @@ def _check_padding_mask(padding_mask, inputs):
     TensorFlow)."""
     got = tuple(getattr(padding_mask, "shape", None) or ops.shape(padding_mask))
     want = tuple(inputs.shape)[:-1]
+    # (symbolic sizes, a JAX export's "batch", are not compared either: `int` refuses them)
+    sizes = [(_concrete_int(a) if a is not None else None,
+              _concrete_int(b) if b is not None else None) for a, b in zip(got, want)]
     if len(got) != len(want) or any(
-            a is not None and b is not None and int(a) != int(b) for a, b in zip(got, want)):
+            a is not None and b is not None and a != b for a, b in sizes):
         raise ValueError(
             f"`padding_mask` must have the shape of `inputs` without its last axis, "
             f"{want} (one entry a token); got padding_mask with shape {got}."
@@ -573,10 +603,11 @@ class MixtureOfExperts(keras.layers.Layer):
 
         # --- auxiliary losses (valid tokens only, before dropping) ---
         # Skipped in plain inference calls (training=None), where nothing would read them.
-        track = training is not None and _TRACKERS_SUPPORTED()
+        # (Not in an exported graph: it would update the trackers' variables on every call.)
+        track = training is not None and _TRACKERS_SUPPORTED() and not _EXPORTING[0]
         if training or track or return_aux_losses:
             n_valid = ops.maximum(ops.sum(valid_f), 1.0)
-            top1 = ops.one_hot(top_idx[:, 0], e, dtype="float32")
+            top1 = _one_hot(top_idx[:, 0], e, dtype="float32")
             frac = ops.sum(top1 * valid_f[:, None], axis=0) / n_valid
             mean_prob = ops.sum(probs * valid_f[:, None], axis=0) / n_valid
             load_balance = e * ops.sum(frac * mean_prob)
@@ -596,7 +627,7 @@ class MixtureOfExperts(keras.layers.Layer):
         # --- assignments in priority order: choice-major, then token order ---
         expert_flat = ops.reshape(ops.transpose(top_idx), (-1,))
         weight_flat = ops.reshape(ops.transpose(top_p), (-1,))
-        onehot = ops.one_hot(expert_flat, e, dtype="int32")
+        onehot = _one_hot(expert_flat, e, dtype="int32")
         if valid is not None:
             valid_flat = ops.tile(valid, (k,))
             onehot = onehot * ops.cast(valid_flat, "int32")[:, None]
@@ -640,6 +671,11 @@ class MixtureOfExperts(keras.layers.Layer):
             )
         elif len(capacities) == 1:
             y = run(0)
+        elif _EXPORTING[0]:
+            # (see `exporting`) capacity = tokens, the last one; the token count itself,
+            # which on JAX may be a symbolic size (a dynamic batch), where the tensor of
+            # `_capacities` cannot size an array.
+            y = run_with(ops.shape(x)[0])
         elif eager:
             # Eager JAX compiles every op per shape: round the busiest expert's load up to
             # 1/16 of the balanced load (at least 8 rows), which wastes <= ~6% and keeps
