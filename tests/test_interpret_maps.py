@@ -301,3 +301,105 @@ def test_a_head_mask_that_is_not_an_array_is_named_with_its_value():
             masked_heads(model, bad)
     with pytest.raises(ValueError, match=r"got shape \(1, 2\)"):
         masked_heads(model, [[1, 0]])
+
+
+# === Nested head masks ===
+
+
+def _real_diff(ours, theirs, mask):
+    return np.abs(ours - np.asarray(theirs)).max(-1)[np.asarray(mask).astype(bool)].max()
+
+
+def test_nested_masked_heads_combine_and_restore_against_transformers(bert):
+    # (the inner mask replaced the outer one: a head the outer context removed ran again
+    # inside the inner one; nested vs the combined mask differed by 1e-2 in the logits)
+    import torch
+
+    model, hf, x, hf_x, mask = bert
+    outer = np.ones((2, 4), "float32")
+    outer[0, 1] = 0.0   # removed by the outer context only
+    outer[1, 3] = 0.5
+    inner = np.ones((2, 4), "float32")
+    inner[0, 2] = 0.0   # removed by the inner context only
+    inner[1, 3] = 0.5   # halved by both: 0.25 inside both
+
+    def hf_logits(head_mask):
+        out = _hf(hf, hf_x, head_mask=torch.tensor(head_mask))
+        return out.logits.numpy(), out.attentions
+
+    plain = torch_forward(hf, **hf_x).logits.numpy()
+    outer_only, _ = hf_logits(outer)
+    combined = outer * inner  # what the nested contexts must run (a NumPy product)
+    both, both_maps = hf_logits(combined)
+    assert _real_diff(both, outer_only, mask) > 1e-3  # the inner mask matters
+
+    with masked_heads(model, outer):
+        with masked_heads(model, inner):
+            nested = to_numpy(forward(model, x))
+            maps = attention_maps(model, x)
+            # an explicit head_mask inside the contexts is one more factor
+            extra = np.ones((2, 4), "float32")
+            extra[1, 0] = 0.0
+            extra_maps = attention_maps(model, x, head_mask=extra)
+        after_inner = to_numpy(forward(model, x))
+        try:
+            with masked_heads(model, inner):
+                raise KeyError("inside the inner block")
+        except KeyError:
+            pass
+        after_raise = to_numpy(forward(model, x))
+    after_outer = to_numpy(forward(model, x))
+    assert active_tap() is None
+
+    diffs = {"nested": _real_diff(nested, both, mask),
+             "after inner": _real_diff(after_inner, outer_only, mask),
+             "after a raising inner": _real_diff(after_raise, outer_only, mask),
+             "after outer": _real_diff(after_outer, plain, mask)}
+    print(f"[{backend()}] nested masks vs transformers: {diffs}")
+    assert max(diffs.values()) <= ATOL, diffs
+    assert_maps_match(maps["self"], both_maps, mask, "BERT nested masks")
+    assert np.all(maps["self"][0][:, 1] == 0.0) and np.all(maps["self"][0][:, 2] == 0.0)
+    _, extra_expected = hf_logits(combined * extra)
+    assert_maps_match(extra_maps["self"], extra_expected, mask, "BERT nested + head_mask")
+
+
+def test_nested_t5_masks_combine_key_by_key(t5):
+    import torch
+
+    model, hf, x, hf_x = t5
+    encoder = np.ones((2, 3), "float32")
+    encoder[1, 2] = 0.0
+    cross = np.ones((2, 3), "float32")
+    cross[0, 0] = 0.0
+    decoder = np.ones((2, 3), "float32")
+    decoder[1, 1] = 0.0
+    expected = _hf(hf, hf_x, head_mask=torch.tensor(encoder),
+                   decoder_head_mask=torch.tensor(decoder),
+                   cross_attn_head_mask=torch.tensor(cross))
+    with masked_heads(model, {"encoder": encoder, "cross": np.ones((2, 3))}):
+        with masked_heads(model, {"cross": cross, "decoder": decoder}):
+            logits = to_numpy(forward(model, x))
+            maps = attention_maps(model, x)
+    real = x["decoder_padding_mask"]
+    diff = _real_diff(logits, expected.logits.numpy(), real)
+    print(f"[{backend()}] T5 nested masks logits: max |diff| {diff:.2e}")
+    assert diff <= ATOL
+    assert_maps_match(maps["encoder"], expected.encoder_attentions,
+                      x["encoder_padding_mask"], "T5 nested encoder")
+    assert_maps_match(maps["decoder"], expected.decoder_attentions, real, "T5 nested decoder")
+    assert_maps_match(maps["cross"], expected.cross_attentions, real, "T5 nested cross")
+
+
+def test_masked_heads_refuses_to_hide_another_tap(bert, gpt2):
+    from kzoo.layers.taps import Tap
+
+    with Tap():
+        with pytest.raises(RuntimeError, match=r"`masked_heads` cannot be entered inside "
+                                               r"another active tap \(Tap\)"):
+            with masked_heads(bert[0], np.ones((2, 4))):
+                pass
+    with masked_heads(gpt2[0], np.ones((2, 2))):
+        with pytest.raises(RuntimeError, match="inside `masked_heads` of another model"):
+            with masked_heads(bert[0], np.ones((2, 4))):
+                pass
+    assert active_tap() is None

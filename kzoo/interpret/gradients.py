@@ -200,7 +200,8 @@ def attention_gradient(model, inputs, target=None, position=None, head_mask=None
             or token id), or a callable `target(outputs) -> (batch,)` tensor.
         position: for `(batch, seq, vocab)` outputs, the position explained: None (the last
             real position), an int or one int per example (negative counts from the end).
-        head_mask: optional head mask (see `masked_heads`).
+        head_mask: optional head mask (see `masked_heads`; multiplied with the mask of an
+            enclosing `masked_heads`).
 
     Returns:
         The layout of `attention_maps`: `{"self": [...]}` (T5: "encoder", "decoder",
@@ -362,7 +363,8 @@ def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, po
         position: as in `attention_gradient` (token models: the output position explained).
         method: "trapezoid" or "midpoint".
         internal_batch_size: interpolation points per forward/backward pass (None: all).
-        head_mask: optional head mask (see `masked_heads`).
+        head_mask: optional head mask (see `masked_heads`; multiplied with the mask of an
+            enclosing `masked_heads`).
 
     Returns:
         An `IntegratedGradients` (per-position `attributions`, `raw` ones, the outputs and
@@ -493,7 +495,8 @@ def logit_lens(model, inputs, log_probs=False, head_mask=None):
         inputs: the model's inputs (see `attention_maps`).
         log_probs: return log-probabilities (log-softmax over the vocabulary) instead of
             logits.
-        head_mask: optional head mask (see `masked_heads`).
+        head_mask: optional head mask (see `masked_heads`; multiplied with the mask of an
+            enclosing `masked_heads`).
 
     Returns:
         float32 NumPy `(layers, batch, seq, vocabulary)` (T5: decoder layers and decoder

@@ -136,16 +136,22 @@ class _InterpretTap(Tap):
         record_embeddings: keep the input embeddings (`Tap.embedding_records`).
         forget_compiled: on entering and leaving, drop the Keras functions the model
             compiled for `predict` / `evaluate` / `fit` (see `masked_heads`).
+        nest: on entering, multiply `head_mask` by that of an enclosing `masked_heads` of
+            the same model (which is already combined with those around it), and restore
+            it on leaving; refuse to enter inside any other active tap (`masked_heads`).
 
     The scaled (and perturbed) probabilities are what the layer goes on with, and what
     `maps[key][i]` holds: a masked head reads as zeros, as transformers' attentions do.
     """
 
     def __init__(self, layout, head_mask=None, perturb=None, embedding_fn=None,
-                 keep_blocks=False, record_embeddings=False, forget_compiled=False):
+                 keep_blocks=False, record_embeddings=False, forget_compiled=False,
+                 nest=False):
         super().__init__(record_attention=False, record_blocks=False,
                          record_embeddings=record_embeddings)
         self.forget_compiled = forget_compiled
+        self.nest = nest
+        self._own_masks = []  # (the tap's own head mask, while entered with `nest`)
         self.layout = layout
         self.head_mask = head_mask
         self.perturb = perturb
@@ -175,14 +181,24 @@ class _InterpretTap(Tap):
         return output if self.embedding_fn is None else self.embedding_fn(index, output)
 
     def __enter__(self):
+        if self.nest:
+            # Combine with an enclosing `masked_heads` of the same model: only the innermost
+            # tap is active, so without this the inner mask would replace the outer one.
+            enclosing = _enclosing_head_mask(self.layout, nesting=True)
+            self._own_masks.append(self.head_mask)
+            self.head_mask = _combine_masks(enclosing, self.head_mask)
         if self.forget_compiled:
             _forget_compiled(self.layout)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self.forget_compiled:
-            _forget_compiled(self.layout)
-        return super().__exit__(*exc)
+        try:
+            if self.forget_compiled:
+                _forget_compiled(self.layout)
+            return super().__exit__(*exc)
+        finally:
+            if self.nest:
+                self.head_mask = self._own_masks.pop()
 
     def checked_maps(self):
         """`maps`, after checking that every layer was seen (key -> list of tensors)."""
@@ -206,18 +222,39 @@ def _forget_compiled(layout):
                 setattr(model, name, None)
 
 
-def _enclosing_head_mask(layout):
+def _enclosing_head_mask(layout, nesting=False):
     """The head mask of an enclosing `masked_heads` of the same model (None if no tap is
-    active); a different active tap cannot be combined with this one."""
+    active); a different active tap cannot be combined with this one. `nesting`: asked by
+    a `masked_heads` being entered (for the error message)."""
     tap = active_tap()
     if tap is None:
         return None
     if isinstance(tap, _InterpretTap) and tap.layout.backbone is layout.backbone:
         return tap.head_mask
+    if isinstance(tap, _InterpretTap):
+        other = f"`masked_heads` of another model ({tap.layout.model.name!r})"
+    else:
+        other = f"another active tap ({type(tap).__name__})"
+    what = ("`masked_heads` cannot be entered" if nesting
+            else "kzoo.interpret functions run their own tap and cannot run")
     raise RuntimeError(
-        "kzoo.interpret functions run their own tap and cannot run inside another active "
-        f"tap ({type(tap).__name__}); only `masked_heads` of the same model may enclose them."
+        f"{what} inside {other}: only one tap is active at a time, so the outer one would "
+        f"stop seeing {layout.model.name!r}'s calls; only `masked_heads` of the same model "
+        "may enclose it."
     )
+
+
+def _combine_masks(outer, inner):
+    """Two head masks (key -> `(layers, heads)`, None: all ones) multiplied key by key: a
+    head runs only if both keep it (a key missing from one is ones there)."""
+    if outer is None:
+        return inner
+    if inner is None:
+        return outer
+    combined = dict(outer)
+    for key, value in inner.items():
+        combined[key] = value if key not in combined else combined[key] * value
+    return combined
 
 
 # === Input checks ===
@@ -425,6 +462,13 @@ def masked_heads(model, head_mask):
             self-attention, `(decoder layers, heads)`) and "cross" (the decoder's
             cross-attention, `(decoder layers, heads)`); a key left out is all ones.
 
+    Nested `masked_heads` of the same model combine: inside both, head `h` of layer `i` is
+    scaled by the product of their masks (a head runs only if every enclosing mask keeps
+    it), and leaving the inner one (also by an exception) restores the outer mask. Entering
+    one inside another active tap (`masked_heads` of a different model, a plain
+    `kzoo.layers.taps.Tap`) raises RuntimeError: only the innermost tap is active, so the
+    outer one would silently stop working.
+
     The mask applies to direct calls (`model(inputs)`) and to `predict` / `evaluate` /
     `*_on_batch` called inside the context: the functions Keras compiled for them are
     dropped on entering and leaving, so they are traced again with (then without) the mask.
@@ -436,6 +480,7 @@ def masked_heads(model, head_mask):
     Raises:
         ValueError: `model` is not a kzoo model, or `head_mask` has the wrong shape, keys
             or values.
+        RuntimeError: on entering, inside another active tap (see above).
 
     Example:
     >>> mask = np.ones((2, 4)); mask[1, 0] = 0          # remove head 0 of layer 1
@@ -445,7 +490,7 @@ def masked_heads(model, head_mask):
     """
     layout = _Layout(model)
     return _InterpretTap(layout, head_mask=_check_head_mask(layout, head_mask),
-                         forget_compiled=True)
+                         forget_compiled=True, nest=True)
 
 
 # === Attention maps ===
@@ -464,7 +509,8 @@ def attention_maps(model, inputs, head_mask=None):
         inputs: what the model's `__call__` takes (the dict of ids and masks; ViT an image
             array `(batch, height, width, channels)`; Graphormer `kzoo.graphs.batch(...)`).
         head_mask: optional head mask (see `masked_heads`); the maps show the scaled heads.
-            Inside `with masked_heads(model, mask)` that mask applies by default.
+            Inside `with masked_heads(model, mask)` that mask applies too (multiplied with
+            `head_mask` when both are given).
 
     Returns:
         `{"self": [layer 0, layer 1, ...]}` for BERT, GPT, ViT and Graphormer;
@@ -487,10 +533,11 @@ def attention_maps(model, inputs, head_mask=None):
 
 
 def _prepare(model, inputs, head_mask=None):
-    """`(layout, NumPy inputs, head mask)` after every check; the mask is `head_mask`, or
-    that of an enclosing `masked_heads`."""
+    """`(layout, NumPy inputs, head mask)` after every check; the mask is `head_mask` times
+    that of an enclosing `masked_heads` (either alone when the other is absent)."""
     layout = _Layout(model)
     inputs = _numpy_inputs(_check_inputs(model, inputs))
     enclosing = _enclosing_head_mask(layout)
-    mask = _check_head_mask(layout, head_mask) if head_mask is not None else enclosing
+    mask = enclosing if head_mask is None else _combine_masks(
+        enclosing, _check_head_mask(layout, head_mask))
     return layout, inputs, mask
