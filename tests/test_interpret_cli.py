@@ -232,3 +232,22 @@ def test_errors_name_the_option(tmp_path):
         main([source, "--ids", "1,2", "--out", "/proc/self/kzoo_maps"])
     with pytest.raises(SystemExit):  # argparse: --out is required
         main([source, "--ids", "1,2"])
+
+
+def test_target_is_refused_for_a_model_without_a_decoder(tmp_path):
+    # (--target was silently ignored for GPT, BERT and ViT: the maps were those of --text
+    # alone, as if no target had been given)
+    gpt = kzoo.presets.load("gpt_mini", num_layers=1, num_heads=2, hidden_dim=16,
+                            intermediate_dim=32, vocabulary_size=40, max_sequence_length=16)
+    bert = kzoo.presets.load("bert_tiny_uncased", num_layers=1, num_heads=2,
+                             hidden_dim=16, intermediate_dim=32, vocabulary_size=40,
+                             max_sequence_length=16)
+    for family, model in (("gpt", gpt), ("bert", bert)):
+        source = str(tmp_path / family)
+        kzoo.presets.save(model, source)
+        out = str(tmp_path / f"out_{family}")
+        with pytest.raises(ValueError, match=rf"`--target` is the decoder text of a T5 .*"
+                                             rf"this is a {family} model.*got --target "
+                                             r"'le chat'.*--text \(or --ids\)"):
+            main([source, "--ids", "5,6,7", "--target", "le chat", "--out", out])
+        assert not os.path.exists(out)

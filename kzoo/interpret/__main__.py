@@ -14,7 +14,9 @@ DIR:
 It prints where each file is. Each file is written to a temporary name and renamed into
 place, so a crash (a full disk, Ctrl-C) leaves no truncated file behind. Text needs a tokenizer: the one saved with the model (a Hugging
 Face directory's, or `tokenizer.json` next to the model or in the run directory above it, as
-the training recipes write it); otherwise pass token ids with `--ids`.
+the training recipes write it); otherwise pass token ids with `--ids`. `--target` is a T5's
+decoder text (its decoder otherwise gets only the start token); it is refused for every other
+family, which has no decoder input (a GPT would read it as more context: put it in `--text`).
 
 Example:
     python -m kzoo.interpret runs/demo/model --text "The old man said" --out runs/demo/attention
@@ -43,7 +45,8 @@ def _parser():
     given.add_argument("--image", help="image file (PNG/JPEG, read with matplotlib) or .npy "
                                        "array, values in [0, 1] (integer pixels are scaled "
                                        "by their type's range, 0..255 for 8 bits) (ViT)")
-    p.add_argument("--target", help="T5: decoder text (default: only the start token)")
+    p.add_argument("--target", help="T5 only: decoder text (default: only the start "
+                                    "token); refused for other models")
     p.add_argument("--out", required=True, help="directory for the PNGs, HTML and CSV")
     return p
 
@@ -134,6 +137,15 @@ def _inputs(args, family, model):
     """(model inputs, labels: {stack: tokens for head_view/plots}, padding mask, image)."""
     from kzoo.interpret.maps import _backbone_of
 
+    if args.target is not None and family != "t5":
+        # (was silently ignored: the maps were those of --text alone.) A GPT would only read
+        # the target as more context and a BERT pair needs its segments: neither is a
+        # decoder input, so the whole input belongs in --text / --ids.
+        raise ValueError(
+            f"`--target` is the decoder text of a T5 (encoder-decoder) model; this is a "
+            f"{family} model, which has no decoder to feed it: got --target "
+            f"{args.target!r}. Leave --target out and put the whole input in "
+            + ("--image." if family == "vit" else "--text (or --ids)."))
     if family in TEXT_FAMILIES and args.image is not None:
         raise ValueError(f"A {family} model reads text: pass --text or --ids, not --image.")
     if family == "vit":
