@@ -168,10 +168,12 @@ class MultiHeadAttention(keras.layers.Layer):
             (replaces the `global_tokens` option; Hugging Face's `global_attention_mask`).
             Under `jax.jit` / `tf.function` its count of global tokens is not known, so the
             kernel reserves a slot for every position (see `efficient_attention`).
-        uniform_empty_rows: full attention only: a query row whose every key is masked
-            attends uniformly to all the keys (the mean of the values), as transformers'
-            encoders and cross-attentions compute it (`kzoo.layers.kernels.
-            uniform_empty_rows`); False (default): such a row gives zeros. Refused with
+        uniform_empty_rows: a query row whose every key is masked attends uniformly to
+            all the keys (the mean of the values), as transformers' encoders and
+            cross-attentions compute it (`kzoo.layers.kernels.uniform_empty_rows`); False
+            (default): such a row gives zeros. The efficient types count a key as masked
+            when their pattern or the padding mask hides it (a padding query whose window
+            is all padding; see `efficient_attention.visible_rows`). Refused with
             `use_causal_mask=True` (a ValueError).
 
     Returns:
@@ -433,7 +435,7 @@ class MultiHeadAttention(keras.layers.Layer):
             return self._efficient_call(
                 q, query, q_len, start, attention_mask, attention_bias, use_causal_mask, cache,
                 cache_index, return_attention_weights, global_attention_mask, training,
-                shifted=position_index is not None)
+                shifted=position_index is not None, uniform_empty_rows=uniform_empty_rows)
         if global_attention_mask is not None:
             raise ValueError(
                 "`global_attention_mask` is for attention='longformer' self-attention; this "
@@ -511,7 +513,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _efficient_call(self, q, query, q_len, start, attention_mask, attention_bias,
                         use_causal_mask, cache, cache_index, return_weights, global_mask,
-                        training, shifted=False):
+                        training, shifted=False, uniform_empty_rows=False):
         kind = self.attention
         if attention_bias is not None:
             raise ValueError(
@@ -566,6 +568,12 @@ class MultiHeadAttention(keras.layers.Layer):
                 values = (v, vg, flags)
             weights = self._explicit_weights(q, k, mask, use_causal_mask, global_mask,
                                              global_rows=global_rows)
+            if uniform_empty_rows and mask is not None:
+                # (rows that see no key weigh every key alike, as the kernel path below)
+                seen = efficient.visible_rows(kind, self.attention_options, q_len, mask,
+                                              global_mask=global_mask)
+                uniform = ops.cast(1.0 / k.shape[1], weights.dtype)
+                weights = ops.where(ops.expand_dims(seen, -1), weights, uniform)
             if self._global_projections and mask is not None:
                 weights = ops.where(ops.transpose(mask, (0, 1, 3, 2)), weights,
                                     ops.zeros((), weights.dtype))
@@ -574,7 +582,8 @@ class MultiHeadAttention(keras.layers.Layer):
             weights = None
             out = efficient.efficient_attention(
                 q, k, v, kind, self.attention_options, causal=use_causal_mask, mask=mask,
-                scale=self.scale, global_mask=global_mask, projection_matrix=self._projection)
+                scale=self.scale, global_mask=global_mask, projection_matrix=self._projection,
+                uniform_empty_rows=uniform_empty_rows)
             if self._global_projections:
                 out = self._global_projection_rows(query, out, mask, use_causal_mask,
                                                    global_mask)

@@ -55,6 +55,7 @@ from keras import ops
 from kzoo.layers import linear_attention as linear_mod
 from kzoo.layers import sparse_attention as sparse_mod
 from kzoo.layers.kernels import reference_attention
+from kzoo.layers.kernels import uniform_empty_rows as _uniform_empty_rows
 from kzoo.layers.utils import (
     check_bool,
     check_choice,
@@ -269,7 +270,8 @@ def _layout_for(options, n):
 
 
 def efficient_attention(query, key, value, attention, options, *, causal=False, mask=None,
-                        scale=None, global_mask=None, projection_matrix=None):
+                        scale=None, global_mask=None, projection_matrix=None,
+                        uniform_empty_rows=False):
     """Self-attention of type `attention` (not "full") on `(batch, seq, heads, head_dim)`.
 
     Args:
@@ -281,6 +283,11 @@ def efficient_attention(query, key, value, attention, options, *, causal=False, 
         global_mask: "longformer" only: `(batch, seq)` booleans marking global tokens,
             replacing the `global_tokens` option (Hugging Face's `global_attention_mask`).
         projection_matrix: linear types: the fixed random matrix (see `projection`).
+        uniform_empty_rows: a query row that sees no key (its pattern holds only keys the
+            padding `mask` hides, e.g. a padding query whose window is all padding) reads the
+            mean of every value, as full attention with the pattern merged into its mask
+            gives under `kzoo.layers.kernels.uniform_empty_rows`; False: such a row gives
+            zeros. Non-causal only (a ValueError with `causal=True`). See `visible_rows`.
 
     Example:
     >>> x = keras.random.normal((1, 64, 2, 8))
@@ -288,6 +295,20 @@ def efficient_attention(query, key, value, attention, options, *, causal=False, 
     ...                     causal=True).shape
     (1, 64, 2, 8)
     """
+    if uniform_empty_rows and causal:
+        raise ValueError(
+            "`uniform_empty_rows=True` is for non-causal attention; got it with causal=True, "
+            "where a row without a visible key would read the mean of later values too.")
+    out = _dispatch(query, key, value, attention, options, causal, mask, scale, global_mask,
+                    projection_matrix)
+    if uniform_empty_rows and mask is not None:
+        seen = visible_rows(attention, options, query.shape[1], mask, global_mask=global_mask)
+        out = uniform_empty_rows_fill(out, seen, value)
+    return out
+
+
+def _dispatch(query, key, value, attention, options, causal, mask, scale, global_mask,
+              projection_matrix):
     n = query.shape[1]
     if attention == "sliding_window":
         return sparse_mod.sliding_window_attention(
@@ -316,6 +337,85 @@ def efficient_attention(query, key, value, attention, options, *, causal=False, 
             query, key, value, feature_map=fmap, causal=causal, mask=_key_mask(mask),
             projection=projection_matrix, scale=scale)
     raise ValueError(f"efficient_attention got attention={attention!r}; use the full kernels.")
+
+
+def visible_rows(attention, options, n, mask, *, global_mask=None):
+    """Whether each query row of a non-causal `attention` call sees at least one key: a
+    boolean `(batch|1, heads|1, n)`, True where the type's pattern holds a key the padding
+    `mask` (`(batch, n)` or `(batch, 1, 1, n)`, True = real token) leaves.
+
+    Computed from the mask alone in O(n) (prefix counts of real keys for the bands, one flag
+    per residue for "strided", per block for the block layouts), never an `n x n` pattern.
+    The linear types see every real key: a row sees none only when the whole row of `mask`
+    is padding.
+
+    Example:
+    >>> visible_rows("sliding_window", {"window": 2, "block_size": None}, 5,
+    ...              np.array([[True, True, False, False, False]]))[0, 0]
+    [True, True, True, False, False]
+    """
+    valid = ops.cast(_key_mask(mask), "bool")  # (b, n)
+    if attention in LINEAR_TYPES:
+        return ops.any(valid, axis=1)[:, None, None]
+    positions = np.arange(n)
+    if attention in ("sliding_window", "strided", "longformer"):
+        real_before = ops.concatenate(  # real keys before each position: (b, n + 1)
+            [ops.zeros((ops.shape(valid)[0], 1), "int32"),
+             ops.cumsum(ops.cast(valid, "int32"), axis=1)], axis=1)
+
+        def band(width):  # a real key j with |i - j| < width
+            hi = np.minimum(positions + width, n)
+            lo = np.maximum(positions - width + 1, 0)
+            return ops.take(real_before, hi, axis=1) > ops.take(real_before, lo, axis=1)
+
+    if attention == "sliding_window":
+        seen = band(options["window"])
+    elif attention == "strided":
+        stride = options["stride"]
+        blocks = -(-n // stride)
+        padded = ops.pad(valid, [[0, 0], [0, blocks * stride - n]], constant_values=False)
+        residue = ops.any(ops.reshape(padded, (-1, blocks, stride)), axis=1)  # (b, stride)
+        seen = ops.logical_or(band(stride), ops.take(residue, positions % stride, axis=1))
+    elif attention == "longformer":
+        flags, onehot, slot_valid, _ = longformer_slots(options, n, 1, global_mask)
+        seen = band(options["window"])
+        if onehot.shape[1]:
+            # A real global key (every row sees it); a global row sees every real key.
+            real_global = ops.any(ops.logical_and(
+                ops.logical_and(ops.cast(onehot, "bool"), slot_valid[:, :, None]),
+                valid[:, None, :]), axis=(1, 2))  # (b,)
+            global_row = ops.logical_and(ops.cast(flags, "bool"),
+                                         ops.any(valid, axis=1, keepdims=True))
+            seen = ops.logical_or(ops.logical_or(seen, real_global[:, None]), global_row)
+    elif attention in ("block_sparse", "bigbird"):
+        block = options["block_size"]
+        layout = _block_layout(attention, options, n)  # (heads|1, nb, nb)
+        blocks = layout.shape[1]
+        padded = ops.pad(valid, [[0, 0], [0, blocks * block - n]], constant_values=False)
+        real_block = ops.cast(ops.any(ops.reshape(padded, (-1, blocks, block)), axis=2),
+                              "float32")  # (b, nb)
+        hits = ops.einsum("hac,bc->bha", ops.convert_to_tensor(layout.astype("float32")),
+                          real_block)
+        return ops.take(hits > 0.5, positions // block, axis=2)  # (b, heads|1, n)
+    else:
+        raise ValueError(f"visible_rows got attention={attention!r}; use the full kernels.")
+    return seen[:, None, :]
+
+
+def uniform_empty_rows_fill(out, seen, value):
+    """`out` `(batch, n, heads, head_dim)` whose rows `seen` (`visible_rows`) marks False
+    read the mean of every value (`kzoo.layers.kernels.uniform_empty_rows`)."""
+    return _uniform_empty_rows(out, ops.expand_dims(seen, -1), ops.convert_to_tensor(value))
+
+
+def _block_layout(attention, options, n):
+    """The block layout a "block_sparse" / "bigbird" call on `n` tokens uses (NumPy)."""
+    if attention == "block_sparse":
+        return _layout_for(options, n)
+    return sparse_mod.bigbird_layout(
+        -(-n // options["block_size"]), window_blocks=options["window_blocks"],
+        global_blocks=options["global_blocks"], random_blocks=options["random_blocks"],
+        num_heads=1, seed=options["seed"])
 
 
 def longformer_slots(options, n, batch, global_mask=None):

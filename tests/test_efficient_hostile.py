@@ -1,0 +1,197 @@
+"""Efficient attention types under hostile inputs: query rows that see no key (padding
+queries whose window is all padding, rows of padding only) with `uniform_empty_rows`, block
+layouts that cannot work, BigBird on sequences too short for its random blocks, odd lengths,
+batch 1, length 1 and half-precision inputs.
+
+References: the dense boolean pattern of each type written out here from its paper and a
+softmax in NumPy (float64) whose rows without a visible key read the mean of every value (what
+full attention gives under transformers' additive float-minimum masks).
+"""
+
+import numpy as np
+import pytest
+import keras
+
+from kzoo.layers import MultiHeadAttention, bigbird_layout
+from kzoo.layers import efficient_attention as ea
+from kzoo.layers.blocks import TransformerBlock
+from tests.helpers import assert_close, to_numpy
+
+B, N, H, HK, D = 3, 23, 4, 2, 8  # N: not a multiple of any block size below
+
+
+# === NumPy references ===
+
+
+def np_pattern(kind, n, options, heads=H):
+    """The non-causal boolean pattern `(heads|1, n, n)` of a sparse type, from its paper."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    if kind == "sliding_window":
+        return (np.abs(i - j) < options["window"])[None]
+    if kind == "strided":
+        s = options["stride"]
+        return ((np.abs(i - j) < s) | ((i - j) % s == 0))[None]
+    if kind == "longformer":
+        g = np.zeros(n, bool)
+        g[list(options["global_positions"])] = True
+        return ((np.abs(i - j) < options["window"]) | g[None, :] | g[:, None])[None]
+    layout, block = np.asarray(options["layout"], bool), options["block_size"]
+    if layout.ndim == 2:
+        layout = layout[None]
+    return layout[:, i // block, j // block]
+
+
+def np_attention(q, k, v, allowed, empty_rows_uniform=True):
+    """Softmax attention in float64; `allowed` `(b|1, h|1, n, n)`; k, v with kv heads (GQA
+    repeated here). Rows with no allowed key: the mean of every value, or zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = (np.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    allowed = np.broadcast_to(allowed, s.shape)
+    s = np.where(allowed, s, -np.inf)
+    top = np.max(s, axis=-1, keepdims=True)
+    e = np.where(allowed, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    tot = e.sum(-1, keepdims=True)
+    w = e / np.where(tot > 0, tot, 1.0)
+    if empty_rows_uniform:
+        w = np.where(allowed.any(-1, keepdims=True), w, 1.0 / s.shape[-1])
+    return np.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+def np_elu_linear(q, k, v, padding):
+    """Non-causal elu(x)+1 linear attention (Katharopoulos et al. 2020), rows of padding only
+    reading the mean of every value."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = (np.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    phi = lambda x: np.where(x > 0, x + 1.0, np.exp(x))  # noqa: E731
+    a = np.einsum("bqhm,bkhm->bhqk", phi(q), phi(k)) * padding[:, None, None, :]
+    tot = a.sum(-1, keepdims=True)
+    w = np.where(tot > 0, a / np.where(tot > 0, tot, 1.0), 1.0 / k.shape[1])
+    return np.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(B, N, H, D)).astype("float32")
+    k = rng.normal(size=(B, N, HK, D)).astype("float32")
+    v = rng.normal(size=(B, N, HK, D)).astype("float32")
+    padding = np.ones((B, N), bool)
+    padding[0, 5:] = False    # right padding: the late queries' windows hold padding only
+    padding[1, :] = False     # a row of padding only: every query sees nothing
+    padding[2, :15] = False   # left padding
+    return q, k, v, padding
+
+
+LAYOUT = np.random.default_rng(8).random((H, 6, 6)) < 0.3
+LAYOUT[:, np.arange(6), np.arange(6)] = True  # each block sees itself; per-head random rest
+BIGBIRD = dict(block_size=4, window_blocks=1, global_blocks=0, random_blocks=1, seed=2)
+EMPTY_ROW_CASES = [
+    ("sliding_window", {"window": 3}, {}),
+    ("sliding_window", {"window": 3, "block_size": 5}, {}),
+    ("sliding_window", {"window": 30}, {}),  # longer than the sequence: plain attention
+    ("strided", {"stride": 4}, {}),
+    ("longformer", {"window": 2, "global_tokens": [9]}, {"global_positions": [9]}),
+    ("longformer", {"window": 2, "global_tokens": 0}, {"global_positions": []}),
+    ("block_sparse", {"block_size": 4, "layout": LAYOUT.tolist()}, {}),
+    ("bigbird", BIGBIRD, {}),
+]
+
+
+def _pattern_options(kind, options, extra):
+    if kind == "bigbird":
+        return {"block_size": 4, "layout": bigbird_layout(
+            6, window_blocks=1, global_blocks=0, random_blocks=1, seed=2)}
+    return {**options, **extra}
+
+
+# === uniform_empty_rows: rows that see no key read the mean of the values ===
+
+
+@pytest.mark.parametrize("kind, options, extra", EMPTY_ROW_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(EMPTY_ROW_CASES)])
+def test_rows_without_a_visible_key_read_the_mean_of_the_values(data, kind, options, extra):
+    q, k, v, padding = data
+    kind, opts = ea.check_attention(kind, options)
+    allowed = np_pattern(kind, N, _pattern_options(kind, options, extra))[None] & \
+        padding[:, None, None, :]
+    empty = ~allowed.any(-1)  # (b, h|1, n)
+    assert empty[1].all() and not empty[2].all()  # (the case has rows of both kinds)
+    got = ea.efficient_attention(q, k, v, kind, opts, mask=padding, uniform_empty_rows=True)
+    assert_close(got, np_attention(q, k, v, allowed), atol=2e-5)
+    # The default keeps zeros for those rows (and the same numbers elsewhere).
+    plain = ea.efficient_attention(q, k, v, kind, opts, mask=padding)
+    assert_close(plain, np_attention(q, k, v, allowed, empty_rows_uniform=False), atol=2e-5)
+    # Which rows are empty, from the mask alone.
+    seen = to_numpy(ea.visible_rows(kind, opts, N, padding))
+    np.testing.assert_array_equal(np.broadcast_to(seen, empty.shape), ~empty)
+
+
+def test_longformer_call_time_global_mask_rows(data):
+    q, k, v, padding = data
+    flags = np.zeros((B, N), bool)
+    flags[0, 3] = True   # a real global token: every query of row 0 sees it
+    flags[2, 4] = True   # a padding global token: its row sees the real keys
+    kind, opts = ea.check_attention("longformer", {"window": 2})
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    pattern = (np.abs(i - j) < 2)[None] | flags[:, None, :] | flags[:, :, None]
+    allowed = pattern[:, None] & padding[:, None, None, :]
+    got = ea.efficient_attention(q, k, v, kind, opts, mask=padding, global_mask=flags,
+                                 uniform_empty_rows=True)
+    assert_close(got, np_attention(q, k, v, allowed), atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "performer"])
+def test_linear_rows_of_padding_only_read_the_mean(data, kind):
+    q, k, v, padding = data
+    kind, opts = ea.check_attention(kind, {})
+    proj = ea.projection(kind, opts, D)
+    got = to_numpy(ea.efficient_attention(q, k, v, kind, opts, mask=padding,
+                                          projection_matrix=proj, uniform_empty_rows=True))
+    mean = np.repeat(v[1].astype(np.float64).mean(0), H // HK, axis=0)  # (heads, d)
+    assert_close(got[1], np.broadcast_to(mean, got[1].shape), atol=1e-5)
+    if kind == "linear":
+        assert_close(got, np_elu_linear(q, k, v, padding), atol=2e-5)
+
+
+def test_uniform_empty_rows_refuses_causal(data):
+    q, k, v, padding = data
+    kind, opts = ea.check_attention("sliding_window", {"window": 3})
+    with pytest.raises(ValueError, match="uniform_empty_rows.*causal=True"):
+        ea.efficient_attention(q, k, v, kind, opts, causal=True, mask=padding,
+                               uniform_empty_rows=True)
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("sliding_window", {"window": 3}),
+    ("block_sparse", {"block_size": 4, "layout": LAYOUT[:1].tolist()}),
+    ("linear", {}),
+])
+def test_layer_weights_path_equals_kernel_path_on_empty_rows(data, kind, options):
+    """`return_attention_weights` (the explicit formula) and the kernel agree on every row,
+    the empty ones included (their weights: 1 / n on every key)."""
+    x = np.random.default_rng(5).normal(size=(B, N, 16)).astype("float32")
+    padding = data[3]
+    layer = MultiHeadAttention(H, num_kv_heads=HK, attention=kind, attention_options=options)
+    out = layer(x, attention_mask=padding, uniform_empty_rows=True)
+    out_w, weights = layer(x, attention_mask=padding, uniform_empty_rows=True,
+                           return_attention_weights=True)
+    assert_close(out_w, to_numpy(out), atol=2e-5)
+    w = to_numpy(weights)
+    assert_close(w[1], np.full(w[1].shape, 1.0 / N), atol=1e-6)
+    assert_close(w.sum(-1), np.ones(w.shape[:-1]), atol=1e-5)
+
+
+def test_block_with_a_window_over_the_whole_sequence_equals_full_attention():
+    """A non-causal block whose window covers every key is full attention, also on a row of
+    padding only (before: 0.75 apart there, the efficient block gave that row zeros)."""
+    x = np.random.default_rng(0).normal(size=(2, 8, 16)).astype("float32")
+    padding = np.ones((2, 8), bool)
+    padding[1, :] = False
+    full = TransformerBlock(num_heads=2, intermediate_dim=32)
+    window = TransformerBlock(num_heads=2, intermediate_dim=32, attention="sliding_window",
+                              attention_options={"window": 8})
+    expected = full(x, padding_mask=padding)
+    window(x, padding_mask=padding)
+    window.set_weights(full.get_weights())
+    assert_close(window(x, padding_mask=padding), to_numpy(expected), atol=2e-5)
