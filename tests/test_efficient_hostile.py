@@ -195,3 +195,44 @@ def test_block_with_a_window_over_the_whole_sequence_equals_full_attention():
     window(x, padding_mask=padding)
     window.set_weights(full.get_weights())
     assert_close(window(x, padding_mask=padding), to_numpy(expected), atol=2e-5)
+
+
+# === Block layouts that cannot work are refused when the layer is made ===
+
+
+def test_layout_with_the_wrong_number_of_heads_is_refused_at_construction():
+    three = np.ones((3, 4, 4), bool).tolist()
+    options = {"block_size": 4, "layout": three}
+    with pytest.raises(ValueError, match=r"`layout`.*num_heads=4.*\(3, 4, 4\) \(3 heads\)"):
+        MultiHeadAttention(4, attention="block_sparse", attention_options=options)
+    with pytest.raises(ValueError, match=r"`layout`.*num_heads=2.*\(3, 4, 4\)"):
+        TransformerBlock(num_heads=2, intermediate_dim=8, attention="block_sparse",
+                         attention_options=options)
+    # 1 (shared) or num_heads heads are fine.
+    MultiHeadAttention(3, attention="block_sparse", attention_options=options)
+    MultiHeadAttention(5, attention="block_sparse",
+                       attention_options={"block_size": 4, "layout": three[:1]})
+
+
+def test_layout_with_a_query_block_that_sees_nothing_is_refused_at_construction():
+    layout = np.ones((2, 4, 4), bool)
+    layout[1, 2] = False
+    options = {"block_size": 4, "layout": layout.tolist()}
+    with pytest.raises(ValueError, match=r"`layout` row layout\[1\]\[2\] \(head 1, query "
+                                         r"block 2\) attends to no key block"):
+        ea.check_attention("block_sparse", options)
+    with pytest.raises(ValueError, match=r"layout\[1\]\[2\]"):
+        MultiHeadAttention(2, attention="block_sparse", attention_options=options)
+
+
+def test_causal_layout_row_with_only_later_blocks_is_refused(data):
+    q, k, v, _ = data
+    layout = np.eye(6, dtype=bool)
+    layout[3] = False
+    layout[3, 5] = True  # block 3 sees only block 5: nothing once causal
+    kind, opts = ea.check_attention("block_sparse", {"block_size": 4,
+                                                     "layout": layout.tolist()})
+    ea.efficient_attention(q, k, v, kind, opts)  # fine without causality
+    with pytest.raises(ValueError, match=r"layout\[0\]\[3\].*at or before itself"):
+        ea.efficient_attention(q, k, v, kind, opts, causal=True)
+

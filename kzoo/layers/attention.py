@@ -232,7 +232,7 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_scaling = check_rope_scaling_options(rope_scaling, rope_scaling_factor)
         check_choice("kernel", kernel, KERNELS)
         self.attention, self.attention_options = efficient.check_attention(
-            attention, attention_options)
+            attention, attention_options, num_heads=num_heads)
         self._global_projections = bool(self.attention_options.get("global_projections"))
         if self._global_projections and rope_max_wavelength is not None:
             raise ValueError(

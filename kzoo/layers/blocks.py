@@ -269,7 +269,8 @@ class TransformerBlock(keras.layers.Layer):
         self.capacity_factor = capacity_factor
         self.expert_type = expert_type
         self.kernel = kernel
-        self.attention, self.attention_options = check_attention(attention, attention_options)
+        self.attention, self.attention_options = check_attention(attention, attention_options,
+                                                                 num_heads=num_heads)
         self.kernel_initializer = serialize_initializer(kernel_initializer,
                                                         "kernel_initializer")
         self.query_initializer = _optional(query_initializer, "query_initializer")

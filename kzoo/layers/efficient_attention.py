@@ -121,7 +121,9 @@ def _check_layout(value):
             "`layout` must be a boolean array (heads or 1, n_blocks, n_blocks); got an array "
             f"of shape {layout.shape} and dtype {layout.dtype}."
         )
-    return layout.astype(bool).tolist()
+    layout = layout.astype(bool)
+    sparse_mod.check_layout_rows(layout)
+    return layout.tolist()
 
 
 _OPTION_CHECKS = {
@@ -158,12 +160,14 @@ class AttentionOptions(dict):
         return (AttentionOptions, (dict(self),))
 
 
-def check_attention(attention, options=None):
+def check_attention(attention, options=None, *, num_heads=None):
     """Validate an attention type and its options -> `(attention, options with defaults)`.
 
     Raises `ValueError` naming the type or option, its value and what is allowed: an unknown
     type, an option the type does not take, a missing required option, or a bad value
-    (`window <= 0`, `num_features <= 0`, ...).
+    (`window <= 0`, `num_features <= 0`, a block `layout` with a query block that attends to
+    no block, or, given the layer's `num_heads`, a layout with neither 1 nor `num_heads`
+    heads ...).
 
     Example:
     >>> check_attention("performer")
@@ -209,6 +213,14 @@ def check_attention(attention, options=None):
             "`num_features` applies to the random feature maps ('fourier', 'favor') only; got "
             f"feature_map='elu' with num_features={checked['num_features']}."
         )
+    if attention == "block_sparse" and num_heads is not None:
+        layout_heads = len(checked["layout"])
+        if layout_heads not in (1, num_heads):
+            raise ValueError(
+                f"`layout` must have 1 head (shared) or num_heads={num_heads} heads in its "
+                f"first axis; got a layout of shape {np.shape(checked['layout'])} "
+                f"({layout_heads} heads)."
+            )
     if attention == "sliding_window" or attention == "longformer":
         block = checked["block_size"]
         if block is not None and block < checked["window"]:

@@ -470,7 +470,23 @@ def longformer_attention(query, key, value, window, global_tokens, *, causal=Fal
 # === Block-sparse and BigBird ===
 
 
-def _check_layout(layout, heads, n, block_size):
+def check_layout_rows(layout, causal=False):
+    """Refuse a boolean layout `(heads, n_blocks, n_blocks)` with a query block that attends
+    to no key block (causal: to no block at or before its own), naming the first such row."""
+    blocks = layout.shape[1]
+    seen = layout & np.tril(np.ones((blocks, blocks), bool)) if causal else layout
+    empty = np.argwhere(~seen.any(axis=2))
+    if empty.size:
+        h, a = (int(i) for i in empty[0])
+        where = "at or before itself (causal)" if causal else "at all"
+        raise ValueError(
+            f"`layout` row layout[{h}][{a}] (head {h}, query block {a}) attends to no key "
+            f"block {where}; every query block needs at least one (e.g. its own block, the "
+            f"diagonal). Got {len(empty)} such row(s) in a layout of shape {layout.shape}."
+        )
+
+
+def _check_layout(layout, heads, n, block_size, causal=False):
     try:
         layout = np.asarray(ops.convert_to_numpy(layout) if hasattr(layout, "shape")
                             and not isinstance(layout, np.ndarray) else layout)
@@ -496,7 +512,9 @@ def _check_layout(layout, heads, n, block_size):
             f"{layout.shape[1]} (shape {layout.shape}); choose block_size and layout so that "
             "n_blocks = ceil(seq / block_size)."
         )
-    return layout.astype(bool)
+    layout = layout.astype(bool)
+    check_layout_rows(layout, causal)
+    return layout
 
 
 def block_sparse_attention(query, key, value, layout, block_size, *, causal=False, mask=None,
@@ -532,7 +550,7 @@ def block_sparse_attention(query, key, value, layout, block_size, *, causal=Fals
     causal = check_bool("causal", causal)
     n, heads, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = key.shape[2]
-    layout = _check_layout(layout, heads, n, block)
+    layout = _check_layout(layout, heads, n, block, causal)
     mask = _key_mask(mask, n)
     lh, nb = layout.shape[0], layout.shape[1]
     full = layout.all(axis=(0, 2))
