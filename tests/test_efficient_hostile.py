@@ -236,3 +236,46 @@ def test_causal_layout_row_with_only_later_blocks_is_refused(data):
     with pytest.raises(ValueError, match=r"layout\[0\]\[3\].*at or before itself"):
         ea.efficient_attention(q, k, v, kind, opts, causal=True)
 
+
+# === BigBird on sequences too short for its random blocks ===
+
+
+def _np_band_and_globals(blocks, window_blocks, global_blocks):
+    a = np.arange(blocks)
+    seen = np.abs(a[:, None] - a[None, :]) <= window_blocks // 2
+    seen[:, :global_blocks] = True
+    seen[:global_blocks, :] = True
+    return seen
+
+
+def test_bigbird_random_blocks_that_fit_are_all_drawn():
+    # 10 blocks, window 5, 1 global: a middle block has 10 - 6 = 4 blocks left.
+    layout = bigbird_layout(10, window_blocks=5, global_blocks=1, random_blocks=4, seed=3)
+    base = _np_band_and_globals(10, 5, 1)
+    counts = layout[0].sum(1)
+    np.testing.assert_array_equal(counts[1:], base.sum(1)[1:] + 4)
+    assert (layout[0] | ~base).all() and not layout.all()
+
+
+def test_bigbird_short_sequence_warns_and_attends_to_every_block(data):
+    """One more random block than a middle block has left: full attention (transformers'
+    BigBird switches to "original_full"), with a warning naming random_blocks; before, the
+    draw was silently cut short and block 1 still skipped a block."""
+    with pytest.warns(UserWarning, match=r"`random_blocks`=5 is more than a sequence of 10 "
+                                         r"blocks allows \(at most 4 random blocks"):
+        layout = bigbird_layout(10, window_blocks=5, global_blocks=1, random_blocks=5, seed=3)
+    assert layout.all()
+    q, k, v, padding = data  # 23 tokens in blocks of 3: 8 blocks, 2 left beside window 5
+    kind, opts = ea.check_attention("bigbird", {"block_size": 3, "window_blocks": 5,
+                                                "random_blocks": 3})
+    with pytest.warns(UserWarning, match=r"`random_blocks`=3 .* 8 blocks .*at most 2"):
+        got = ea.efficient_attention(q, k, v, kind, opts, mask=padding)
+    full = np.ones((1, 1, N, N), bool) & padding[:, None, None, :]
+    assert_close(got, np_attention(q, k, v, full, empty_rows_uniform=False), atol=2e-5)
+
+
+def test_bigbird_causal_draws_among_earlier_blocks_without_warning(recwarn):
+    layout = bigbird_layout(6, window_blocks=1, global_blocks=1, random_blocks=2, seed=0,
+                            causal=True)[0]
+    assert not np.triu(layout, 1).any()
+    assert not [w for w in recwarn if "random_blocks" in str(w.message)]

@@ -15,6 +15,10 @@ attention="sliding_window", window=256)`) all take the same two values, checked 
 | "linear"         | feature_map="elu" ("elu", "fourier", "favor"), num_features, seed=0 | O(n * features) |
 | "performer"      | num_features=128, seed=0 (linear attention with FAVOR+ features) | O(n * features) |
 
+"bigbird" on a sequence too short for `random_blocks` (a query block has fewer blocks left
+outside its window and the global blocks) attends to every block and warns, as transformers'
+BigBird falls back to full attention (see `sparse_attention.bigbird_layout`).
+
 The kernels are those of `kzoo.layers.sparse_attention` and `kzoo.layers.linear_attention`
 (their docstrings give the exact patterns; `window` follows `kzoo.layers.sliding_window_mask`:
 query `i` sees key `j` when `|i - j| < window`, causal `0 <= i - j < window`). Every variant is

@@ -32,6 +32,7 @@ padded queries are cut off).
 """
 
 import math
+import warnings
 
 import numpy as np
 from keras import ops
@@ -640,6 +641,14 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
     `random_blocks` other blocks drawn without replacement by `numpy.random.default_rng(seed)`
     (per head when `num_heads > 1`; causal: only earlier blocks). Deterministic for a seed.
 
+    A sequence too short for the pattern: when some query block that is not global has
+    fewer than `random_blocks` blocks left outside its window and the global blocks
+    (`max_random_blocks`), the layout is every block — full attention — and a `UserWarning`
+    names `random_blocks`, its value and the most this length allows. Transformers' BigBird
+    likewise switches to full attention ("original_full") on short sequences. Causal: a
+    query block draws among the blocks before it, so the first blocks, whose whole past they
+    already see, draw fewer (they attend to all of it); no warning.
+
     Returns:
         A NumPy boolean array `(num_heads, num_blocks, num_blocks)`.
 
@@ -669,6 +678,18 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
         base[:global_blocks, :] = True
     else:
         base &= dist >= 0
+    if not causal and random_blocks:
+        most = max_random_blocks(num_blocks, window_blocks=window_blocks,
+                                 global_blocks=global_blocks)
+        if random_blocks > most:
+            warnings.warn(
+                f"BigBird: `random_blocks`={random_blocks} is more than a sequence of "
+                f"{num_blocks} blocks allows (at most {most} random blocks per query block "
+                f"beside window_blocks={window_blocks} and global_blocks={global_blocks}); "
+                "attending to every block (full attention) at this length, as transformers' "
+                "BigBird does for short sequences. Lower random_blocks or block_size to keep "
+                "the sparse pattern.", UserWarning, stacklevel=2)
+            return np.ones((num_heads, num_blocks, num_blocks), bool)
     rng = np.random.default_rng(seed)
     layout = np.repeat(base[None], num_heads, axis=0)
     for h in range(num_heads):
@@ -678,6 +699,24 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
             if take:
                 layout[h, row, rng.choice(free, size=take, replace=False)] = True
     return layout
+
+
+def max_random_blocks(num_blocks, *, window_blocks=3, global_blocks=1):
+    """The most random blocks every non-global query block of a non-causal BigBird layout of
+    `num_blocks` blocks can draw: the fewest blocks any of them has outside its window and
+    the global blocks (`num_blocks` when every block is global).
+
+    Example:
+    >>> max_random_blocks(5, window_blocks=3, global_blocks=1)
+    1
+    """
+    a = np.arange(num_blocks)
+    rows = a[global_blocks:]
+    if rows.size == 0:
+        return num_blocks
+    seen = np.abs(rows[:, None] - a[None, :]) <= window_blocks // 2
+    seen[:, :global_blocks] = True
+    return int((~seen).sum(axis=1).min())
 
 
 def bigbird_attention(query, key, value, block_size, *, window_blocks=3, global_blocks=1,
