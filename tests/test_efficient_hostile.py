@@ -279,3 +279,33 @@ def test_bigbird_causal_draws_among_earlier_blocks_without_warning(recwarn):
                             causal=True)[0]
     assert not np.triu(layout, 1).any()
     assert not [w for w in recwarn if "random_blocks" in str(w.message)]
+
+
+# === Half precision ===
+
+
+HALF_CASES = [
+    ("sliding_window", {"window": 3}, {}),
+    ("sliding_window", {"window": 30}, {}),
+    ("strided", {"stride": 4}, {}),
+    ("longformer", {"window": 2, "global_tokens": [9]}, {"global_positions": [9]}),
+    ("block_sparse", {"block_size": 4, "layout": LAYOUT.tolist()}, {}),
+]
+
+
+@pytest.mark.parametrize("kind, options, extra", HALF_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(HALF_CASES)])
+def test_float16_products_beyond_65504_stay_finite(kind, options, extra):
+    """float16 queries and keys whose dot products exceed float16's range (64 dims of size
+    ~40: |q . k| ~ 1e5) while the scaled scores do not; before, the products were taken
+    unscaled and every sparse kernel returned NaN (full attention gives numbers)."""
+    rng = np.random.default_rng(6)
+    q = (rng.normal(size=(1, N, H, 64)) * 40).astype("float16")
+    k = (q + rng.normal(size=q.shape)).astype("float16")  # each query's own key stands out
+    v = rng.normal(size=(1, N, H, 64)).astype("float16")
+    assert np.isinf(np.einsum("bqhd,bkhd->bhqk", q, k)).any()  # (in float16)
+    kind, opts = ea.check_attention(kind, options)
+    got = to_numpy(ea.efficient_attention(q, k, v, kind, opts)).astype("float32")
+    allowed = np_pattern(kind, N, {**options, **extra})[None]
+    assert np.isfinite(got).all()
+    assert_close(got, np_attention(q, k, v, allowed, empty_rows_uniform=False), atol=2e-3)

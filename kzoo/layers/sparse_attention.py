@@ -34,6 +34,7 @@ padded queries are cut off).
 import math
 import warnings
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -82,7 +83,13 @@ def _check_qkv(query, key, value, scale):
         scale = 1.0 / math.sqrt(dim)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"`scale` must be a Python number or None; got scale={scale!r}.")
-    return query, key, value, float(scale)
+    scale = float(scale)
+    if scale < 1.0 and keras.backend.standardize_dtype(query.dtype) == "float16":
+        # float16 products stop at 65504: `q . k` of 64 dims of size ~40 is inf before the
+        # scale comes (NaN outputs where full attention gives numbers). Scale the queries
+        # first, as the full kernels do, and the products stay in range.
+        query, scale = query * ops.cast(scale, query.dtype), 1.0
+    return query, key, value, scale
 
 
 def _key_mask(mask, n):
