@@ -309,3 +309,24 @@ def test_float16_products_beyond_65504_stay_finite(kind, options, extra):
     allowed = np_pattern(kind, N, {**options, **extra})[None]
     assert np.isfinite(got).all()
     assert_close(got, np_attention(q, k, v, allowed, empty_rows_uniform=False), atol=2e-3)
+
+
+# === Longformer: more global tokens than max_global ===
+
+
+def test_longformer_tokens_past_max_global_keep_their_band_rows(data):
+    """With `max_global` (the bound compiled calls use) a row's first `max_global` global
+    tokens are kept; the others are ordinary tokens. Before, their rows were zeros."""
+    from kzoo.layers.sparse_attention import longformer_attention
+
+    q, k, v, _ = data
+    flags = np.zeros((B, N), bool)
+    flags[0, [2, 8]] = True
+    flags[1, [5, 6, 10]] = True
+    flags[2, 20] = True
+    kept = np.zeros((B, N), bool)
+    kept[0, 2] = kept[1, 5] = kept[2, 20] = True
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    allowed = ((np.abs(i - j) < 2)[None] | kept[:, None, :] | kept[:, :, None])[:, None]
+    got = longformer_attention(q, k, v, 2, flags, max_global=1)
+    assert_close(got, np_attention(q, k, v, allowed, empty_rows_uniform=False), atol=2e-5)

@@ -377,6 +377,9 @@ def _global_slots(global_tokens, n, batch, max_global):
     pos = ops.cast(pos, "int32")
     onehot = ops.one_hot(pos, n, dtype="float32")  # (b, G, n)
     valid = ops.any(ops.logical_and(ops.cast(onehot, "bool"), flags[:, None, :]), axis=-1)
+    # The tokens kept: a flagged token past the first `max_global` of its row is not global
+    # (it keeps its band row; before, its row was replaced by an empty slot's zeros).
+    flags = ops.any(ops.logical_and(ops.cast(onehot, "bool"), valid[:, :, None]), axis=1)
     return flags, onehot, valid, pos
 
 
