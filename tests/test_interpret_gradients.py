@@ -377,6 +377,29 @@ def test_errors_name_the_argument(gpt):
         head_importance(lm, [(x, 1, 2, 3)])
 
 
+def test_hostile_data_and_baselines_are_refused_by_name(gpt):
+    lm, x = gpt
+    # (a dict was iterated as its keys: "`inputs` must be a dict ...; got str")
+    with pytest.raises(ValueError, match=r"`data` must be an iterable of batches .*got dict "
+                                         r"\(one batch\? pass \[batch\]\)"):
+        head_importance(lm, x)
+    # (was TypeError: 'int' object is not iterable)
+    with pytest.raises(ValueError, match=r"`data` must be an iterable .*got int data=5"):
+        head_importance(lm, 5)
+    # (a batch of length-1 rows has no next token: its mean loss over no tokens was 0 and
+    # every score 0, silently)
+    short = {"token_ids": x["token_ids"][:, :1], "padding_mask": x["padding_mask"][:, :1]}
+    with pytest.raises(ValueError, match=r"`data` batch 1 has no next token to predict.*"
+                                         r"shape \(2, 1\) with \[1, 1\] real tokens"):
+        head_importance(lm, [x, short])
+    # (a NaN baseline gave NaN attributions without a word)
+    baseline = np.zeros((16,), "float32")
+    baseline[3] = np.nan
+    with pytest.raises(ValueError, match=r"`baseline` must hold finite numbers; got 1 "
+                                         r"non-finite values in baseline of shape \(16,\)"):
+        integrated_gradients(lm, x, baseline=baseline)
+
+
 # Every public function of kzoo.interpret that runs a model, called the way a user would.
 _ENTRY_POINTS = {
     "attention_maps": lambda model, x: attention_maps(model, x),

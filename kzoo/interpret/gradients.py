@@ -55,6 +55,7 @@ from kzoo.interpret.maps import (
     _numpy_inputs,
     _output_list,
     _prepare,
+    _prepare_mask,
     _probe,
     _unflatten_maps,
 )
@@ -407,6 +408,13 @@ def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, po
                 f"`baseline` must broadcast to the input embeddings' shape {x.shape} (batch, "
                 f"positions, dim); got shape {np.shape(baseline)}."
             ) from None
+        if not np.all(np.isfinite(base)):
+            # (a NaN baseline gave NaN attributions and gaps, without a word)
+            raise ValueError(
+                "`baseline` must hold finite numbers; got "
+                f"{np.size(baseline) - np.count_nonzero(np.isfinite(baseline))} non-finite "
+                f"values in baseline of shape {np.shape(baseline)}."
+            )
     selection = _selection(layout, inputs, outputs, target, position)
     batch = x.shape[0]
     _check_ig_memory(int(steps), internal_batch_size, x)
@@ -580,14 +588,17 @@ def _importance_body(model, call, inputs, tensors, static):
     return ops.cast(value, "float32"), []
 
 
-def head_importance(model, data, loss=None):
+def head_importance(model, data, loss=None, head_mask=None):
     """Head importance scores (Michel, Levy & Neubig 2019, "Are Sixteen Heads Really Better
     than One?"): `|dL / d xi_h|` summed over the batches of `data`.
 
-    Every head's probabilities are multiplied by a mask variable `xi_h = 1` (as
-    `masked_heads` does) and the batch loss `L` is differentiated with respect to the masks,
-    so the score of a head is the first-order change of the loss when it is removed; as in
-    the authors' code, each batch contributes the absolute gradient of its mean loss.
+    Every head's probabilities are multiplied by a mask variable `xi_h` (as `masked_heads`
+    does) and the batch loss `L` is differentiated with respect to the masks at their
+    current value: 1 for every head by default, so the score of a head is the first-order
+    change of the loss when it is removed; as in the authors' code, each batch contributes
+    the absolute gradient of its mean loss. Inside `masked_heads` (or with `head_mask`) the
+    masks start at that mask instead, as the authors' iterative pruning does with the heads
+    removed so far: the scores are those of the masked model.
 
     Args:
         model: a kzoo task model (or a backbone, with `loss`).
@@ -599,13 +610,17 @@ def head_importance(model, data, loss=None):
             cross-entropy on logits for classifiers, mean squared error for a Graphormer
             regression; a `GPTCausalLM` given batches without labels uses the next-token
             loss of its inputs (the mean cross-entropy over the real next tokens).
+        head_mask: optional head mask at which to differentiate (see `masked_heads`;
+            multiplied with the mask of an enclosing `masked_heads`).
 
     Returns:
         float32 NumPy `(layers, heads)`; for T5 a dict `{"encoder", "decoder", "cross"}` of
         `(layers, heads)` arrays.
 
     Raises:
-        ValueError: bad model, empty `data`, bad batches, or no default loss.
+        ValueError: bad model, `data` that is not an iterable of batches (or is empty), bad
+            batches (a GPTCausalLM batch without labels needs a real next token to predict),
+            no default loss, or a bad `head_mask`.
 
     Example:
     >>> importance = head_importance(classifier, [(inputs, labels)])
@@ -619,9 +634,24 @@ def head_importance(model, data, loss=None):
                                 if isinstance(loss, str) else "") + "."
         )
     layout = _Layout(model)
+    if isinstance(data, Mapping) or hasattr(data, "shape") or not hasattr(data, "__iter__"):
+        # (a dict iterated as its keys: "`inputs` must be a dict ...; got str"; a number:
+        # "TypeError: 'int' object is not iterable")
+        one_batch = isinstance(data, Mapping) or hasattr(data, "shape")
+        raise ValueError(
+            "`data` must be an iterable of batches (a list, a generator, a tf.data.Dataset), "
+            "each inputs, (inputs, labels) or (inputs, labels, sample_weight); got "
+            f"{type(data).__name__}"
+            + (" (one batch? pass [batch])" if one_batch else f" data={data!r}") + "."
+        )
+    # The masks are differentiated at the enclosing `masked_heads` mask (times `head_mask`),
+    # the heads removed so far (this ran its own all-ones tap inside the context, scoring
+    # the unmasked model).
+    start = _prepare_mask(layout, head_mask)
     keys = tuple(layout.attention)
     shapes = layout.mask_shapes()
-    ones = [np.ones(shapes[key], "float32") for key in keys]
+    ones = [np.ones(shapes[key], "float32") if start is None or start.get(key) is None
+            else np.asarray(start[key], "float32") for key in keys]
     totals = [np.zeros(shapes[key], "float64") for key in keys]
     seen, defaults = 0, {}
     for index, batch in enumerate(data):
@@ -635,6 +665,16 @@ def head_importance(model, data, loss=None):
             batch_loss, mode = loss, "labels"
         if mode == "next_token":
             sample_weight = (np.asarray(x["padding_mask"])[:, 1:] > 0).astype("float32")
+            if not sample_weight.any():
+                # (a mean over no tokens is 0: every score of such a batch was 0, silently)
+                real = np.sum(np.asarray(x["padding_mask"]) > 0, axis=1).tolist()
+                raise ValueError(
+                    f"`data` batch {index} has no next token to predict: the default loss of "
+                    f"a {type(model).__name__} without labels needs a row with at least 2 "
+                    f"real tokens; got token_ids of shape {np.shape(x['token_ids'])} with "
+                    f"{real} real tokens per row. Pass longer sequences, or "
+                    "(inputs, labels) batches and a `loss`."
+                )
             # (padding may hold any id, e.g. -1: its weight is 0, and a label 0 keeps the
             # loss' lookup in range on every backend)
             labels = np.where(sample_weight > 0, np.asarray(x["token_ids"])[:, 1:], 0)

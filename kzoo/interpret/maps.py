@@ -537,7 +537,14 @@ def _prepare(model, inputs, head_mask=None):
     that of an enclosing `masked_heads` (either alone when the other is absent)."""
     layout = _Layout(model)
     inputs = _numpy_inputs(_check_inputs(model, inputs))
+    return layout, inputs, _prepare_mask(layout, head_mask)
+
+
+def _prepare_mask(layout, head_mask=None):
+    """The head mask a function runs with: `head_mask` (checked) times that of an enclosing
+    `masked_heads` (either alone when the other is absent; None when both are); raises
+    RuntimeError inside another active tap."""
     enclosing = _enclosing_head_mask(layout)
-    mask = enclosing if head_mask is None else _combine_masks(
-        enclosing, _check_head_mask(layout, head_mask))
-    return layout, inputs, mask
+    if head_mask is None:
+        return enclosing
+    return _combine_masks(enclosing, _check_head_mask(layout, head_mask))
