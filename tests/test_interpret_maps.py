@@ -403,3 +403,45 @@ def test_masked_heads_refuses_to_hide_another_tap(bert, gpt2):
             with masked_heads(bert[0], np.ones((2, 4))):
                 pass
     assert active_tap() is None
+
+
+def _hf_greedy(hf, ids, steps, head_mask=None):
+    """Greedy continuation of `ids` by transformers' forward pass (with `head_mask`)."""
+    import torch
+
+    ids = torch.tensor(ids, dtype=torch.long)
+    mask = None if head_mask is None else torch.tensor(head_mask)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(input_ids=ids, head_mask=mask).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, -steps:].numpy()
+
+
+def test_generate_inside_masked_heads_uses_the_mask(gpt2):
+    # (JAX and TensorFlow: generate reused the decode loop it had compiled before the
+    # context, so inside it the unmasked model's tokens came out)
+    model, hf, x, _, _ = gpt2
+    prompt = x["token_ids"][:1, :5]
+    steps = 6
+    head_mask = np.ones((2, 2), "float32")
+    head_mask[0, 0] = head_mask[1, 1] = 0.0
+
+    def generate():
+        out = model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)},
+                             max_new_tokens=steps, strategy="greedy")
+        out = out["token_ids"] if isinstance(out, dict) else out
+        return np.asarray(to_numpy(out))[:, -steps:]
+
+    plain = _hf_greedy(hf, prompt, steps)
+    masked = _hf_greedy(hf, prompt, steps, head_mask)
+    assert not np.array_equal(plain, masked)  # the mask changes the tokens
+    before = generate()                       # (compiles the decode loop without a mask)
+    with masked_heads(model, head_mask):
+        inside = generate()
+    after = generate()
+    print(f"[{backend()}] greedy tokens: transformers {plain} / masked {masked}; kzoo "
+          f"{before} / inside {inside} / after {after}")
+    np.testing.assert_array_equal(before, plain)
+    np.testing.assert_array_equal(inside, masked)
+    np.testing.assert_array_equal(after, plain)

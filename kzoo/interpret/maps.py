@@ -214,12 +214,16 @@ class _InterpretTap(Tap):
 
 def _forget_compiled(layout):
     """Drop the compiled `predict` / `evaluate` / `fit` functions of the model (and its
-    backbone): Keras traces them once and reuses them, so one traced inside a tap would keep
-    the tap's effect after it, and one traced before would ignore it."""
+    backbone), and the decode loops `generate` compiled for it (JAX, TensorFlow): each is
+    traced once and reused, so one traced inside a tap would keep the tap's effect after
+    it, and one traced before would ignore it (`generate` inside `masked_heads` gave the
+    unmasked model's tokens)."""
     for model in {id(m): m for m in (layout.model, layout.backbone)}.values():
         for name in ("predict_function", "test_function", "train_function"):
             if getattr(model, name, None) is not None:
                 setattr(model, name, None)
+        # (`kzoo.generation._cache_for` starts a new cache when the model has none)
+        model.__dict__.pop("_generation_fns", None)
 
 
 def _enclosing_head_mask(layout, nesting=False):
@@ -469,9 +473,10 @@ def masked_heads(model, head_mask):
     `kzoo.layers.taps.Tap`) raises RuntimeError: only the innermost tap is active, so the
     outer one would silently stop working.
 
-    The mask applies to direct calls (`model(inputs)`) and to `predict` / `evaluate` /
-    `*_on_batch` called inside the context: the functions Keras compiled for them are
-    dropped on entering and leaving, so they are traced again with (then without) the mask.
+    The mask applies to direct calls (`model(inputs)`), to `predict` / `evaluate` /
+    `*_on_batch` and to `generate` called inside the context: the functions Keras (and
+    `generate`) compiled for them are dropped on entering and leaving, so they are traced
+    again with (then without) the mask.
 
     Returns:
         A `kzoo.layers.taps.Tap` to use in a `with` statement (attention runs with the
