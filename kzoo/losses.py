@@ -22,9 +22,12 @@ reductions and sample weights), faster on torch:
   steps: 5,590 -> 5,829 tokens/s), and a tied output projection writes the logits into
   memory kept from one step to the next (`tied_logits_into`).
 - JAX: the same pair of passes as a `jax.custom_vjp` (see `_jax_cross_entropy`).
-- TensorFlow: inside a graph (`fit`, `train_on_batch`), the loss and `softmax - one_hot`
-  in the forward pass, from the same exponentials, and a scaling in the backward pass (see
-  `_tf_cross_entropy`); called eagerly, Keras' op.
+- TensorFlow: the loss and `softmax - one_hot` in the forward pass, from the same
+  exponentials, and a scaling in the backward pass (see `_tf_cross_entropy`).
+
+Targets outside the vocabulary other than -100 are refused with a `ValueError` where they
+hold values and give a NaN loss (zero gradient) where they are traced, on every backend (see
+`TokenCrossentropy`).
 
 Example:
 >>> lm.compile(optimizer="adamw")                      # TokenCrossentropy by default
@@ -35,6 +38,7 @@ import contextlib
 import threading
 
 import keras
+import numpy as np
 from keras import ops
 
 
@@ -46,11 +50,18 @@ class TokenCrossentropy(keras.losses.Loss):
     float32, then Keras' reduction with the sample weights (`"sum_over_batch_size"` by
     default, as `SparseCategoricalCrossentropy`).
 
-    Targets outside `[0, vocabulary)`: on JAX a zero loss and gradient (as Keras' loss does
-    there); on torch -100 gives a zero loss and gradient (`F.cross_entropy`'s ignore index)
-    and any other raises; on TensorFlow they raise (an `InvalidArgumentError`; inside a step
-    compiled whole with XLA, `jit_compile=True`, their loss is NaN). Give tokens to ignore
-    a valid id and a zero sample weight to mean "ignore" on every backend.
+    Targets: token ids in `[0, vocabulary)`, or -100 (`IGNORE_INDEX`, Hugging Face's label
+    of a token without a loss, `F.cross_entropy`'s `ignore_index`): a zero loss and gradient
+    for that token, which still counts in the "sum_over_batch_size" mean, as a zero sample
+    weight does. Any other target is refused, the same on every backend:
+
+    - called with concrete targets (eagerly, and in a torch or TensorFlow `fit` step, whose
+      targets hold values), a `ValueError` naming the first bad target, its index and the
+      range allowed;
+    - inside a traced or compiled function, where the targets hold no values yet (a JAX
+      `jit`, which Keras' JAX `fit` step is; a `tf.function`; `torch.compile`), that token's
+      loss is NaN and its gradient zero: the reported loss turns NaN (so
+      `keras.callbacks.TerminateOnNaN` stops there) and the weights take no step from it.
 
     Args:
         reduction: a Keras reduction name ("sum_over_batch_size", "sum", "mean",
@@ -62,6 +73,10 @@ class TokenCrossentropy(keras.losses.Loss):
     >>> loss = TokenCrossentropy()
     >>> loss(np.array([[1, 0]]), np.array([[[0.0, 2.0], [1.0, -1.0]]]))
     """
+
+    # The one target that means "no loss here"; `fit`'s input check reads it under Keras'
+    # name for it (`SparseCategoricalCrossentropy(ignore_class=...)`).
+    ignore_class = -100
 
     def __init__(self, reduction="sum_over_batch_size", name="token_crossentropy",
                  dtype=None):
@@ -87,28 +102,71 @@ class TokenCrossentropy(keras.losses.Loss):
     def call(self, y_true, y_pred):
         if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:
             y_true = ops.squeeze(y_true, -1)  # (..., 1) targets, as Keras' loss takes them
+        check_token_targets(y_true, y_pred.shape[-1])
         if keras.backend.backend() == "torch":
-            import torch.nn.functional as F
-
             logits = ops.convert_to_tensor(y_pred)
             labels = ops.convert_to_tensor(y_true)
             vocab = logits.shape[-1]
             losses = _torch_cross_entropy().apply(logits.reshape(-1, vocab).float(),
                                                   labels.reshape(-1).long())
             return losses.reshape(labels.shape)
-        own = None  # this backend's (flat logits, flat labels) -> losses function, if any
-        if keras.backend.backend() == "jax":
-            own = _jax_cross_entropy()
-        elif keras.backend.backend() == "tensorflow" and _in_tf_graph():
-            own = _tf_cross_entropy()
-        if own is not None:
-            logits = ops.cast(y_pred, "float32")
-            labels = ops.cast(y_true, "int32")
-            losses = own(ops.reshape(logits, (-1, logits.shape[-1])), ops.reshape(labels, (-1,)))
-            return ops.reshape(losses, ops.shape(labels))
-        return ops.sparse_categorical_crossentropy(
-            ops.cast(y_true, "int32"), ops.cast(y_pred, "float32"), from_logits=True
-        )
+        own = _jax_cross_entropy() if keras.backend.backend() == "jax" else _tf_cross_entropy()
+        logits = ops.cast(y_pred, "float32")
+        labels = ops.cast(y_true, "int32")
+        losses = own(ops.reshape(logits, (-1, logits.shape[-1])), ops.reshape(labels, (-1,)))
+        return ops.reshape(losses, ops.shape(labels))
+
+
+IGNORE_INDEX = TokenCrossentropy.ignore_class
+
+
+def _concrete(values):
+    """`values` as a NumPy array when they hold values now; None while they are traced (a
+    JAX tracer, a symbolic TensorFlow tensor, a Keras tensor, a tensor `torch.compile` is
+    tracing or on torch's "meta" device)."""
+    if isinstance(values, (np.ndarray, np.generic, int, list, tuple)):
+        return np.asarray(values)
+    if isinstance(values, keras.KerasTensor):
+        return None
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        if isinstance(values, jax.core.Tracer):
+            return None
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.is_tensor(values) and tf.is_symbolic_tensor(values):
+            return None
+    elif backend == "torch":
+        import torch
+
+        if torch.compiler.is_compiling() or (
+                isinstance(values, torch.Tensor) and values.device.type == "meta"):
+            return None
+    return np.asarray(keras.ops.convert_to_numpy(values))
+
+
+def check_token_targets(y_true, vocabulary_size):
+    """Raise `ValueError` naming the first target that is not a whole token id in
+    `[0, vocabulary_size)` nor `IGNORE_INDEX`, when the targets hold values (see `_concrete`;
+    traced targets are left to the loss, which makes such a token's loss NaN)."""
+    host = _concrete(y_true)
+    if host is None or host.size == 0 or vocabulary_size is None:
+        return
+    bad = ((host < 0) & (host != IGNORE_INDEX)) | (host >= vocabulary_size)
+    if not np.issubdtype(host.dtype, np.integer):
+        bad |= host != np.floor(host)
+    if not bad.any():
+        return
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    value = host[where].item()  # (Keras' `Loss` hands the targets over as floats)
+    value = int(value) if float(value).is_integer() else value
+    raise ValueError(
+        f"TokenCrossentropy: `y_true` holds {value!r} at index {where}; targets "
+        f"must be whole token ids in [0, {vocabulary_size}) (the logits' last axis, the "
+        f"vocabulary size), or {IGNORE_INDEX} for a token without a loss.")
 
 
 _FUNCTION = []
@@ -276,7 +334,8 @@ def _torch_cross_entropy():
     """The torch autograd function of `TokenCrossentropy` (made once, on first use):
     `apply(logits (n, vocab) float, labels (n,) long)` -> `(n,)` losses; a label of -100
     gives a zero loss and gradient (`F.cross_entropy`'s `ignore_index`), another label
-    outside `[0, vocab)` raises (`gather`'s index check, as `F.cross_entropy`)."""
+    outside `[0, vocab)` a NaN loss and a zero gradient (`TokenCrossentropy` refuses such
+    labels before they get here whenever they hold values)."""
     if _FUNCTION:
         return _FUNCTION[0]
     import torch
@@ -284,7 +343,7 @@ def _torch_cross_entropy():
     class TokenCrossEntropyFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, logits, labels):
-            ignored = labels == -100
+            ignored = (labels < 0) | (labels >= logits.shape[1])  # (no loss, no gradient)
             picked = labels.masked_fill(ignored, 0)
             target = logits.gather(1, picked[:, None])[:, 0]
             ctx.overwrite = _may_overwrite(logits)
@@ -300,7 +359,8 @@ def _torch_cross_entropy():
             else:
                 lse = _logsumexp_rows(logits)
                 ctx.save_for_backward(logits, lse, picked, ignored)
-            return (lse - target).masked_fill(ignored, 0.0)
+            losses = (lse - target).masked_fill(ignored, 0.0)
+            return losses.masked_fill_(ignored & (labels != -100), float("nan"))
 
         @staticmethod
         @torch.autograd.function.once_differentiable
@@ -321,8 +381,8 @@ def _torch_cross_entropy():
 def _jax_cross_entropy():
     """The JAX `TokenCrossentropy` with a hand-written backward pass (made once):
     `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses. A label outside
-    `[0, vocab)` gives a zero loss and gradient, as Keras' `sparse_categorical_crossentropy`
-    on JAX (its one-hot row is all zeros). Keras' form materialises the one-hot targets and
+    `[0, vocab)` gives a zero gradient and a loss of zero for -100 and NaN for any other
+    (`TokenCrossentropy` refuses those before they get here when they hold values). Keras' form materialises the one-hot targets and
     the log-probabilities, each as large as the logits, and differentiates through both;
     here the forward pass reads the logits for the log-sum-exp and one gathered value a
     row, and the backward pass writes `(softmax - one_hot) * g` in one fused pass. Measured
@@ -345,7 +405,8 @@ def _jax_cross_entropy():
         valid, index = valid_and_index(labels, logits.shape[-1])
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, index[:, None], axis=-1)[:, 0]
-        return jnp.where(valid, lse - picked, 0.0), (logits, lse, labels)
+        outside = jnp.where(labels == -100, 0.0, jnp.nan)
+        return jnp.where(valid, lse - picked, outside), (logits, lse, labels)
 
     def backward(saved, g):
         logits, lse, labels = saved
@@ -360,15 +421,9 @@ def _jax_cross_entropy():
     return cross_entropy
 
 
-def _in_tf_graph():
-    import tensorflow as tf
-
-    return not tf.executing_eagerly()
-
-
 def _tf_cross_entropy():
-    """The TensorFlow `TokenCrossentropy` inside a graph (a `fit` / `train_on_batch` step),
-    made once: `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses.
+    """The TensorFlow `TokenCrossentropy` (in a graph, a `fit` / `train_on_batch` step, and
+    eagerly), made once: `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses.
 
     The forward pass computes the loss (log-sum-exp minus the target's logit) and, from
     TensorFlow's softmax kernel (one op), the gradient with respect to the logits,
@@ -388,25 +443,16 @@ def _tf_cross_entropy():
     started by the first step, raised the step's peak memory (fresh processes: 704-825 MiB
     above the resident set, this function 583-649, Keras' kernel 573-578).
 
-    A target outside `[0, vocab)` stops the step with an `InvalidArgumentError` naming it (a
-    graph assertion; the kernel raised too, on CPU); a step compiled whole with XLA
-    (`jit_compile=True`) drops assertions, and there such a target's loss is NaN. Eager
-    calls keep Keras' op."""
+    A target outside `[0, vocab)` gives a zero gradient and a loss of zero for -100 and NaN
+    for any other, in a graph and compiled with XLA alike (`TokenCrossentropy` refuses those
+    before they get here when they hold values). An earlier form asserted the range in the
+    graph, which XLA drops: the loss then differed between `jit_compile` settings and from
+    the other backends."""
     if _TF_FUNCTION:
         return _TF_FUNCTION[0]
     import tensorflow as tf
 
     def cross_entropy(logits, labels):
-        vocab = logits.shape[-1] if logits.shape[-1] is not None else tf.shape(logits)[-1]
-        checks = [
-            tf.debugging.assert_non_negative(
-                labels, message="TokenCrossentropy: targets must be token ids >= 0"),
-            tf.debugging.assert_less(
-                labels, tf.cast(vocab, labels.dtype),
-                message="TokenCrossentropy: targets must be token ids below the logits' "
-                        "last axis (the vocabulary size)"),
-        ]
-
         @tf.custom_gradient
         def loss(z):
             valid = (labels >= 0) & (labels < tf.shape(z)[-1])
@@ -422,15 +468,15 @@ def _tf_cross_entropy():
                 probabilities, at_targets, tf.cast(valid, z.dtype))
 
             def grad(g):
-                return softmax_minus_one_hot * g[:, None]
+                return softmax_minus_one_hot * tf.where(valid, g, 0.0)[:, None]
 
-            return tf.where(valid, lse - picked, float("nan")), grad
+            outside = tf.where(labels == -100, 0.0, float("nan"))
+            return tf.where(valid, lse - picked, outside), grad
 
-        with tf.control_dependencies(checks):
-            return loss(tf.identity(logits))
+        return loss(logits)
 
     _TF_FUNCTION.append(cross_entropy)
     return cross_entropy
 
 
-__all__ = ["TokenCrossentropy"]
+__all__ = ["TokenCrossentropy", "IGNORE_INDEX", "check_token_targets"]

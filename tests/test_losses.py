@@ -66,7 +66,8 @@ def test_torch_function_ignore_index_and_out_of_range_targets():
     """The torch path's autograd function (pure torch, so checked under every backend): a
     target of -100 gives a zero loss and gradient (`F.cross_entropy`'s ignore_index), the
     others equal `F.cross_entropy`'s losses and gradients, and any other target outside the
-    vocabulary raises."""
+    vocabulary gives a NaN loss and a zero gradient (the loss refuses such targets before
+    this function whenever they hold values)."""
     import torch
     import torch.nn.functional as F
 
@@ -86,15 +87,19 @@ def test_torch_function_ignore_index_and_out_of_range_targets():
     (reference * weights).sum().backward()
     assert float(ours.grad[1].abs().sum()) == 0.0
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-6)
-    with pytest.raises(RuntimeError):
-        fn.apply(torch.tensor(data), torch.tensor([1, 5, 0, 0]))
+    bad = torch.tensor(data, requires_grad=True)
+    losses = fn.apply(bad, torch.tensor([1, 5, -1, 0]))
+    assert torch.isnan(losses[1:3]).all()
+    torch.testing.assert_close(losses[[0, 3]], reference.detach()[[0, 3]])
+    losses[[0, 3]].sum().backward()
+    assert float(bad.grad[1:3].abs().sum()) == 0.0
 
 
 def test_jax_function_out_of_range_targets_and_gradient():
     """The JAX path's custom-gradient function (pure JAX, so checked under every backend):
     the loss and its gradient against NumPy, large logits included; a target outside the
-    vocabulary (negative, -100 or too large) gives a zero loss and gradient, as Keras'
-    `sparse_categorical_crossentropy` does on JAX (an all-zero one-hot row)."""
+    vocabulary gives a zero gradient, and a loss of zero for -100 and NaN for any other
+    (negative or too large)."""
     import jax
     import jax.numpy as jnp
 
@@ -113,25 +118,20 @@ def test_jax_function_out_of_range_targets_and_gradient():
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     one_hot = np.eye(7)[np.where(valid, y, 0)] * valid[:, None]
-    expected = np.where(valid, _np_token_ce(np.where(valid, y, 0), logits), 0.0)
+    expected = np.where(valid, _np_token_ce(np.where(valid, y, 0), logits),
+                        np.where(y == -100, 0.0, np.nan))
     np.testing.assert_allclose(losses, expected, rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(grad, weights[:, None] * valid[:, None] * (p - one_hot),
                                rtol=1e-5, atol=1e-7)
-    assert np.all(losses[~valid] == 0) and np.all(grad[~valid] == 0)
-    import keras.src.backend.jax.nn as keras_jax_nn
-
-    np.testing.assert_allclose(
-        losses, np.asarray(keras_jax_nn.sparse_categorical_crossentropy(y, logits, True)),
-        rtol=1e-6, atol=1e-5)
+    assert np.all(grad[~valid] == 0)
 
 
 def test_tensorflow_function_in_graphs_and_out_of_range_targets():
     """The TensorFlow path's function (pure TensorFlow, so checked under every backend), in a
     graph as `fit` runs it: the loss and its gradient against NumPy, large logits and a
     target whose probability underflows float32 included;
-    a target outside the vocabulary stops a graph with an error naming the rule, and makes
-    that row's loss NaN (the others exact) in a function compiled whole with XLA, where
-    assertions are dropped."""
+    a target outside the vocabulary gives that row a NaN loss (0 for -100) and a zero
+    gradient, the others exact, in a graph and in a function compiled whole with XLA alike."""
     import tensorflow as tf
 
     from kzoo.losses import _tf_cross_entropy
@@ -160,18 +160,126 @@ def test_tensorflow_function_in_graphs_and_out_of_range_targets():
     np.testing.assert_allclose(losses, _np_token_ce(y, logits), rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(grad, weights[:, None] * (p - np.eye(7)[y]), rtol=1e-5,
                                atol=1e-7)
+    keep = np.arange(6) != 4
     for bad in (7, -1, -100):
         wrong = y.copy()
         wrong[4] = bad
-        with pytest.raises(tf.errors.InvalidArgumentError,
-                           match="TokenCrossentropy: targets must be token ids"):
-            loss_and_grad(tf.constant(logits), tf.constant(wrong))
-        compiled = tf.function(lambda z, labels: fn(z, labels), jit_compile=True)
-        got = compiled(tf.constant(logits), tf.constant(wrong)).numpy()
-        assert np.isnan(got[4])
-        keep = np.arange(6) != 4
-        np.testing.assert_allclose(got[keep], _np_token_ce(y, logits)[keep], rtol=1e-6,
-                                   atol=1e-5)
+        for function in (loss_and_grad, tf.function(loss_and_grad.python_function,
+                                                    jit_compile=True)):
+            got, grad = (t.numpy() for t in function(tf.constant(logits), tf.constant(wrong)))
+            assert got[4] == 0.0 if bad == -100 else np.isnan(got[4])
+            assert np.all(grad[4] == 0)
+            np.testing.assert_allclose(got[keep], _np_token_ce(y, logits)[keep], rtol=1e-6,
+                                       atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [7, 9, -1, -101, 2.5])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "none"])
+def test_out_of_range_targets_are_refused_eagerly(bad, reduction):
+    """Called with targets that hold values, a target that is not a token id of the logits
+    (nor -100) is refused on every backend with its value, its index and the range allowed
+    (before, JAX gave it a zero loss in silence, torch raised gather's IndexError or took
+    -100, TensorFlow raised its kernel's error and refused -100)."""
+    logits = np.random.default_rng(1).normal(size=(2, 3, 7)).astype("float32")
+    y = np.array([[1, 2, 3], [0, 6, 4]], "float32")
+    y[1, 2] = bad
+    for targets in (y, keras.ops.convert_to_tensor(y)):
+        with pytest.raises(ValueError, match=rf"holds {bad!r} at index \(1, 2\).*"
+                                             r"\[0, 7\).*or -100"):
+            TokenCrossentropy(reduction=reduction)(targets, logits)
+
+
+def test_ignored_targets_count_as_zero_weight_tokens_on_every_backend():
+    """-100 gives that token a zero loss and gradient; the mean still counts it (the same as
+    a zero sample weight), against NumPy."""
+    r = np.random.default_rng(4)
+    logits = (3 * r.normal(size=(3, 4, 6))).astype("float32")
+    y = r.integers(0, 6, (3, 4)).astype("int32")
+    y[0, 1] = y[2, 3] = -100
+    keep = y != -100
+    per_token = np.where(keep, _np_token_ce(np.where(keep, y, 0), logits), 0.0)
+    np.testing.assert_allclose(to_numpy(TokenCrossentropy(reduction="none")(y, logits)),
+                               per_token, rtol=1e-5, atol=1e-6)
+    value, (grad,) = value_and_grads(lambda z: TokenCrossentropy()(y, z), logits)
+    z = logits.astype("float64")
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = keep[..., None] * (p - np.eye(6)[np.where(keep, y, 0)]) / y.size
+    np.testing.assert_allclose(value, per_token.sum() / y.size, rtol=1e-5)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_fit_and_evaluate_take_ignored_targets():
+    """A token model's `evaluate` and `train_on_batch` take -100 targets (their input check
+    refused them while a direct call took them on JAX and torch): the loss is the NumPy mean
+    over every token with those counted as zero, from the model's own logits."""
+    keras.utils.set_random_seed(1)
+    lm = GPTCausalLM(GPTBackbone(vocabulary_size=13, num_layers=1, num_heads=2, hidden_dim=8,
+                                 intermediate_dim=16, max_sequence_length=8, dropout=0.0))
+    lm.compile(optimizer=keras.optimizers.SGD(0.0))
+    tokens = np.random.default_rng(2).integers(0, 13, (3, 6))
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens, dtype=bool)}
+    y = np.roll(tokens, -1, axis=1).astype("int32")
+    y[:, -1] = -100
+    y[1, 2] = -100
+    logits = to_numpy(lm.predict(x, verbose=0))
+    keep = y != -100
+    expected = np.where(keep, _np_token_ce(np.where(keep, y, 0), logits), 0.0).mean()
+    np.testing.assert_allclose(lm.evaluate(x, y, verbose=0), expected, rtol=1e-5)
+    np.testing.assert_allclose(lm.train_on_batch(x, y), expected, rtol=1e-5)
+
+
+def _traced_loss_and_grad(y, logits):
+    """`TokenCrossentropy(reduction="none")` and the gradient of its sum, with the targets
+    traced: inside `jax.jit`, a `tf.function`, or `torch.compile` (dynamo, eager backend)."""
+    loss = TokenCrossentropy(reduction="none")
+    b = keras.backend.backend()
+    if b == "jax":
+        import jax
+
+        def both(z, t):
+            return jax.value_and_grad(lambda v: loss(t, v).sum(), has_aux=False)(z), loss(t, z)
+
+        (_, grad), losses = jax.jit(both)(logits, y)
+        return np.asarray(losses), np.asarray(grad)
+    if b == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def both(z, t):
+            with tf.GradientTape() as tape:
+                tape.watch(z)
+                losses = loss(t, z)
+                total = tf.reduce_sum(tf.where(tf.math.is_nan(losses), 0.0, losses))
+            return losses, tape.gradient(total, z)
+
+        return tuple(v.numpy() for v in both(tf.constant(logits), tf.constant(y)))
+    import torch
+
+    z = torch.tensor(logits, requires_grad=True)
+    losses = torch.compile(lambda v, t: loss(t, v), backend="eager")(z, torch.tensor(y))
+    torch.nan_to_num(losses, nan=0.0).sum().backward()
+    return losses.detach().numpy(), z.grad.numpy()
+
+
+def test_traced_out_of_range_targets_give_a_nan_loss_and_no_gradient():
+    """Where the targets are traced (no values to check), a target outside the vocabulary
+    other than -100 gives that token a NaN loss and a zero gradient, the same on every
+    backend; the other tokens exact, against NumPy."""
+    r = np.random.default_rng(8)
+    logits = (2 * r.normal(size=(2, 4, 5))).astype("float32")
+    y = r.integers(0, 5, (2, 4)).astype("int32")
+    y[0, 0], y[0, 3], y[1, 1] = 5, -1, -100
+    losses, grad = _traced_loss_and_grad(y, logits)
+    valid = (y >= 0) & (y < 5)
+    assert np.isnan(losses[0, 0]) and np.isnan(losses[0, 3]) and losses[1, 1] == 0.0
+    reference = _np_token_ce(np.where(valid, y, 0), logits)
+    np.testing.assert_allclose(losses[valid], reference[valid], rtol=1e-5, atol=1e-6)
+    z = logits.astype("float64")
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = valid[..., None] * (p - np.eye(5)[np.where(valid, y, 0)])
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_targets_with_a_trailing_axis_and_half_logits():
