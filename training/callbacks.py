@@ -174,9 +174,18 @@ class BestModel(keras.callbacks.Callback):
 
 
 class StepCheckpoint(keras.callbacks.Callback):
-    """A training checkpoint every `save_every` steps and at the end of every epoch."""
+    """A training checkpoint every `save_every` steps and at the end of every epoch.
 
-    def __init__(self, state, directory, save_every, fingerprint, extra_meta=None, keep=2):
+    An epoch that a run's last step ends early (`--steps` inside an epoch of `epoch_steps`
+    steps) is logged and validated as an epoch, but a longer run continues it: its
+    checkpoint holds the metric states and backend generator state of that step taken
+    before validation (`checkpoint.capture_step_state`), which a resumed run puts back as
+    for any mid-epoch checkpoint, so that it continues step for step as a run that never
+    stopped there (on torch, validation moved the global generator that dropout draws
+    from: the resumed run drew other dropout masks)."""
+
+    def __init__(self, state, directory, save_every, fingerprint, extra_meta=None, keep=2,
+                 epoch_steps=None):
         super().__init__()
         self.state = state
         self.directory = directory
@@ -184,13 +193,15 @@ class StepCheckpoint(keras.callbacks.Callback):
         self.fingerprint = fingerprint
         self.extra_meta = extra_meta or (lambda: {})
         self.keep = keep
+        self.epoch_steps = epoch_steps
+        self._step_state = None  # (the last step of an epoch ended early)
 
-    def _save(self, metrics_state):
+    def _save(self, metrics_state, step_state=None):
         meta = self.state.to_meta()
         meta["fingerprint"] = self.fingerprint
         meta.update(self.extra_meta())
         checkpoint.save(self.directory, self.model, meta, metrics_state=metrics_state,
-                        keep=self.keep)
+                        keep=self.keep, step_state=step_state)
         self.state.last_checkpoint_step = self.state.step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -200,14 +211,17 @@ class StepCheckpoint(keras.callbacks.Callback):
             return
         if step % self.save_every == 0 and step < self.state.epoch_end_step:
             self._save(metrics_state=True)
+        if self.epoch_steps and step == self.state.epoch_end_step and step % self.epoch_steps:
+            self._step_state = checkpoint.capture_step_state(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
+        step_state, self._step_state = self._step_state, None
         row = {"epoch": epoch + 1, "step": self.state.step}
         row.update(_plain_logs(logs))
         if self.state.diverged is not None or not _finite(row.get("loss")):
             return
         self.state.history.append(row)
-        self._save(metrics_state=False)
+        self._save(metrics_state=False, step_state=step_state)
 
 
 class Interrupted(Exception):

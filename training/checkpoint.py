@@ -105,7 +105,17 @@ def set_backend_rng_state(arrays):
         torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch_cpu"], np.uint8)))
 
 
-def save(directory, model, meta, metrics_state=False, keep=2):
+def capture_step_state(model):
+    """`(metric values, backend generator state)` now: what a mid-epoch checkpoint holds
+    besides the weights. Taken at a run's last step when that step ends an epoch early
+    (`--steps` inside an epoch), before validation resets the metrics and, on torch, moves
+    the global generator; `save(..., step_state=...)` writes them instead of the values
+    at the time of the save."""
+    _sync(model)
+    return [_to_numpy(v) for v in model.metrics_variables], _backend_rng_state()
+
+
+def save(directory, model, meta, metrics_state=False, keep=2, step_state=None):
     """Write a checkpoint of `model` (and its optimizer) at `meta["step"]`; return its path.
 
     Args:
@@ -114,6 +124,9 @@ def save(directory, model, meta, metrics_state=False, keep=2):
         meta: JSON-serialisable dict; must contain `step`.
         metrics_state: also store the model's metric variables (mid-epoch checkpoints).
         keep: how many checkpoints to keep (the newest).
+        step_state: `capture_step_state(model)` taken earlier in the step: its metric
+            values (stored as with `metrics_state`) and generator state are written
+            instead of the current ones.
     """
     os.makedirs(directory, exist_ok=True)
     _sync(model)
@@ -122,17 +135,18 @@ def save(directory, model, meta, metrics_state=False, keep=2):
         arrays[f"model/{i}"] = _to_numpy(v)
     for i, v in enumerate(model.optimizer.variables):
         arrays[f"optimizer/{i}"] = _to_numpy(v)
-    arrays.update(_backend_rng_state())
+    arrays.update(_backend_rng_state() if step_state is None else step_state[1])
     meta = dict(meta)
     meta["num_model_variables"] = len(model.variables)
     meta["num_optimizer_variables"] = len(model.optimizer.variables)
     meta["model_shapes"] = [list(np.shape(a)) for k, a in arrays.items()
                             if k.startswith("model/")]
-    if metrics_state:
-        metric_vars = model.metrics_variables
-        for i, v in enumerate(metric_vars):
-            arrays[f"metrics/{i}"] = _to_numpy(v)
-        meta["num_metrics_variables"] = len(metric_vars)
+    if metrics_state or step_state is not None:
+        values = ([_to_numpy(v) for v in model.metrics_variables] if step_state is None
+                  else step_state[0])
+        for i, value in enumerate(values):
+            arrays[f"metrics/{i}"] = value
+        meta["num_metrics_variables"] = len(values)
     else:
         meta["num_metrics_variables"] = None
     arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)

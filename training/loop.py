@@ -386,6 +386,11 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
         resumed_from = state.step
         restore_metrics.rng = meta.get("backend_rng")
         restore_metrics.mid_epoch = bool(state.step % epoch_steps)
+        if (restore_metrics.mid_epoch and state.step < steps_total and state.history
+                and state.history[-1].get("step") == state.step):
+            # The last row is an epoch that the earlier run's last step ended early: this
+            # run completes that epoch and logs it then (once, as an uninterrupted run).
+            state.history.pop()
         if state.step % epoch_steps and metric_values is not None:
             # The compiled metrics are built lazily (on TensorFlow only by a first step):
             # build them with one inference pass so the saved running states fit them.
@@ -416,7 +421,7 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
         ("best", cb.BestModel(state, paths["best"], monitor, mode,
                               lambda m, d: save_model(m, d, extra_files))),
         ("checkpoint", cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint,
-                                         extra_meta)),
+                                         extra_meta, epoch_steps=epoch_steps)),
         ("csv", keras.callbacks.CSVLogger(paths["csv"], append=True)),
         ("plot", cb.PlotCurves(state, paths["plot"],
                                title=f"{cfg.recipe} ({keras.backend.backend()})")),
