@@ -382,8 +382,9 @@ def _jax_cross_entropy():
     """The JAX `TokenCrossentropy` with a hand-written backward pass (made once):
     `f(logits (n, vocab) float32, labels (n,) int32)` -> `(n,)` losses. A label outside
     `[0, vocab)` gives a zero gradient and a loss of zero for -100 and NaN for any other
-    (`TokenCrossentropy` refuses those before they get here when they hold values). Keras' form materialises the one-hot targets and
-    the log-probabilities, each as large as the logits, and differentiates through both;
+    (`TokenCrossentropy` refuses those before they get here when they hold values).
+    Keras' form materialises the one-hot targets and the log-probabilities, each as large
+    as the logits, and differentiates through both;
     here the forward pass reads the logits for the log-sum-exp and one gathered value a
     row, and the backward pass writes `(softmax - one_hot) * g` in one fused pass. Measured
     with `jax.profiler`, GPT training at 8 x 256 tokens, vocabulary 8192: the loss's three
