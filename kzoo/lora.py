@@ -31,9 +31,19 @@ model whose weights are all trainable again.
 
 `model.save` (`.keras`) and `kzoo.presets.save` of a model with adapters store the merged
 kernels `W + (alpha/rank) A B`: the reloaded model gives the same outputs but has no adapters
-(all its weights trainable). To go on training the adapters later, keep them with
-`save_lora_weights` and put them back with `load_lora_weights` on the model saved before
-`enable_lora` (the training CLI writes both: the merged model and `adapters.lora.npz`).
+(all its weights trainable), and `keras.saving.load_model` drops the saved optimizer state
+(Keras warns "Skipping variable loading for optimizer": it was the adapters'). To go on
+training the adapters later, keep them with `save_lora_weights` and put them back with
+`load_lora_weights` on the model saved before `enable_lora` (the training CLI writes both:
+the merged model and `adapters.lora.npz`; its checkpoints keep everything of a LoRA run).
+
+Resuming the adapters' training with its optimizer state, as a `.keras` file does for a
+model without adapters: `save_lora_weights` of a model whose optimizer has trained exactly
+the adapters also writes that optimizer's state (its step count and every slot, e.g.
+Adam's moments); `load_lora_weights` into a model compiled with an optimizer of the same
+kind (built then, if it was not) puts it back, so that training continues step for step.
+Loaded into a model not compiled yet, the adapters alone are loaded (e.g. for inference):
+compile before `load_lora_weights` to resume training with the optimizer state.
 
 A newly built classifier head (ViT's) is all zeros: frozen, it passes no gradient back, so
 `enable_lora` warns unless "head" is among the targets.
@@ -43,9 +53,14 @@ Example:
 ```python
 model = kzoo.presets.load("gpt_mini")
 model.enable_lora(4, targets=("query", "value"))
+model.compile(optimizer="adamw")
 model.fit(...)                                  # trains the adapters only
-model.save_lora_weights("adapters.lora.npz")
+model.save_lora_weights("adapters.lora.npz")    # adapters + the optimizer's state
 model.merge_lora()                              # plain Dense kernels again
+
+later = kzoo.presets.load("gpt_mini")
+later.compile(optimizer="adamw")
+later.load_lora_weights("adapters.lora.npz")    # adapters, optimizer state: fit resumes
 ```
 """
 
@@ -289,8 +304,84 @@ def _check_path(path):
     return os.fspath(path)
 
 
+def _optimizer_of(model):
+    """The model's optimizer that holds the variable slots (a `LossScaleOptimizer`'s inner
+    one holds them; its own scale variables are saved too), or None."""
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return None
+    return optimizer
+
+
+def _optimizer_trains(optimizer):
+    """The variables `optimizer` was built for, in its order ([] when not built)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not getattr(optimizer, "built", False):
+        return []
+    return list(getattr(inner, "_trainable_variables", []))
+
+
+def _adapter_variables(model):
+    return [v for layer in lora_layers(model)
+            for v in (layer.lora_kernel_a, layer.lora_kernel_b)]
+
+
+def _optimizer_state(model):
+    """`(record, arrays)` of the optimizer state to save with the adapters, or None: only
+    when the model's optimizer is built for exactly the adapters (it has trained them)."""
+    optimizer = _optimizer_of(model)
+    if optimizer is None:
+        return None
+    trains = _optimizer_trains(optimizer)
+    adapters = {id(v) for v in _adapter_variables(model)}
+    if not trains or {id(v) for v in trains} != adapters or len(trains) != len(adapters):
+        return None
+    arrays = {f"optimizer/{i}": np.asarray(keras.ops.convert_to_numpy(v.value))
+              for i, v in enumerate(optimizer.variables)}
+    record = {"class": type(optimizer).__name__,
+              "variables": [v.path for v in trains],
+              "count": len(optimizer.variables),
+              "iterations": int(keras.ops.convert_to_numpy(optimizer.iterations))}
+    return record, arrays
+
+
+def _restore_optimizer_state(model, path, record, arrays):
+    """Put a saved optimizer state back into the compiled `model`'s optimizer (building it
+    for the trainable variables, the adapters, when it is not built); `ValueError` naming
+    what differs when it cannot be (nothing assigned then)."""
+    optimizer = _optimizer_of(model)
+    if type(optimizer).__name__ != record["class"]:
+        raise ValueError(
+            f"The LoRA weights in {path!r} hold the state of an optimizer of class "
+            f"{record['class']}; "
+            f"{model.name!r} is compiled with {type(optimizer).__name__}. Compile it with "
+            f"a {record['class']} to resume, or load the adapters into a model not compiled "
+            "yet (the optimizer state is then not loaded).")
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    trains = [v.path for v in _optimizer_trains(optimizer)]
+    if trains != record["variables"]:
+        raise ValueError(
+            f"The optimizer state in {path!r} was built for the adapters {record['variables']}"
+            f"; the optimizer of {model.name!r} trains {trains}. Compile the model after "
+            "enabling LoRA (or loading the adapters) so that it trains the adapters alone.")
+    variables = optimizer.variables
+    shapes = [tuple(arrays[f"optimizer/{i}"].shape) for i in range(record["count"])]
+    if len(variables) != record["count"] or any(
+            tuple(v.shape) != shape for v, shape in zip(variables, shapes)):
+        raise ValueError(
+            f"The optimizer state in {path!r} has {record['count']} variables of shapes "
+            f"{shapes}; the {record['class']} of {model.name!r} has {len(variables)} of "
+            f"shapes {[tuple(v.shape) for v in variables]} (another configuration: "
+            "gradient accumulation, EMA?).")
+    for i, v in enumerate(variables):
+        v.assign(arrays[f"optimizer/{i}"].astype(v.dtype))
+
+
 def save_lora_weights(model, path):
-    """Write the adapters of `model` to `path` (`.npz`, NumPy arrays only; no pickle).
+    """Write the adapters of `model` to `path` (`.npz`, NumPy arrays only; no pickle), and
+    the state of the optimizer that trains them (its step count and slots) when the model
+    has one built for exactly the adapters (see the module docstring).
 
     Example:
     >>> model.save_lora_weights("adapters.lora.npz")
@@ -313,6 +404,10 @@ def save_lora_weights(model, path):
         arrays[f"{i}/path"] = np.asarray(layer.path)
         arrays[f"{i}/a"] = keras.ops.convert_to_numpy(layer.lora_kernel_a)
         arrays[f"{i}/b"] = keras.ops.convert_to_numpy(layer.lora_kernel_b)
+    state = _optimizer_state(model)
+    if state is not None:
+        arrays["__optimizer__"] = np.asarray(json.dumps(state[0]))
+        arrays.update(state[1])
     tmp = path[:-len(".npz")] + ".tmp.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
@@ -321,12 +416,17 @@ def save_lora_weights(model, path):
 
 def load_lora_weights(model, path):
     """Load adapters written by `save_lora_weights` into `model`, enabling LoRA with the
-    stored rank, alpha and targets first if it has none.
+    stored rank, alpha and targets first if it has none. When the file holds the state of
+    the optimizer that trained them and `model` is compiled, that state goes into the
+    model's optimizer too (built for the adapters if it was not): `fit` then resumes step
+    for step. A model not compiled gets the adapters alone.
 
     Raises:
         ValueError: the file is unreadable, or its settings, layer paths or adapter shapes
-            (a model of another width) differ from the model's adapters. Everything is
-            checked before LoRA is enabled: a refused file leaves the model as it was.
+            (a model of another width) differ from the model's adapters; the model is
+            compiled with an optimizer of another kind or configuration than the saved
+            state's. Everything but the optimizer's is checked before LoRA is enabled: a
+            refused file leaves the model as it was.
 
     Example:
     >>> fresh = kzoo.presets.load("gpt_mini")
@@ -343,6 +443,8 @@ def load_lora_weights(model, path):
         stored = [str(arrays[f"{i}/path"]) for i in range(count)]
         adapters = [{part: arrays[f"{i}/{part}"] for part in ("a", "b")}
                     for i in range(count)]
+        optimizer_record = (json.loads(str(arrays.pop("__optimizer__")))
+                            if "__optimizer__" in arrays else None)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"The LoRA weights file {path!r} cannot be read: {error}") from error
     current = lora_settings(model)
@@ -382,6 +484,8 @@ def load_lora_weights(model, path):
     for i, name in enumerate(stored):
         layers[name].lora_kernel_a.assign(adapters[i]["a"])
         layers[name].lora_kernel_b.assign(adapters[i]["b"])
+    if optimizer_record is not None and _optimizer_of(model) is not None:
+        _restore_optimizer_state(model, path, optimizer_record, arrays)
     return model
 
 

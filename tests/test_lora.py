@@ -333,3 +333,69 @@ def test_hugging_face_export_of_an_adapted_model_holds_the_merged_kernels(preset
     with pytest.raises(ValueError):
         kzoo.presets.save(refused, str(tmp_path / "refused"), format="hf")
     assert not os.path.exists(tmp_path / "refused")
+
+
+def _tiny_lm(seed=0):
+    from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+
+    keras.utils.set_random_seed(seed)
+    return GPTCausalLM(GPTBackbone(vocabulary_size=31, num_layers=1, num_heads=2, hidden_dim=8,
+                                   intermediate_dim=16, max_sequence_length=12, dropout=0.0))
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2)),
+], ids=["adamw", "loss_scale"])
+def test_saved_adapters_resume_training_with_their_optimizer_state(make_optimizer, tmp_path):
+    """Train adapters 3 steps, `save_lora_weights`, train 3 more: a fresh copy of the base
+    model compiled with the same optimizer, given the file by `load_lora_weights`, trains
+    the same 3 steps to the same adapters (1e-6) and step count. Before, the file held the
+    adapters alone: Adam's moments and step count restarted from zero (and `model.save`
+    dropped them too, merging the adapters)."""
+    from kzoo.models.gpt import GPTCausalLM
+
+    x, y, w = GPTCausalLM.lm_batch(np.random.default_rng(0).integers(0, 31, (4, 9)))
+    model = _tiny_lm()
+    base = model.get_weights()
+    model.enable_lora(2, targets=("query", "value"))
+    model.compile(optimizer=make_optimizer())
+    model.fit(x, y, sample_weight=w, epochs=3, batch_size=4, shuffle=False, verbose=0)
+    path = str(tmp_path / "adapters.lora.npz")
+    model.save_lora_weights(path)
+    model.fit(x, y, sample_weight=w, epochs=3, batch_size=4, shuffle=False, verbose=0)
+    want = [to_numpy(v) for v in model.trainable_weights]
+
+    fresh = _tiny_lm(seed=5)
+    fresh.set_weights(base)
+    fresh.compile(optimizer=make_optimizer())
+    fresh.load_lora_weights(path)
+    assert int(to_numpy(fresh.optimizer.iterations)) == 3
+    fresh.fit(x, y, sample_weight=w, epochs=3, batch_size=4, shuffle=False, verbose=0)
+    assert [v.path for v in fresh.trainable_weights] == [v.path for v in model.trainable_weights]
+    for got, expected in zip(fresh.trainable_weights, want):
+        np.testing.assert_allclose(to_numpy(got), expected, rtol=0, atol=1e-6)
+    assert int(to_numpy(fresh.optimizer.iterations)) == 6
+
+    inference = _tiny_lm(seed=5)  # not compiled: the adapters alone, no complaint
+    inference.set_weights(base)
+    inference.load_lora_weights(path)
+    assert len(kzoo.lora.lora_layers(inference)) == len(kzoo.lora.lora_layers(model))
+
+
+def test_a_saved_optimizer_state_of_another_kind_is_refused(tmp_path):
+    from kzoo.models.gpt import GPTCausalLM
+
+    x, y, w = GPTCausalLM.lm_batch(np.random.default_rng(0).integers(0, 31, (4, 9)))
+    model = _tiny_lm()
+    base = model.get_weights()
+    model.enable_lora(2)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    model.fit(x, y, sample_weight=w, epochs=1, verbose=0)
+    path = str(tmp_path / "adapters.lora.npz")
+    model.save_lora_weights(path)
+    fresh = _tiny_lm()
+    fresh.set_weights(base)
+    fresh.compile(optimizer=keras.optimizers.SGD(1e-2))
+    with pytest.raises(ValueError, match=r"optimizer of class Adam; .* compiled with SGD"):
+        fresh.load_lora_weights(path)
