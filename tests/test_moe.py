@@ -502,3 +502,43 @@ def test_gradients_match_numpy_finite_differences(factor):
     assert_close(g_router, numeric_grad(loss_with(kernel=None), w["kernel"],
                                         range(w["kernel"].size)).reshape(w["kernel"].shape),
                  atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("factor,shape", [(1.1, (4, 25, 8)), (1.2, (5, 5, 8))])
+def test_decimal_capacity_factor_is_read_exactly_eager_and_compiled(factor, shape):
+    """capacity = ceil(factor * tokens * top_k / num_experts) with the factor as written:
+    1.1 with 100 tokens (top_k=2, 4 experts) is 55 and 1.2 with 25 tokens is 15, eagerly
+    and in each backend's compiled graph (TensorFlow's with an unknown batch size). Before,
+    eager calls computed it in float64 (1.1 * 100 * 2 / 4 = 55.000000000000007: 56) and
+    TensorFlow graphs with a dynamic batch in float32 (1.2 with 25 tokens: 16), so an
+    expert kept one assignment more than the formula, and an exported model (dynamic batch)
+    dropped other assignments than the Keras model it came from."""
+    from fractions import Fraction
+
+    x = inputs(shape, seed=9)
+    x[..., 0] = 3.0 + np.abs(x[..., 0])  # every token's top choice is expert 0
+    layer = make_layer(x, num_experts=4, intermediate_dim=16, top_k=2,
+                       capacity_factor=factor)
+    kernel = rng(5).normal(scale=0.1, size=(8, 4)).astype("float32")
+    kernel[0, 0] = 10.0
+    layer.router.kernel.assign(kernel)
+    tokens = shape[0] * shape[1]
+    capacity = math.ceil(Fraction(str(factor)) * tokens * 2 / 4)
+    assert capacity == {1.1: 55, 1.2: 15}[factor]
+    expected, kept = np_moe(weights_of(layer), x, 2, "plain", "gelu", True, capacity)
+    assert kept[:, 0].sum() == capacity < tokens  # expert 0 is full at `capacity`
+    assert_close(layer(x), expected.reshape(x.shape), atol=1e-4, rtol=1e-4)
+    if backend() == "jax":
+        import jax
+
+        fn = jax.jit(lambda a, b, t: layer.stateless_call(a, b, t)[0])
+        compiled = fn([v.value for v in layer.trainable_variables],
+                      [v.value for v in layer.non_trainable_variables], x)
+    elif backend() == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(lambda t: layer(t), input_signature=[
+            tf.TensorSpec((None,) + shape[1:], tf.float32)])(x)
+    else:
+        compiled = layer(x)  # (torch runs eagerly)
+    assert_close(compiled, expected.reshape(x.shape), atol=1e-4, rtol=1e-4)

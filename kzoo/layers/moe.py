@@ -42,7 +42,7 @@ gathers the other way round, so the backward pass has no scatter-add.
 
 import contextlib
 import functools
-import math
+from fractions import Fraction
 
 import keras
 from keras import ops
@@ -85,6 +85,23 @@ def _one_hot(indices, depth, dtype):
         return ops.one_hot(indices, depth, dtype=dtype)
     return ops.cast(ops.expand_dims(indices, -1) == ops.arange(depth, dtype=indices.dtype),
                     dtype)
+
+
+def _factor_fraction(factor, top_k, num_experts):
+    """`(p, q)` with p / q the capacity factor as written in decimal (1.1 is 11 / 10, not
+    the binary float just above it), so that a capacity is an exact integer formula;
+    `(1, 0)` when the factor gives every token a slot anyway (factor * top_k >=
+    num_experts). p * q * num_experts stays below 2**31 (int32 arithmetic in graphs): a
+    factor with more digits than that allows is read as the nearest fraction that fits
+    (within ~1e-8 of it)."""
+    exact = Fraction(repr(float(factor)))
+    if exact * top_k >= num_experts:
+        return 1, 0
+    fraction, limit = exact, exact.denominator
+    while fraction.numerator * fraction.denominator * num_experts >= 2**31:
+        limit //= 2
+        fraction = exact.limit_denominator(limit)
+    return fraction.numerator, fraction.denominator
 
 
 def _TRACKERS_SUPPORTED():
@@ -442,7 +459,16 @@ class MixtureOfExperts(keras.layers.Layer):
     # === Routing ===
 
     def _capacities(self, num_tokens):
-        """The static capacities to try, ascending; the last one never drops."""
+        """The static capacities to try, ascending; the last one never drops.
+
+        Each is `ceil(factor * tokens * top_k / num_experts)` in exact integer arithmetic
+        (the factor read as the decimal it is written as, see `_factor_fraction`), the same
+        for a Python int token count (eager, static shapes) and for a traced one (a graph
+        with an unknown batch size, an export with a dynamic batch). The float arithmetic
+        this replaced rounded differently in the two: capacity_factor=1.2 with 25 tokens,
+        top_k=2 and 4 experts gave 15 eagerly (float64) and 16 in a TensorFlow graph with a
+        dynamic batch (float32), so an exported model dropped other assignments than Keras.
+        """
         e, k = self.num_experts, self.top_k
         if self.capacity_factor is not None:
             factors, round_to, exact = (self.capacity_factor,), 1, False
@@ -451,21 +477,31 @@ class MixtureOfExperts(keras.layers.Layer):
         if isinstance(num_tokens, int):
             caps = []
             for f in factors:
-                c = max(1, math.ceil(f * num_tokens * k / e))
+                p, q = _factor_fraction(f, k, e)
+                c = num_tokens if q == 0 else max(1, -(-p * num_tokens * k // (q * e)))
                 c = min(num_tokens, -(-c // round_to) * round_to)
                 if c not in caps:
                     caps.append(c)
             if exact and caps[-1] != num_tokens:
                 caps.append(num_tokens)
             return caps
-        # Dynamic token count (TensorFlow graphs with an unknown batch size).
-        n = ops.cast(num_tokens, "float32")
+        # Traced token count: int32 tensors, the products kept below 2**31 by
+        # `_factor_fraction` (ceil(p * a / d) = (a // d) * p + ceil((a % d) * p / d)).
+        n = ops.cast(ops.convert_to_tensor(num_tokens), "int32")
+        assignments = n * k
         caps = []
         for f in factors:
-            c = ops.ceil(f * n * k / e / round_to) * round_to
-            caps.append(ops.cast(ops.clip(c, 1.0, n), "int32"))
+            p, q = _factor_fraction(f, k, e)
+            if q == 0:
+                c = n
+            else:
+                d = q * e
+                c = (assignments // d) * p + ((assignments % d) * p + d - 1) // d
+                c = ops.maximum(c, 1)
+                c = ops.minimum(n, ((c + round_to - 1) // round_to) * round_to)
+            caps.append(c)
         if exact:
-            caps.append(ops.cast(num_tokens, "int32"))
+            caps.append(n)
         return caps
 
     def _expert_weights(self):
@@ -523,14 +559,17 @@ class MixtureOfExperts(keras.layers.Layer):
         return y
 
     def _dispatch_and_run(self, capacity, x, expert_flat, position, weight_flat, weights,
-                          dropout_mask, counts=None):
+                          dropout_mask, counts=None, limit=None):
         """Run the experts on a grid of `capacity` rows per expert or, with `counts`
-        (eager only: Python ints, kept rows per expert), on exactly those rows."""
+        (eager only: Python ints, kept rows per expert), on exactly those rows. `limit`
+        (a tensor, at most `capacity`): keep only the assignments at positions below it
+        (None: below `capacity`)."""
         e, k = self.num_experts, self.top_k
         num_tokens = ops.shape(x)[0]
         if counts is None:
             slots = e * capacity
-            keep = ops.logical_and(position >= 0, position < capacity)
+            keep = ops.logical_and(position >= 0,
+                                   position < (capacity if limit is None else limit))
             # assignment -> slot (dropped and padded ones -> the extra, discarded slot)
             slot = ops.where(keep, expert_flat * capacity + position, slots)
         else:
@@ -669,8 +708,18 @@ class MixtureOfExperts(keras.layers.Layer):
                 None, x, expert_flat, position, weight_flat, weights, dropout_mask,
                 counts=counts,
             )
-        elif len(capacities) == 1:
+        elif len(capacities) == 1 and (isinstance(num_tokens, int)
+                                       or keras.backend.backend() != "jax"):
             y = run(0)
+        elif len(capacities) == 1:
+            # JAX with a symbolic token count (an export with a dynamic batch): the capacity
+            # is a traced value there, which cannot size the slot grid (it failed: "Shapes
+            # must be 1D sequences of concrete values"). The grid holds every token and the
+            # assignments at or past the capacity are dropped as a grid of that size would.
+            y = self._dispatch_and_run(
+                num_tokens, x, expert_flat, position, weight_flat, weights, dropout_mask,
+                limit=capacities[0],
+            )
         elif _EXPORTING[0]:
             # (see `exporting`) capacity = tokens, the last one; the token count itself,
             # which on JAX may be a symbolic size (a dynamic batch), where the tensor of
