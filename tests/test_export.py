@@ -220,6 +220,29 @@ def test_mixture_of_experts_model_exports(position, format, tmp_path):  # noqa: 
                                    atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_mixture_of_experts_with_a_capacity_factor_exports(format, tmp_path):  # noqa: A002
+    """A mixture-of-experts GPT that drops assignments (capacity_factor=0.6: fewer slots
+    than assignments) exports and its file gives the Keras outputs at several batch sizes
+    (dynamic where the format keeps it). On JAX the SavedModel export failed in the trace
+    ("Shapes must be 1D sequences of concrete values": the capacity, computed from the
+    symbolic token count, sized the slot grid). TensorFlow's SavedModel and ONNX served
+    wrong outputs at 50 tokens: the graph's float32 capacity was 16 where Keras' is 15."""
+    keras.utils.set_random_seed(0)
+    model = GPTCausalLM(GPTBackbone(
+        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=24,
+        max_sequence_length=16, feedforward="moe", num_experts=4, top_k=2,
+        capacity_factor=0.6, initializer_range=0.3, dropout=0.0))
+    path = str(tmp_path / f"moe{SUFFIX[format]}")
+    fixed = (backend(), format) in exporting._DYNAMIC_AXES
+    model.export(path, format=format, shapes={"batch": 5, "sequence": 10} if fixed else None)
+    sizes = ((5, 10),) if fixed else ((5, 10), (3, 8), (1, 5), (2, 16))
+    for batch, length in sizes:
+        x = _gpt_inputs(batch, length, seed=batch * length)
+        np.testing.assert_allclose(run_exported(format, path, x), to_numpy(model(x)),
+                                   atol=1e-5, rtol=1e-5, err_msg=f"{batch} x {length}")
+
 def test_onnx_export_twice_to_the_same_path(tmp_path, monkeypatch):
     """On JAX, weights of 1 MB or more go to a `.onnx.data` file beside the `.onnx`;
     exporting again to the same path (a script run twice, a relative path as in the README)
