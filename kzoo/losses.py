@@ -55,11 +55,13 @@ class TokenCrossentropy(keras.losses.Loss):
     for that token, which still counts in the "sum_over_batch_size" mean, as a zero sample
     weight does. Any other target is refused, the same on every backend:
 
-    - called with concrete targets (eagerly, and in a torch or TensorFlow `fit` step, whose
-      targets hold values), a `ValueError` naming the first bad target, its index and the
-      range allowed;
+    - called with concrete targets (eagerly, and in torch's eager `fit` step on the CPU,
+      whose targets hold values), a `ValueError` naming the first bad target, its index and
+      the range allowed;
     - inside a traced or compiled function, where the targets hold no values yet (a JAX
-      `jit`, which Keras' JAX `fit` step is; a `tf.function`; `torch.compile`), that token's
+      `jit`, which Keras' JAX `fit` step is; a `tf.function`; `torch.compile`), and for
+      torch tensors on an accelerator (not read back, which would wait for the device
+      each step), that token's
       loss is NaN and its gradient zero: the reported loss turns NaN (so
       `keras.callbacks.TerminateOnNaN` stops there) and the weights take no step from it.
 
@@ -123,7 +125,7 @@ IGNORE_INDEX = TokenCrossentropy.ignore_class
 def _concrete(values):
     """`values` as a NumPy array when they hold values now; None while they are traced (a
     JAX tracer, a symbolic TensorFlow tensor, a Keras tensor, a tensor `torch.compile` is
-    tracing or on torch's "meta" device)."""
+    tracing or on a torch device other than the CPU: "meta", an accelerator)."""
     if isinstance(values, (np.ndarray, np.generic, int, list, tuple)):
         return np.asarray(values)
     if isinstance(values, keras.KerasTensor):
@@ -142,8 +144,10 @@ def _concrete(values):
     elif backend == "torch":
         import torch
 
+        # (an accelerator's tensor is not read either: reading it would wait for the
+        # device once a training step; there, as traced, a bad target's loss is NaN)
         if torch.compiler.is_compiling() or (
-                isinstance(values, torch.Tensor) and values.device.type == "meta"):
+                isinstance(values, torch.Tensor) and values.device.type != "cpu"):
             return None
     return np.asarray(keras.ops.convert_to_numpy(values))
 
