@@ -85,9 +85,11 @@ def test_entropy_limits_and_fully_masked_rows():
     result = attention_entropy([np.concatenate([one_hot, uniform], axis=1)])
     np.testing.assert_array_equal(result.per_query[0, 0, 0], [0.0, 0.0, 0.0])
     np.testing.assert_allclose(result.per_query[0, 0, 1, :2], [np.log(4), np.log(2)])
-    # query 2 is a zero row in head 1 but real in head 0: it stays a real query
+    # query 2 is a zero row in head 1 but real in head 0: it stays a real query, and head
+    # 1 has no distribution there (as scipy.stats.entropy of a zero row: NaN, not 0 nats)
     assert result.query_mask.tolist() == [[True, True, True]]
-    assert result.per_query[0, 0, 1, 2] == 0.0
+    assert np.isnan(result.per_query[0, 0, 1, 2])
+    np.testing.assert_allclose(result.per_head[0], [0.0, np.mean([np.log(4), np.log(2)])])
     zero_row = np.zeros((1, 1, 2, 2))
     zero_row[0, 0, 0, 0] = 1.0
     result = attention_entropy([zero_row])
@@ -129,6 +131,33 @@ def test_entropy_right_padded_gpt(gpt_maps):
                 row = layer[1, h, i, : i + 1]
                 np.testing.assert_allclose(result.per_query[l, 1, h, i],
                                            scipy.stats.entropy(row), rtol=1e-6, atol=1e-7)
+
+
+def test_entropy_of_head_masked_maps_is_that_of_each_heads_distribution(gpt_maps):
+    # (maps of attention_maps(..., head_mask=...) scale a head's rows: a removed head read
+    # as 0 nats, "looks at one token only", and a halved one as 0.5 H + 0.5 log 2)
+    maps, mask = gpt_maps
+    scale = np.array([[0.0, 1.0], [0.5, 1.0]])  # (layers, heads): as a head mask scales
+    masked = [layer * scale[l][None, :, None, None] for l, layer in enumerate(maps)]
+    result = attention_entropy(masked, padding_mask=mask)
+    expected = np.full(result.per_query.shape, np.nan)
+    for l, layer in enumerate(masked):
+        for b in range(2):
+            for h in range(2):
+                for i in range(7):
+                    if mask[b, i]:  # scipy normalises the row (NaN for a zero row)
+                        with np.errstate(invalid="ignore"):
+                            expected[l, b, h, i] = scipy.stats.entropy(layer[b, h, i][mask[b]])
+    real = np.broadcast_to(mask[:, None, :], expected.shape[1:])  # (batch, heads, query)
+    assert np.isnan(expected[0, :, 0]).all() and not np.isnan(expected[1][real]).any()
+    np.testing.assert_allclose(result.per_query, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(result.query_mask, mask)
+    seen = ~np.isnan(expected)
+    counts = seen.sum(axis=(1, 3))
+    per_head = np.where(seen, expected, 0.0).sum(axis=(1, 3)) / np.where(counts, counts, 1)
+    per_head[counts == 0] = np.nan  # (a mean over the real queries; none for head 0 of 0)
+    assert np.isnan(result.per_head[0, 0])
+    np.testing.assert_allclose(result.per_head, per_head, rtol=1e-6, atol=1e-7)
 
 
 # === Rollout ===

@@ -104,10 +104,12 @@ class AttentionEntropy:
 
     Attributes:
         per_query: `(layers, batch, heads, query)`: H = -sum_j A_ij log A_ij over the real
-            keys j of each query i (0 log 0 = 0). NaN at padded queries (those marked False
-            in the query mask, and those whose attention row is all zero: fully masked).
+            keys j of each query i (0 log 0 = 0), rows normalised to sum to 1. NaN at padded
+            queries (those marked False in the query mask, and those whose attention row is
+            all zero in every head: fully masked), and where one head's row is all zero (a
+            head removed by a head mask).
         per_head: `(layers, heads)`: the mean of `per_query` over the batch and the real
-            queries (NaN where a layer has no real query at all).
+            queries, NaN left out (NaN where a head has no row with a distribution).
         query_mask: `(batch, query)` bool, the queries that count.
     """
 
@@ -130,17 +132,25 @@ def _entropy_stack(stack, query_mask, key_mask):
     _, batch, _, q, k = weights.shape
     if key_mask is not None:
         weights = weights * key_mask[None, :, None, None, :]
+    # Each row as the distribution it is proportional to (as scipy.stats.entropy reads it):
+    # a head scaled by a head mask (`attention_maps(..., head_mask=...)`) keeps the entropy
+    # of its distribution, and a row that is all zero in one head (a head the mask removed)
+    # has none: NaN. (Both were read as they stood: a removed head had 0 nats, "one token
+    # only", and a halved one 0.5 H + 0.5 log 2.)
+    sums = weights.sum(-1)  # (layers, batch, heads, query)
+    live = sums > 0
+    p = np.divide(weights, sums[..., None], out=np.zeros_like(weights),
+                  where=live[..., None])
     with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(weights > 0, weights * np.log(np.where(weights > 0, weights, 1.0)), 0.0)
+        terms = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
     entropy = -terms.sum(-1)  # (layers, batch, heads, query)
     real = np.ones((batch, q), bool) if query_mask is None else query_mask.copy()
     # A query whose row is all zero in every layer and head was fully masked: not a real query.
-    real &= weights.sum(-1).max(axis=(0, 2)) > 0
-    entropy = np.where(real[None, :, None, :], entropy, np.nan)
-    counts = real.sum()
-    with np.errstate(invalid="ignore"):
-        per_head = (np.nansum(entropy, axis=(1, 3)) / counts) if counts else \
-            np.full(entropy.shape[0:1] + entropy.shape[2:3], np.nan)
+    real &= sums.max(axis=(0, 2)) > 0
+    entropy = np.where(real[None, :, None, :] & live, entropy, np.nan)
+    counts = np.sum(~np.isnan(entropy), axis=(1, 3))  # (layers, heads)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_head = np.where(counts > 0, np.nansum(entropy, axis=(1, 3)) / counts, np.nan)
     return AttentionEntropy(per_query=entropy, per_head=per_head, query_mask=real)
 
 
@@ -148,7 +158,11 @@ def attention_entropy(maps, padding_mask=None):
     """Entropy of every attention distribution, per layer, head and query, in nats.
 
     H(A_i) = -sum_j A_ij log A_ij over the keys j that query i may see (0 log 0 = 0): 0 when a
-    head looks at one token only, log(n) when it spreads evenly over n tokens.
+    head looks at one token only, log(n) when it spreads evenly over n tokens. Each row is
+    read as the distribution it is proportional to (`A_i / sum_j A_ij`, as
+    `scipy.stats.entropy`): a head scaled by a head mask has the entropy of its
+    distribution, and a head whose row is all zero (removed by a head mask) has none: NaN,
+    left out of `per_head`.
 
     Masked keys and padded queries are left out: keys marked False in the padding mask do not
     enter the sum, and padded queries (False in the mask, or whose attention row is all zero)
