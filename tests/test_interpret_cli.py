@@ -99,6 +99,10 @@ def test_t5_target_text_without_a_tokenizer_names_target(tmp_path):
     assert not os.path.exists(out)
     with pytest.raises(ValueError, match=r"`--text` 'the cat' is text.*--ids instead of --text"):
         main([source, "--text", "the cat", "--out", out])
+    # (an empty --target was silently the same as none)
+    with pytest.raises(ValueError, match=r"`--target` is empty \(got --target ''\)"):
+        main([source, "--ids", "5,6,7", "--target", "", "--out", out])
+    assert not os.path.exists(out)
 
 
 @pytest.mark.spread

@@ -167,7 +167,12 @@ def _inputs(args, family, model):
     # T5: the decoder starts from the start token (id 0), then the --target text if any.
     decoder = np.zeros((1, 1), "int32")
     decoder_labels = ["<start>"]
-    if args.target:
+    if args.target is not None:
+        if not args.target.strip():
+            # (was silently the same as leaving --target out)
+            raise ValueError(
+                f"`--target` is empty (got --target {args.target!r}): give the decoder text, "
+                "or leave --target out for a decoder that gets only the start token.")
         target, target_labels = _ids(args, args.source, model, args.target,
                                      option="--target")
         decoder = np.concatenate([decoder, target], axis=1)
