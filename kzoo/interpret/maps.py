@@ -213,12 +213,17 @@ class _InterpretTap(Tap):
 
 
 def _forget_compiled(layout):
-    """Drop the compiled `predict` / `evaluate` / `fit` functions of the model (and its
-    backbone), and the decode loops `generate` compiled for it (JAX, TensorFlow): each is
+    """Drop the compiled `predict` / `evaluate` / `fit` functions of the model, its
+    backbone and the task models built on that backbone, and the decode loops `generate` compiled for it (JAX, TensorFlow): each is
     traced once and reused, so one traced inside a tap would keep the tap's effect after
     it, and one traced before would ignore it (`generate` inside `masked_heads` gave the
     unmasked model's tokens)."""
-    for model in {id(m): m for m in (layout.model, layout.backbone)}.values():
+    from kzoo.models.base import task_models_of
+
+    # (a mask on a backbone reaches the task models built on it: their compiled functions
+    # call it inside, and would keep the unmasked trace)
+    models = (layout.model, layout.backbone, *task_models_of(layout.backbone))
+    for model in {id(m): m for m in models}.values():
         for name in ("predict_function", "test_function", "train_function"):
             if getattr(model, name, None) is not None:
                 setattr(model, name, None)

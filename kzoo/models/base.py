@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import difflib
 import inspect
+import weakref
 from collections.abc import Mapping
 
 import keras
@@ -1231,6 +1232,20 @@ def class_loss(num_classes):
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+# backbone -> the task models built on it (weakly held: a task model that is gone drops out)
+_TASK_MODELS = weakref.WeakKeyDictionary()
+
+
+def task_models_of(backbone):
+    """The live task models whose `backbone` is `backbone` (a list; empty for none). What
+    changes how a backbone computes without Keras seeing it (`kzoo.interpret.masked_heads`)
+    drops the functions those models compiled around it too."""
+    try:
+        return list(_TASK_MODELS.get(backbone, ()))
+    except TypeError:  # (an object that cannot be weakly referenced holds no task models)
+        return []
+
+
 class TaskModel(FunctionalModel):
     """A task model on a backbone: config = base entries, the backbone, `_task_config()`.
 
@@ -1241,6 +1256,14 @@ class TaskModel(FunctionalModel):
 
     family = None
     task_name = None
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "backbone" and value is not None:
+            try:
+                _TASK_MODELS.setdefault(value, weakref.WeakSet()).add(self)
+            except TypeError:  # (not weakly referable: nothing to remember)
+                pass
 
     def default_loss(self):
         """The loss `compile` uses when given none (None: the task has no default)."""
