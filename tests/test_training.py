@@ -134,6 +134,12 @@ def test_bad_arguments_are_named(argv, needle, capsys):
     (["gpt_text", "--max-chars", "5"], "--max-chars must be at least 1000; got 5"),
     (["bert_mlm", "--tokenizer", "bpe", "--bpe-vocab", "5"],
      "--bpe-vocab must be an integer >= 260; got 5"),
+    # (these three were ValueError tracebacks, exit 1, once the recipe had started)
+    (["graphormer_freesolv", "--max-molecules", "0"],
+     "--max-molecules must be an integer >= 20; got 0"),
+    (["t5_numbers", "--max-number", "-4"], "--max-number must be an integer >= 20; got -4"),
+    (["t5_numbers", "--max-number", "100", "--heldout", "100"],
+     "--heldout must be an integer in [2, max_number/2=50]; got 100"),
 ])
 def test_bad_presets_and_overrides_are_named_before_any_work(argv, needle, tmp_path, capsys):
     """A preset of another family, an unknown override or a bad value, a recipe option

@@ -62,6 +62,13 @@ def add_arguments(parser):
                         help="use only the first N molecules (quick runs)")
 
 
+def check_options(options):
+    """The recipe's options, checked before any work (`training.cli` calls it)."""
+    limit = options.get("max_molecules")
+    if limit is not None and (not isinstance(limit, int) or limit < 20):
+        raise ValueError(f"--max-molecules must be an integer >= 20; got {limit!r}.")
+
+
 def _graph_inputs(graphs, pad_to_nodes, multi_hop_max_dist=5):
     from kzoo import graphs as G
 
@@ -78,8 +85,7 @@ def build(cfg):
     smiles, values = kzoo.data.load_freesolv(dtype="float64")
     limit = cfg.options.get("max_molecules")
     if limit is not None:
-        if not isinstance(limit, int) or limit < 20:
-            raise ValueError(f"--max-molecules must be an integer >= 20; got {limit!r}.")
+        check_options(cfg.options)
         smiles, values = smiles[:limit], values[:limit]
     graphs = [G.from_smiles(s) for s in smiles]
     pad = max(int(g["num_nodes"]) for g in graphs)

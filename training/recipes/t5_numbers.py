@@ -47,6 +47,11 @@ def add_arguments(parser):
                         help="num2words language of the targets (default fr)")
 
 
+def check_options(options):
+    """The recipe's options, checked before any work (`training.cli` calls it)."""
+    _check(options)
+
+
 def _check(options):
     max_number = options.get("max_number", 10000)
     heldout = options.get("heldout", 1000)
