@@ -446,6 +446,10 @@ def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "became nan" in err.lower() or "became inf" in err.lower()
     assert "no model was saved" in err
+    # (it named "checkpoint is step None" and advised a lower --learning-rate alone, which
+    # a checkpoint of this run would then have refused)
+    assert "No checkpoint was written before it" in err and "step None" not in err
+    assert "lower --learning-rate and start over with --fresh" in err
     assert not os.path.exists(os.path.join(out, "model"))
     assert not os.path.exists(os.path.join(out, "metrics.json"))
     assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints")) == []

@@ -464,12 +464,18 @@ def _fit_segments(cfg, model, task, plan, state, callbacks, stop_on_signal, vali
         )
         if state.diverged is not None:
             d = state.diverged
+            # (The message named "step None" when no checkpoint had been written, and
+            # advised a lower --learning-rate, which the checkpoint then refused: it resumes
+            # only under the configuration it was written with.)
+            kept = ("No checkpoint was written before it." if state.last_checkpoint_step
+                    is None else f"The last good checkpoint is step "
+                    f"{state.last_checkpoint_step} in {ckpt_dir}; it resumes only under this "
+                    "configuration.")
             raise TrainingDiverged(
                 f"{cfg.recipe}: the {d['where']} loss became {d['loss']} at step "
                 f"{d['step']} (learning rate peak {cfg.learning_rate}); training stopped "
-                "and no model was saved from the diverged weights. The last good "
-                f"checkpoint is step {state.last_checkpoint_step} in {ckpt_dir}. Lower "
-                "--learning-rate or check the data."
+                f"and no model was saved from the diverged weights. {kept} Check the data, "
+                "or lower --learning-rate and start over with --fresh (or another --out)."
             )
         state.step = stop
         stop_on_signal.check()  # (a signal that came in validation: the epoch is saved)
