@@ -9,6 +9,9 @@ own `Model.export` (keras/src/export) with what kzoo models need:
   batch and sequence stay dynamic where the format allows it, and sizes can be fixed by
   name (`shapes={"batch": 1, "sequence": 128}`);
 - a check of `format` against what the current backend can write (`export_formats()`);
+- for ONNX and LiteRT, whose runtimes have no bfloat16 arithmetic, a model with a bfloat16
+  dtype policy ("mixed_bfloat16", "bfloat16") is exported computing in float32 with
+  its weights (a warning says so; "tf_saved_model" keeps bfloat16);
 - an exportable graph: attention runs the reference formula (einsum + softmax; the fused
   torch/cuDNN kernels and the chunked while loops are not exportable), and the host-side
   id checks are off while the graph is traced (they read values, which a trace cannot).
@@ -423,6 +426,71 @@ def _check_moe_dynamic_batch(model, format, backend, signature):  # noqa: A002
     )
 
 
+# === bfloat16 compute ===
+
+# Formats whose runtimes cannot run bfloat16 arithmetic (onnxruntime has no bfloat16
+# MatMul / Einsum: the files of every backend were refused when loaded; TensorFlow's
+# LiteRT converter has no bfloat16 Gather); a model that computes in bfloat16 is exported
+# computing in float32 there.
+_NO_BFLOAT16 = ("onnx", "litert")
+
+
+def _bfloat16_layers(model):
+    return [layer for layer in model._flatten_layers()
+            if keras.backend.standardize_dtype(layer.compute_dtype) == "bfloat16"]
+
+
+def _policies_in_float32(config):
+    """`config` (a model's `get_config()`) with every bfloat16 dtype policy made float32
+    (a quantized layer's source policy too), other entries unchanged."""
+    if isinstance(config, list):
+        return [_policies_in_float32(item) for item in config]
+    if not isinstance(config, dict):
+        return config
+    out = {key: _policies_in_float32(value) for key, value in config.items()}
+    if str(out.get("class_name", "")).endswith("DTypePolicy") and isinstance(
+            out.get("config"), dict):
+        inner = dict(out["config"])
+        for key in ("name", "source_name"):
+            if inner.get(key) in ("bfloat16", "mixed_bfloat16"):
+                inner[key] = "float32"
+        out["config"] = inner
+    if out.get("dtype") in ("bfloat16", "mixed_bfloat16"):
+        out["dtype"] = "float32"
+    return out
+
+
+def _in_float32(model, format):  # noqa: A002
+    """A copy of `model` computing in float32 with the same weights (a mixed_bfloat16
+    model's variables are float32 already; bfloat16 ones widen exactly), for a format
+    whose runtime has no bfloat16 arithmetic; a UserWarning names the policy. The model
+    itself is left as it is."""
+    import warnings
+
+    policy = model.dtype_policy.name
+    clone = model.__class__.from_config(_policies_in_float32(model.get_config()))
+    if not clone.built:
+        raise ValueError(f"Could not rebuild {model.name!r} in float32 to export it.")
+    source, target = model.weights, clone.weights
+    if [tuple(v.shape) for v in source] != [tuple(v.shape) for v in target]:
+        raise ValueError(
+            f"Could not rebuild {model.name!r} in float32 to export it (its weights and the "
+            "float32 copy's differ); give it dtype='float32' (kzoo.presets.load(..., "
+            "dtype='float32')) and export that.")
+    for mine, theirs in zip(source, target):
+        theirs.assign(keras.ops.cast(mine.value, theirs.dtype))
+    for name in ("tokenizer", "generation_config"):
+        if getattr(model, name, None) is not None:
+            setattr(clone, name, getattr(model, name))
+    warnings.warn(
+        f"format={format!r} cannot run bfloat16 arithmetic (onnxruntime and LiteRT have "
+        f"no bfloat16 kernels), and {model.name!r} has dtype policy {policy!r}: the file "
+        "computes in float32 with the model's weights (the outputs of the model loaded with "
+        "dtype='float32'). Export to 'tf_saved_model' to keep bfloat16.", UserWarning,
+        stacklevel=4)  # (the caller of model.export)
+    return clone
+
+
 # === Export ===
 
 
@@ -559,6 +627,8 @@ def export(model, filepath, format="tf_saved_model", *, shapes=None,  # noqa: A0
                 f"got input_signature={input_signature!r}.")
         signature = input_signature
     _check_moe_dynamic_batch(model, format, backend, signature)
+    if format in _NO_BFLOAT16 and _bfloat16_layers(model):
+        model = _in_float32(model, format)
     with exportable():
         if format == "onnx" and backend == "jax":
             _onnx_jax(model, filepath, signature, shapes, **kwargs)

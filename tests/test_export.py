@@ -243,6 +243,39 @@ def test_mixture_of_experts_with_a_capacity_factor_exports(format, tmp_path):  #
         np.testing.assert_allclose(run_exported(format, path, x), to_numpy(model(x)),
                                    atol=1e-5, rtol=1e-5, err_msg=f"{batch} x {length}")
 
+
+BFLOAT16_FREE = [f for f in FORMATS if f in ("onnx", "litert")]
+
+
+@pytest.mark.parametrize("format", BFLOAT16_FREE)
+@pytest.mark.parametrize("dtype", ["mixed_bfloat16", "bfloat16"])
+def test_bfloat16_model_exports_computing_in_float32(dtype, format, tmp_path):  # noqa: A002
+    """onnxruntime and LiteRT have no bfloat16 arithmetic: a GPT with dtype policy
+    mixed_bfloat16 (or bfloat16) exported to ONNX wrote a file that onnxruntime refused to
+    load, on every backend (TensorFlow: "MatMul bound to different types (tensor(float16)
+    and tensor(bfloat16))"; JAX, torch: "Type 'tensor(bfloat16)' of input parameter ... of
+    operator (Einsum) ... is invalid"); LiteRT's converter failed on a bfloat16 Gather. The
+    file now computes in float32 with the model's weights, with a warning naming the
+    policy: its outputs are those of the same GPT built in float32 and given these
+    weights. The model itself keeps its policy and outputs."""
+    keras.utils.set_random_seed(0)
+    config = dict(vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16,
+                  intermediate_dim=24, max_sequence_length=16, dropout=0.0)
+    model = GPTCausalLM(GPTBackbone(**config, dtype=dtype), dtype=dtype)
+    x = _gpt_inputs(2, 8, seed=6)
+    before = to_numpy(keras.ops.cast(model(x), "float32"))
+    reference = GPTCausalLM(GPTBackbone(**config))
+    reference.set_weights([to_numpy(keras.ops.cast(w, "float32")) for w in model.weights])
+    path = str(tmp_path / f"gpt{SUFFIX[format]}")
+    with pytest.warns(UserWarning, match=rf"dtype policy '{dtype}': the file computes in "
+                                         r"float32"):
+        model.export(path, format=format, shapes=fixed_sizes("gpt", format))
+    actual = run_exported(format, path, x)
+    assert actual.dtype == np.float32
+    np.testing.assert_allclose(actual, to_numpy(reference(x)), atol=1e-5, rtol=1e-5)
+    assert model.dtype_policy.name == dtype
+    np.testing.assert_array_equal(to_numpy(keras.ops.cast(model(x), "float32")), before)
+
 def test_onnx_export_twice_to_the_same_path(tmp_path, monkeypatch):
     """On JAX, weights of 1 MB or more go to a `.onnx.data` file beside the `.onnx`;
     exporting again to the same path (a script run twice, a relative path as in the README)
