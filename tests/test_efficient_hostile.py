@@ -330,3 +330,18 @@ def test_longformer_tokens_past_max_global_keep_their_band_rows(data):
     allowed = ((np.abs(i - j) < 2)[None] | kept[:, None, :] | kept[:, :, None])[:, None]
     got = longformer_attention(q, k, v, 2, flags, max_global=1)
     assert_close(got, np_attention(q, k, v, allowed, empty_rows_uniform=False), atol=2e-5)
+
+
+def test_bigbird_sequence_shorter_than_its_global_blocks_is_full_attention(data, recwarn):
+    """A 23-token input to a BigBird of global_blocks=4 in blocks of 8 (3 blocks): every
+    block is global, i.e. full attention, with a warning; before, a ValueError at call."""
+    q, k, v, padding = data
+    kind, opts = ea.check_attention("bigbird", {"block_size": 8, "global_blocks": 4})
+    with pytest.warns(UserWarning, match=r"`global_blocks`=4 is more than a sequence of 3 "):
+        got = ea.efficient_attention(q, k, v, kind, opts, mask=padding)
+    full = np.ones((1, 1, N, N), bool) & padding[:, None, None, :]
+    assert_close(got, np_attention(q, k, v, full, empty_rows_uniform=False), atol=2e-5)
+    # Every block global and no random block to draw: no random_blocks warning.
+    assert not [w for w in recwarn if "random_blocks" in str(w.message)]
+    assert bigbird_layout(1, global_blocks=1, random_blocks=2).all()
+    assert not [w for w in recwarn if "random_blocks" in str(w.message)]

@@ -654,10 +654,11 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
     A sequence too short for the pattern: when some query block that is not global has
     fewer than `random_blocks` blocks left outside its window and the global blocks
     (`max_random_blocks`), the layout is every block — full attention — and a `UserWarning`
-    names `random_blocks`, its value and the most this length allows. Transformers' BigBird
-    likewise switches to full attention ("original_full") on short sequences. Causal: a
-    query block draws among the blocks before it, so the first blocks, whose whole past they
-    already see, draw fewer (they attend to all of it); no warning.
+    names `random_blocks`, its value and the most this length allows; likewise when
+    `global_blocks` exceeds `num_blocks` (every block global; causal: causal full).
+    Transformers' BigBird switches to full attention ("original_full") on short sequences
+    too. Causal: a query block draws among the blocks before it, so the first blocks, whose
+    whole past they already see, draw fewer (they attend to all of it); no warning.
 
     Returns:
         A NumPy boolean array `(num_heads, num_blocks, num_blocks)`.
@@ -675,10 +676,14 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
         raise ValueError(f"`seed` must be an integer; got seed={seed!r}.")
     if global_blocks > num_blocks:
-        raise ValueError(
-            f"`global_blocks` must be <= num_blocks={num_blocks} (more global blocks than "
-            f"the sequence has); got global_blocks={global_blocks}."
-        )
+        # (a short input to a model whose first `global_blocks` blocks are global)
+        warnings.warn(
+            f"BigBird: `global_blocks`={global_blocks} is more than a sequence of "
+            f"{num_blocks} blocks has; every block is global (full attention) at this "
+            "length, as transformers' BigBird does for short sequences.", UserWarning,
+            stacklevel=2)
+        full = np.ones((num_heads, num_blocks, num_blocks), bool)
+        return np.tril(full) if causal else full
     a = np.arange(num_blocks)
     dist = a[:, None] - a[None, :]
     band = (dist >= 0) & (dist < window_blocks) if causal else np.abs(dist) <= window_blocks // 2
@@ -688,7 +693,7 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
         base[:global_blocks, :] = True
     else:
         base &= dist >= 0
-    if not causal and random_blocks:
+    if not causal and random_blocks and num_blocks > global_blocks:
         most = max_random_blocks(num_blocks, window_blocks=window_blocks,
                                  global_blocks=global_blocks)
         if random_blocks > most:
@@ -714,7 +719,7 @@ def bigbird_layout(num_blocks, *, window_blocks=3, global_blocks=1, random_block
 def max_random_blocks(num_blocks, *, window_blocks=3, global_blocks=1):
     """The most random blocks every non-global query block of a non-causal BigBird layout of
     `num_blocks` blocks can draw: the fewest blocks any of them has outside its window and
-    the global blocks (`num_blocks` when every block is global).
+    the global blocks (0 when every block is global: no block draws any).
 
     Example:
     >>> max_random_blocks(5, window_blocks=3, global_blocks=1)
@@ -723,7 +728,7 @@ def max_random_blocks(num_blocks, *, window_blocks=3, global_blocks=1):
     a = np.arange(num_blocks)
     rows = a[global_blocks:]
     if rows.size == 0:
-        return num_blocks
+        return 0
     seen = np.abs(rows[:, None] - a[None, :]) <= window_blocks // 2
     seen[:, :global_blocks] = True
     return int((~seen).sum(axis=1).min())
