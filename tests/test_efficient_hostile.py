@@ -345,3 +345,24 @@ def test_bigbird_sequence_shorter_than_its_global_blocks_is_full_attention(data,
     assert not [w for w in recwarn if "random_blocks" in str(w.message)]
     assert bigbird_layout(1, global_blocks=1, random_blocks=2).all()
     assert not [w for w in recwarn if "random_blocks" in str(w.message)]
+
+
+def test_longformer_global_rows_in_float16_stay_finite():
+    """Hugging Face Longformer's global rows (global projections) in float16 with raw
+    products past 65504; before, their scores overflowed to NaN."""
+    rng = np.random.default_rng(7)
+    n, heads = 10, 2
+    key = (rng.normal(size=(1, n, heads, 64)) * 40).astype("float16")
+    value = rng.normal(size=(1, n, heads, 64)).astype("float16")
+    global_mask = np.zeros((1, n), bool)
+    global_mask[0, [1, 6]] = True
+    query = (key[:, [1, 6]] + rng.normal(size=(1, 2, heads, 64))).astype("float16")
+    assert np.isinf(np.einsum("bghd,bnhd->bhgn", query, key)).any()  # (in float16)
+    options = ea.check_attention("longformer", {"window": 2, "global_projections": True})[1]
+    slots = ea.longformer_slots(options, n, 1, global_mask)
+    out = np.zeros((1, n, heads, 64), "float16")
+    got = to_numpy(ea.longformer_global_rows(query, key, value, slots, out)).astype("float32")
+    expected = np.zeros(got.shape)
+    expected[:, [1, 6]] = np_attention(query, key, value, np.ones((1, 1, 2, n), bool))
+    assert np.isfinite(got).all()
+    assert_close(got, expected, atol=2e-3)

@@ -53,6 +53,7 @@ Example:
 ValueError: `window` must be a positive integer; got window=0.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -481,6 +482,13 @@ def longformer_global_rows(query_global, key_global, value_global, slots, out, *
         before = (ops.arange(n, dtype="int32")[None, None, :]
                   <= ops.cast(positions, "int32")[:, :, None])[:, None]
         allowed = before if allowed is None else ops.logical_and(allowed, before)
+    query_global = ops.convert_to_tensor(query_global)
+    if scale is None:
+        scale = query_global.shape[-1] ** -0.5
+    if scale < 1.0 and keras.backend.standardize_dtype(query_global.dtype) == "float16":
+        # (float16 products overflow before the scale comes: scale the queries first, as
+        # `sparse_attention` does)
+        query_global, scale = query_global * ops.cast(scale, query_global.dtype), 1.0
     rows = reference_attention(query_global, key_global, value_global, mask=allowed,
                                scale=scale)  # (b, G, h, d)
     scatter = ops.cast(onehot, rows.dtype) * ops.cast(slot_valid, rows.dtype)[:, :, None]
