@@ -15,6 +15,10 @@ attention="sliding_window", window=256)`) all take the same two values, checked 
 | "linear"         | feature_map="elu" ("elu", "fourier", "favor"), num_features, seed=0 | O(n * features) |
 | "performer"      | num_features=128, seed=0 (linear attention with FAVOR+ features) | O(n * features) |
 
+A query row that sees no key (a padding query whose window holds only padding) gives zeros;
+with `uniform_empty_rows=True` (what `TransformerBlock` passes for non-causal layers) it
+reads the mean of every value, as full attention with the pattern merged into its mask does.
+
 "bigbird" on a sequence too short for `random_blocks` (a query block has fewer blocks left
 outside its window and the global blocks) attends to every block and warns, as transformers'
 BigBird falls back to full attention (see `sparse_attention.bigbird_layout`).
