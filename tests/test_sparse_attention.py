@@ -313,7 +313,7 @@ def test_never_builds_n_by_n(name):
         (lambda x, m: block_sparse_attention(x, x, x, np.ones((3, 4, 4), bool), 8), "layout"),
         (lambda x, m: block_sparse_attention(x, x, x, np.ones((1, 4, 4), bool), 0),
          "block_size"),
-        (lambda x, m: bigbird_attention(x, x, x, 8, global_blocks=9), "global_blocks"),
+        (lambda x, m: bigbird_attention(x, x, x, 8, global_blocks=-1), "global_blocks"),
         (lambda x, m: sliding_window_attention(x, x, x, 4, mask=m), "mask"),
         (lambda x, m: sliding_window_attention(x, x[:, :5], x[:, :5], 4), "sequence length"),
     ],
