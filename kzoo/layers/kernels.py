@@ -769,6 +769,7 @@ def reference_attention(
     """The plain formula in `keras.ops`, softmax in float32. See `dot_product_attention`."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    query, scale = _float16_scaled_query(query, scale)
     q_len = query.shape[1] if query.shape[1] is not None else ops.shape(query)[1]
     k_len = key.shape[1] if key.shape[1] is not None else ops.shape(key)[1]
     if not (return_weights or dropout_rate > 0) and keras.backend.backend() == "jax":
@@ -816,6 +817,21 @@ def reference_attention(
     return out
 
 
+def _float16_scaled_query(query, scale):
+    """(query, scale) with float16 queries multiplied by a scale below 1 beforehand (the
+    scale becomes 1.0); any other query as it is.
+
+    A float16 product stops at 65504: `q . k` over 64 dims of entries ~40 is inf before a
+    later scale can shrink it, and the softmax of those scores gave NaN where the formula
+    has finite numbers. Scaled first, the queries keep the products in range (the sparse
+    kernels do the same). Other dtypes keep the scale on the float32 scores, so their
+    results do not change."""
+    scale = float(scale)
+    if scale < 1.0 and keras.backend.standardize_dtype(query.dtype) == "float16":
+        return query * ops.cast(scale, query.dtype), 1.0
+    return query, scale
+
+
 # === Chunked (memory-efficient) kernel ===
 
 
@@ -843,6 +859,8 @@ def chunked_attention(
     bk = key_block_size or min(pref_k, block_size)
     if query.shape[1] is None or key.shape[1] is None:
         raise ValueError("chunked attention needs static sequence lengths.")
+    # (float16 products past 65504 gave every backend's blocks inf scores and zero outputs)
+    query, scale = _float16_scaled_query(query, scale)
     impl = _backend_kernels()
     if impl is None:  # no blocked kernel for this backend: the same numbers, O(n^2) memory
         return reference_attention(query, key, value, mask=mask, bias=bias,
