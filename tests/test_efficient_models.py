@@ -565,3 +565,35 @@ def test_longformer_without_global_tokens_is_the_band():
     band = _np_pattern("sliding_window", N, False, window=3)
     assert_close(to_numpy(layer(x)), to_numpy(full(x, attention_mask=band[None, None])),
                  atol=2e-5)
+
+
+@pytest.mark.parametrize("global_projections", [False, True])
+def test_longformer_weights_path_keeps_the_kernels_first_max_global_tokens(
+        global_projections):
+    """Compiled, a row with more global flags than `max_global` keeps its first `max_global`
+    as global tokens in the kernel; the explicit-weights path (return_attention_weights)
+    must keep the same ones (it used every flag: the other rows' outputs differed)."""
+    x = np.random.default_rng(5).normal(size=(2, N, DIM)).astype("float32")
+    global_mask = np.zeros((2, N), bool)
+    global_mask[0, [1, 6, 10]] = True  # three flags, max_global 2: position 10 is not global
+    global_mask[1, 4] = True
+    options = {"window": 2, "max_global": 2, "global_projections": global_projections}
+    layer = MultiHeadAttention(HEADS, attention="longformer", attention_options=options)
+    layer.build(x.shape)
+    kernel = _compiled(lambda a, g: layer(a, global_attention_mask=g))
+    weights_path = _compiled(
+        lambda a, g: layer(a, global_attention_mask=g, return_attention_weights=True))
+    if keras.backend.backend() == "torch":
+        # (eagerly the count is known: more flags than max_global is refused on both paths)
+        with pytest.raises(ValueError, match="max_global=2"):
+            weights_path(x, global_mask)
+        global_mask[0, 10] = False
+    out, weights = weights_path(x, global_mask)
+    assert_close(to_numpy(out), to_numpy(kernel(x, global_mask)), atol=2e-5)
+    # Independently: the weights vanish exactly outside the pattern of the kept tokens.
+    kept = global_mask.copy()
+    kept[0, 10] = False
+    allowed = np.broadcast_to(_longformer_rows_pattern(kept, 2), tuple(weights.shape))
+    w = to_numpy(weights)
+    assert np.all(w[~allowed] == 0)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)

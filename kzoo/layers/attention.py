@@ -560,6 +560,10 @@ class MultiHeadAttention(keras.layers.Layer):
         elif need_weights:
             global_rows = None
             values = v
+            if global_mask is not None:
+                # The global tokens the kernel keeps: compiled, only the first `max_global`
+                # flags of a row (the pattern of every flag gave other weights and outputs).
+                global_mask = self._global_slots(query, global_mask)[0]
             if self._global_projections:
                 flags = self._global_slots(query, global_mask)[0]
                 kg, vg = self._project_global_key_value(query)
