@@ -597,3 +597,27 @@ def test_longformer_weights_path_keeps_the_kernels_first_max_global_tokens(
     w = to_numpy(weights)
     assert np.all(w[~allowed] == 0)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt", "vit"])
+def test_config_refuses_a_block_layout_of_another_head_count(family):
+    """A block_sparse layout needs 1 head (shared) or one per attention head: the config
+    refuses 3 heads for num_heads=4 when it is made, naming num_heads and the layout's
+    shape (it was accepted until the blocks were built)."""
+    from kzoo.models.bert import BertConfig
+    from kzoo.models.gpt import GPTConfig
+    from kzoo.models.vit import ViTConfig
+
+    sizes = dict(num_layers=1, num_heads=4, hidden_dim=16, intermediate_dim=32)
+    make = {"bert": lambda **kw: BertConfig(vocabulary_size=50, **sizes, **kw),
+            "gpt": lambda **kw: GPTConfig(vocabulary_size=50, **sizes, **kw),
+            "vit": lambda **kw: ViTConfig(image_size=16, patch_size=4, **sizes, **kw)}[family]
+    layout = np.ones((3, 2, 2), bool).tolist()
+    with pytest.raises(ValueError, match=r"num_heads=4.*\(3, 2, 2\)") as error:
+        make(attention="block_sparse", attention_options={"block_size": 4, "layout": layout})
+    assert getattr(error.value, "field", None) == "attention_options"
+    # One head (shared) and one per head are allowed.
+    for heads in (1, 4):
+        config = make(attention="block_sparse", attention_options={
+            "block_size": 4, "layout": np.ones((heads, 2, 2), bool).tolist()})
+        assert len(config.attention_options["layout"]) == heads

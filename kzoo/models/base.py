@@ -73,7 +73,10 @@ class FamilyConfig:
         from kzoo.layers.efficient_attention import check_attention
 
         try:
-            attention, options = check_attention(self.attention, self.attention_options)
+            # (num_heads: a block_sparse layout must have 1 head or one per attention head;
+            # without it a wrong count passed here and failed only when the blocks were built)
+            attention, options = check_attention(self.attention, self.attention_options,
+                                                  num_heads=getattr(self, "num_heads", None))
         except FieldError:
             raise
         except ValueError as error:
