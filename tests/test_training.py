@@ -22,6 +22,7 @@ import pytest
 
 import kzoo.presets
 from training import checkpoint
+from training import callbacks as cb
 from training import data as D
 from training.cli import build_parser, main
 from training.losses import SmoothedSparseCrossentropy
@@ -520,7 +521,7 @@ def test_sigterm_and_sigint_save_the_step_then_resume_exactly(signum, tmp_path, 
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_finished_run_extended_ends_like_an_uninterrupted_one(tmp_path):
+def test_a_finished_run_extended_ends_like_an_uninterrupted_one(tmp_path, monkeypatch):
     """A finished run whose last step ends an epoch early (--steps 6 in epochs of 4), run
     again with --steps 12: the weights equal those of a 12-step run to 1e-6 and log.csv
     holds each epoch once, with the same values (before, on torch the final validation of
@@ -529,6 +530,15 @@ def test_a_finished_run_extended_ends_like_an_uninterrupted_one(tmp_path):
     counting only the resumed steps)."""
     argv = ["vit_digits", "--max-epoch-steps", "4", "--save-every", "1000",
             "--verbose", "0", "--batch-size", "16", "--override", "dropout=0.2"] + TINY_VIT
+    # The validation value the best model is picked by, scripted by step so that the short
+    # run's early validation (step 6) is the best one seen if it is wrongly kept.
+    scripted = {4: 0.5, 6: 0.9, 8: 0.7, 12: 0.6}
+    pick = cb.BestModel.on_epoch_end
+
+    def on_epoch_end(self, epoch, logs=None):
+        pick(self, epoch, dict(logs or {}, val_accuracy=scripted[self.state.step]))
+
+    monkeypatch.setattr(cb.BestModel, "on_epoch_end", on_epoch_end)
     reference = str(tmp_path / "reference")
     assert main(argv + ["--steps", "12", "--out", reference]) == 0
     out = str(tmp_path / "extended")
@@ -547,6 +557,17 @@ def test_a_finished_run_extended_ends_like_an_uninterrupted_one(tmp_path):
         assert row.keys() == want_row.keys()
         np.testing.assert_allclose([float(row[k]) for k in row],
                                    [float(want_row[k]) for k in row], rtol=1e-6, atol=1e-7)
+    # The best model and value: those of the uninterrupted run, not the short run's
+    # validation at step 6 (before: the extended run's best was step 6's 0.9, its best/
+    # the step-6 weights).
+    best, want_best = _metrics(out)["best"], _metrics(reference)["best"]
+    assert want_best == {"monitor": "val_accuracy", "value": 0.7, "epoch": 2, "step": 8}
+    assert best == want_best
+    got = kzoo.presets.load(os.path.join(out, "best")).get_weights()
+    want = kzoo.presets.load(os.path.join(reference, "best")).get_weights()
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert not os.path.exists(os.path.join(out, "checkpoints", "best-before-early-end"))
 
 
 RESUME_ARGS = ["vit_digits", "--steps", "70", "--max-epoch-steps", "20", "--save-every", "4",

@@ -20,6 +20,7 @@ They share one `RunState` (global step, per-epoch history, best value, divergenc
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -42,6 +43,10 @@ class RunState:
         self.best = None
         self.best_epoch = None
         self.best_step = None
+        # `(best, best_epoch, best_step)` before the validation of an epoch that the run's
+        # last step ended early improved on it (else None): a longer run that continues
+        # that epoch puts it back (`BestModel.forget_early_end`).
+        self.best_before_early_end = None
         self.diverged = None
         self.wall_time_before = 0.0
         self.last_checkpoint_step = None
@@ -53,6 +58,7 @@ class RunState:
             "best": self.best,
             "best_epoch": self.best_epoch,
             "best_step": self.best_step,
+            "best_before_early_end": self.best_before_early_end,
         }
 
     def load_meta(self, meta):
@@ -61,6 +67,8 @@ class RunState:
         self.best = meta.get("best")
         self.best_epoch = meta.get("best_epoch")
         self.best_step = meta.get("best_step")
+        before = meta.get("best_before_early_end")
+        self.best_before_early_end = None if before is None else tuple(before)
         self.last_checkpoint_step = self.step
 
 
@@ -144,9 +152,18 @@ class RestoreMetrics(keras.callbacks.Callback):
 
 
 class BestModel(keras.callbacks.Callback):
-    """Save the model (`kzoo.presets.save`) whenever `monitor` improves."""
+    """Save the model (`kzoo.presets.save`) whenever `monitor` improves.
 
-    def __init__(self, state, directory, monitor, mode, save_fn):
+    An epoch that the run's last step ends early (`--steps` inside an epoch of
+    `epoch_steps` steps) is validated like any epoch, but a longer run continues that
+    epoch and validates it only at its real end. So when such a validation improves on
+    the best, the best model it replaces is moved to `previous_directory` first, and
+    `forget_early_end()` (called when a longer run resumes) puts it back: the longer run's
+    `best/` and best value are then those of a run that never stopped there.
+    """
+
+    def __init__(self, state, directory, monitor, mode, save_fn, epoch_steps=None,
+                 previous_directory=None):
         super().__init__()
         if mode not in ("min", "max"):
             raise ValueError(f"`mode` must be 'min' or 'max'; got mode={mode!r}.")
@@ -155,11 +172,20 @@ class BestModel(keras.callbacks.Callback):
         self.monitor = monitor
         self.mode = mode
         self.save_fn = save_fn
+        self.epoch_steps = epoch_steps
+        self.previous_directory = previous_directory
 
     def better(self, value):
         if self.state.best is None:
             return True
         return value < self.state.best if self.mode == "min" else value > self.state.best
+
+    def _ended_early(self):
+        return bool(self.epoch_steps) and bool(self.state.epoch_end_step % self.epoch_steps)
+
+    def _drop_previous(self):
+        if self.previous_directory and os.path.isdir(self.previous_directory):
+            shutil.rmtree(self.previous_directory)
 
     def on_epoch_end(self, epoch, logs=None):
         value = (logs or {}).get(self.monitor)
@@ -167,10 +193,30 @@ class BestModel(keras.callbacks.Callback):
             return
         value = float(value)
         if self.better(value) and weights_finite(self.model):
+            self._drop_previous()
+            self.state.best_before_early_end = None
+            if self._ended_early() and self.previous_directory:
+                self.state.best_before_early_end = (
+                    self.state.best, self.state.best_epoch, self.state.best_step)
+                if os.path.isdir(self.directory):
+                    os.makedirs(os.path.dirname(self.previous_directory), exist_ok=True)
+                    os.replace(self.directory, self.previous_directory)
             self.save_fn(self.model, self.directory)
             self.state.best = value
             self.state.best_epoch = epoch + 1
             self.state.best_step = self.state.step
+
+    def forget_early_end(self):
+        """Undo the best-model update that the validation of an early-ended epoch made (a
+        longer run continues that epoch): put the previous best model and value back."""
+        before, self.state.best_before_early_end = self.state.best_before_early_end, None
+        if before is None:
+            return
+        self.state.best, self.state.best_epoch, self.state.best_step = before
+        if os.path.isdir(self.directory):
+            shutil.rmtree(self.directory)
+        if self.previous_directory and os.path.isdir(self.previous_directory):
+            os.replace(self.previous_directory, self.directory)
 
 
 class StepCheckpoint(keras.callbacks.Callback):

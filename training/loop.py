@@ -379,6 +379,7 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
     restored = checkpoint.restore_latest(ckpt_dir, model, fingerprint)
     restore_metrics = cb.RestoreMetrics()
     resumed_from = None
+    forget_early_end = None
     if restored is not None:
         meta, metric_values = restored
         state.load_meta(meta)
@@ -389,8 +390,10 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
         if (restore_metrics.mid_epoch and state.step < steps_total and state.history
                 and state.history[-1].get("step") == state.step):
             # The last row is an epoch that the earlier run's last step ended early: this
-            # run completes that epoch and logs it then (once, as an uninterrupted run).
+            # run completes that epoch and logs it then (once, as an uninterrupted run), and
+            # picks its best model without that epoch's early validation.
             state.history.pop()
+            forget_early_end = state.best_before_early_end
         if state.step % epoch_steps and metric_values is not None:
             # The compiled metrics are built lazily (on TensorFlow only by a first step):
             # build them with one inference pass so the saved running states fit them.
@@ -411,6 +414,16 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
             f"{steps_total} steps; use --fresh (or another --out) to start over."
         )
 
+    best_model = cb.BestModel(state, paths["best"], monitor, mode,
+                              lambda m, d: save_model(m, d, extra_files),
+                              epoch_steps=epoch_steps,
+                              previous_directory=os.path.join(ckpt_dir, "best-before-early-end"))
+    if forget_early_end and plan.leader:
+        best_model.forget_early_end()
+    elif forget_early_end:
+        state.best_before_early_end = None
+        state.best, state.best_epoch, state.best_step = forget_early_end
+
     def extra_meta():
         return {"wall_time_s": state.wall_time_before + (time.time() - started)}
 
@@ -418,8 +431,7 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
         ("restore", restore_metrics),
         ("nan_guard", cb.NaNGuard(state)),
         ("terminate", keras.callbacks.TerminateOnNaN()),
-        ("best", cb.BestModel(state, paths["best"], monitor, mode,
-                              lambda m, d: save_model(m, d, extra_files))),
+        ("best", best_model),
         ("checkpoint", cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint,
                                          extra_meta, epoch_steps=epoch_steps)),
         ("csv", keras.callbacks.CSVLogger(paths["csv"], append=True)),
