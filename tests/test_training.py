@@ -653,3 +653,16 @@ def test_sample_prompt_starts_at_the_first_prose_line():
     assert _prose_start(tokenizer, ids, 16) == text.index("The example")
     code_only = tokenizer.encode("x = {'a': [1, 2]}\n" * 4)
     assert _prose_start(tokenizer, code_only, 16) == 0
+
+
+def test_warmup_longer_than_the_run_warns(tmp_path):
+    """--warmup-steps past the run's updates is allowed (debug runs) but warned about,
+    naming the flag, its value and the run's steps (before: accepted silently)."""
+    argv = ["vit_digits", "--steps", "3", "--verbose", "0", "--batch-size", "16",
+            "--out", str(tmp_path / "run")] + TINY_VIT
+    with pytest.warns(UserWarning, match=r"--warmup-steps 50 .* 3 optimizer updates"):
+        assert main(argv + ["--warmup-steps", "50"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="(?!--warmup-steps)")
+        assert main(argv + ["--warmup-steps", "3", "--fresh"]) == 0

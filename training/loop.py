@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -303,6 +304,14 @@ def run(cfg, model, task, *, loss, metrics, monitor, mode, evaluate=None, report
     steps_total = total_steps(cfg, task)
     if steps_total <= 0:
         raise ValueError(f"The run needs at least one step; got {steps_total}.")
+    updates = steps_total // max(1, int(cfg.accumulate))
+    if int(cfg.warmup_steps) > updates and plan.leader:
+        # (Allowed: short debug runs; but the learning rate never reaches its peak.)
+        warnings.warn(
+            f"--warmup-steps {cfg.warmup_steps} is more than the run's {updates} optimizer "
+            f"updates ({steps_total} steps, --accumulate {cfg.accumulate}): the learning "
+            f"rate never reaches its peak {cfg.learning_rate}. Use --warmup-steps "
+            f"{updates} or fewer to reach it.", UserWarning, stacklevel=2)
     epoch_steps = max(1, min(task.steps_per_epoch, int(cfg.max_epoch_steps)))
     num_epochs = math.ceil(steps_total / epoch_steps)
 
