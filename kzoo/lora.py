@@ -256,12 +256,54 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
         variable.trainable = False
     for layer in layers:
         layer.enable_lora(rank, lora_alpha=alpha)
+        _watch_saves(layer, model.name)
     # Plain attributes: Keras' tracker must not adopt these variables a second time.
     object.__setattr__(model, "_kzoo_lora",
                        {"rank": rank, "alpha": alpha, "targets": list(targets)})
     object.__setattr__(model, "_kzoo_lora_frozen", tuple(unfrozen))
     _after_change(model)
     return [layer.path for layer in layers]
+
+
+def _watch_saves(layer, model_name):
+    """Give the adapted Dense `layer` a `save_own_variables` of its own (removed by
+    `merge_lora`) that Keras' `.keras` saving and `save_weights` (hence `kzoo.presets.save`)
+    call instead of `Dense.save_own_variables`:
+
+    - on an int8/int4 layer it refuses the save. Keras' method writes the adapters merged
+      into the integer kernel, requantized (`Dense._get_kernel_with_merged_lora`): the
+      reloaded GPT had no adapters and its logits moved by up to 9e-2 (of ~4). The adapters
+      cannot be kept apart in these files: a kzoo model's config does not record them, so
+      the reloaded layer has no adapter variables to load them into (and Keras'
+      `load_own_variables` zeroes any it finds).
+    - on a float layer it warns: the merged kernel reloads with the same outputs, but the
+      adapters are gone, and with them what the optimizer held for them.
+    """
+    keras_save = type(layer).save_own_variables
+
+    def save_own_variables(store):
+        if layer.lora_enabled and layer.quantization_mode in ("int8", "int4"):
+            raise ValueError(
+                f"Cannot save {model_name!r}: its {layer.quantization_mode}-quantized layer "
+                f"{layer.path!r} (and any other) has LoRA adapters, which Keras would save "
+                "merged into the integer kernel and requantized: the reloaded model would "
+                "have no adapters and different outputs. Save the quantized model before "
+                "`enable_lora` and the adapters with `model.save_lora_weights(path)` "
+                "(`load_lora_weights` puts them back, outputs unchanged), or call "
+                "`model.merge_lora()` first to save the merged, requantized model on purpose."
+            )
+        if layer.lora_enabled:
+            warnings.warn(
+                f"Saving {model_name!r} merges its LoRA adapters into the kernels: the "
+                "reloaded model gives the same outputs but has no adapters, and the "
+                "optimizer state of the adapters (Adam's moments, the step count) is not "
+                "restored (Keras skips it on loading). To go on training the adapters, keep "
+                "them and that state with `model.save_lora_weights(path)`.",
+                stacklevel=2)
+        return keras_save(layer, store)
+
+    # (not through Keras' `__setattr__`: a plain attribute, no tracking)
+    object.__setattr__(layer, "save_own_variables", save_own_variables)
 
 
 def _warn_zero_heads(model, heads):
@@ -514,6 +556,8 @@ def merge_lora(model):
             super(keras.layers.Layer, layer).__delattr__(name)
         layer.lora_enabled = False
         layer.lora_rank = None
+        if "save_own_variables" in vars(layer):  # the hook of `_watch_saves`
+            super(keras.layers.Layer, layer).__delattr__("save_own_variables")
     for variable in getattr(model, "_kzoo_lora_frozen", ()):
         variable.trainable = True
     object.__setattr__(model, "_kzoo_lora", None)
