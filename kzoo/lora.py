@@ -29,10 +29,12 @@ stored settings when needed and assigns them. `merge_lora(model)` folds `(alpha/
 into each kernel (float or int8/int4-quantized) and removes the adapters, leaving a plain
 model whose weights are all trainable again.
 
-`model.save` (`.keras`) and `kzoo.presets.save` of a model with adapters store the merged
-kernels `W + (alpha/rank) A B`: the reloaded model gives the same outputs but has no adapters
-(all its weights trainable), and `keras.saving.load_model` drops the saved optimizer state
-(Keras warns "Skipping variable loading for optimizer": it was the adapters'). To go on
+`model.save` (`.keras`) and `kzoo.presets.save` of a float model with adapters store the
+merged kernels `W + (alpha/rank) A B`, with a warning: the reloaded model gives the same
+outputs but has no adapters (all its weights trainable), and `keras.saving.load_model` drops
+the saved optimizer state (Keras warns "Skipping variable loading for optimizer": it was the
+adapters'). With adapters on int8/int4-quantized layers both refuse to save (ValueError):
+Keras would requantize the merged kernels and the outputs would move. To go on
 training the adapters later, keep them with `save_lora_weights` and put them back with
 `load_lora_weights` on the model saved before `enable_lora` (the training CLI writes both:
 the merged model and `adapters.lora.npz`; its checkpoints keep everything of a LoRA run).
@@ -66,7 +68,7 @@ later.load_lora_weights("adapters.lora.npz")    # adapters, optimizer state: fit
 
 import json
 import os
-
+import types
 import warnings
 
 import keras
@@ -243,9 +245,9 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
         # ~0.3), with nothing said.
         warnings.warn(
             f"LoRA on {'/'.join(quantized)}-quantized layers of {model.name!r}: "
-            "`model.save` and `kzoo.presets.save` store these adapters merged into the "
-            "integer kernels (requantized, outputs change slightly, and the reloaded model has "
-            "no adapters to train on). Save the quantized model before `enable_lora`, keep "
+            "`model.save` and `kzoo.presets.save` refuse this model (Keras would save the "
+            "adapters merged into the integer kernels, requantized: outputs change and the "
+            "reloaded model has no adapters to train on). Save the quantized model before `enable_lora`, keep "
             "the adapters with `model.save_lora_weights(path)`, and put them back on the "
             "reloaded model with `enable_lora` + `load_lora_weights`.",
             stacklevel=2)
@@ -279,31 +281,35 @@ def _watch_saves(layer, model_name):
     - on a float layer it warns: the merged kernel reloads with the same outputs, but the
       adapters are gone, and with them what the optimizer held for them.
     """
-    keras_save = type(layer).save_own_variables
+    # A method bound to `layer` (a closure over it would, in a `copy.deepcopy` of the
+    # model, still save the original's variables); plain attributes, no Keras tracking.
+    object.__setattr__(layer, "_kzoo_lora_model_name", model_name)
+    object.__setattr__(layer, "save_own_variables",
+                       types.MethodType(_save_adapted_dense, layer))
 
-    def save_own_variables(store):
-        if layer.lora_enabled and layer.quantization_mode in ("int8", "int4"):
-            raise ValueError(
-                f"Cannot save {model_name!r}: its {layer.quantization_mode}-quantized layer "
-                f"{layer.path!r} (and any other) has LoRA adapters, which Keras would save "
-                "merged into the integer kernel and requantized: the reloaded model would "
-                "have no adapters and different outputs. Save the quantized model before "
-                "`enable_lora` and the adapters with `model.save_lora_weights(path)` "
-                "(`load_lora_weights` puts them back, outputs unchanged), or call "
-                "`model.merge_lora()` first to save the merged, requantized model on purpose."
-            )
-        if layer.lora_enabled:
-            warnings.warn(
-                f"Saving {model_name!r} merges its LoRA adapters into the kernels: the "
-                "reloaded model gives the same outputs but has no adapters, and the "
-                "optimizer state of the adapters (Adam's moments, the step count) is not "
-                "restored (Keras skips it on loading). To go on training the adapters, keep "
-                "them and that state with `model.save_lora_weights(path)`.",
-                stacklevel=2)
-        return keras_save(layer, store)
 
-    # (not through Keras' `__setattr__`: a plain attribute, no tracking)
-    object.__setattr__(layer, "save_own_variables", save_own_variables)
+def _save_adapted_dense(layer, store):
+    """The `save_own_variables` of `_watch_saves`."""
+    model_name = getattr(layer, "_kzoo_lora_model_name", "the model")
+    if layer.lora_enabled and layer.quantization_mode in ("int8", "int4"):
+        raise ValueError(
+            f"Cannot save {model_name!r}: its {layer.quantization_mode}-quantized layer "
+            f"{layer.path!r} (and any other) has LoRA adapters, which Keras would save "
+            "merged into the integer kernel and requantized: the reloaded model would "
+            "have no adapters and different outputs. Save the quantized model before "
+            "`enable_lora` and the adapters with `model.save_lora_weights(path)` "
+            "(`load_lora_weights` puts them back, outputs unchanged), or call "
+            "`model.merge_lora()` first to save the merged, requantized model on purpose."
+        )
+    if layer.lora_enabled:
+        warnings.warn(
+            f"Saving {model_name!r} merges its LoRA adapters into the kernels: the "
+            "reloaded model gives the same outputs but has no adapters, and the "
+            "optimizer state of the adapters (Adam's moments, the step count) is not "
+            "restored (Keras skips it on loading). To go on training the adapters, keep "
+            "them and that state with `model.save_lora_weights(path)`.",
+            stacklevel=2)
+    return type(layer).save_own_variables(layer, store)
 
 
 def _warn_zero_heads(model, heads):
@@ -556,8 +562,9 @@ def merge_lora(model):
             super(keras.layers.Layer, layer).__delattr__(name)
         layer.lora_enabled = False
         layer.lora_rank = None
-        if "save_own_variables" in vars(layer):  # the hook of `_watch_saves`
-            super(keras.layers.Layer, layer).__delattr__("save_own_variables")
+        for name in ("save_own_variables", "_kzoo_lora_model_name"):  # `_watch_saves`'
+            if name in vars(layer):
+                super(keras.layers.Layer, layer).__delattr__(name)
     for variable in getattr(model, "_kzoo_lora_frozen", ()):
         variable.trainable = True
     object.__setattr__(model, "_kzoo_lora", None)
