@@ -242,10 +242,17 @@ def _count(variables):
 def save_model(model, directory, extra_files=None):
     """`kzoo.presets.save` plus the recipe's extra files (e.g. the tokenizer). A LoRA model
     is saved with its adapters merged into the kernels (Keras' Dense saves the merged
-    kernel), plus the adapters alone in `adapters.lora.npz`."""
-    kzoo.presets.save(model, directory)
+    kernel), plus the adapters alone in `adapters.lora.npz`, written first (a model
+    `kzoo.presets.save` refuses, int8 / int4 layers with adapters, loses nothing)."""
     if kzoo.lora.lora_layers(model):
+        os.makedirs(directory, exist_ok=True)
         model.save_lora_weights(os.path.join(directory, "adapters.lora.npz"))
+        with warnings.catch_warnings():  # (the warning that saving merges the adapters:
+            # they and their optimizer state are in adapters.lora.npz, next to the model)
+            warnings.filterwarnings("ignore", message=r"Saving .* merges its LoRA adapters")
+            kzoo.presets.save(model, directory)
+    else:
+        kzoo.presets.save(model, directory)
     for writer in extra_files or ():
         writer(directory)
     return directory
