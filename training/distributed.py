@@ -289,9 +289,9 @@ class SharedCheckpoint(cb.StepCheckpoint):
                          checkpoint.fingerprint, checkpoint.extra_meta, checkpoint.keep)
         self.plan = plan
 
-    def _save(self, metrics_state):
+    def _save(self, metrics_state, step_state=None):
         if self.plan.leader:
-            super()._save(metrics_state)
+            super()._save(metrics_state, step_state=step_state)
         else:
             self.state.last_checkpoint_step = self.state.step
         self.plan.barrier()
