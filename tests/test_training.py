@@ -521,6 +521,7 @@ def test_sigterm_and_sigint_save_the_step_then_resume_exactly(signum, tmp_path, 
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.spread
 def test_a_finished_run_extended_ends_like_an_uninterrupted_one(tmp_path, monkeypatch):
     """A finished run whose last step ends an epoch early (--steps 6 in epochs of 4), run
     again with --steps 12: the weights equal those of a 12-step run to 1e-6 and log.csv
@@ -655,6 +656,7 @@ def test_sample_prompt_starts_at_the_first_prose_line():
     assert _prose_start(tokenizer, code_only, 16) == 0
 
 
+@pytest.mark.spread
 def test_warmup_longer_than_the_run_warns(tmp_path):
     """--warmup-steps past the run's updates is allowed (debug runs) but warned about,
     naming the flag, its value and the run's steps (before: accepted silently)."""
