@@ -33,8 +33,9 @@ model whose weights are all trainable again.
 merged kernels `W + (alpha/rank) A B`, with a warning: the reloaded model gives the same
 outputs but has no adapters (all its weights trainable), and `keras.saving.load_model` drops
 the saved optimizer state (Keras warns "Skipping variable loading for optimizer": it was the
-adapters'). With adapters on int8/int4-quantized layers both refuse to save (ValueError):
-Keras would requantize the merged kernels and the outputs would move. To go on
+adapters'). With adapters on int8/int4-quantized layers both refuse to save (ValueError),
+and so does `model.save_weights`, before anything is written (the target path is left as it
+was): Keras would requantize the merged kernels and the outputs would move. To go on
 training the adapters later, keep them with `save_lora_weights` and put them back with
 `load_lora_weights` on the model saved before `enable_lora` (the training CLI writes both:
 the merged model and `adapters.lora.npz`; its checkpoints keep everything of a LoRA run).
@@ -288,19 +289,47 @@ def _watch_saves(layer, model_name):
                        types.MethodType(_save_adapted_dense, layer))
 
 
+def _refusal(model_name, layer):
+    """The ValueError that refuses to save a model whose int8/int4 `layer` has adapters."""
+    return ValueError(
+        f"Cannot save {model_name!r}: its {layer.quantization_mode}-quantized layer "
+        f"{layer.path!r} (and any other) has LoRA adapters, which Keras would save "
+        "merged into the integer kernel and requantized: the reloaded model would "
+        "have no adapters and different outputs. Save the quantized model before "
+        "`enable_lora` and the adapters with `model.save_lora_weights(path)` "
+        "(`load_lora_weights` puts them back, outputs unchanged), or call "
+        "`model.merge_lora()` first to save the merged, requantized model on purpose."
+    )
+
+
+def check_savable(model):
+    """Raise the ValueError of a refused save when `model` has adapters on an int8/int4
+    layer; nothing otherwise.
+
+    kzoo's save entry points (`model.save`, `model.save_weights`, `kzoo.presets.save`)
+    call it before they open or make anything: the refusal in `save_own_variables`
+    (`_watch_saves`) comes only once Keras has opened the target, which was then left
+    behind empty or half-written (an older file of that name truncated, a preset folder
+    with a stray `tmp.model.weights.h5`).
+
+    Example:
+    >>> kzoo.lora.check_savable(model)  # ValueError if model.save would be refused
+    """
+    if not isinstance(model, keras.layers.Layer):
+        return  # (not a model: the caller's own checks name it)
+    for layer in lora_layers(model):
+        if layer.quantization_mode in ("int8", "int4"):
+            raise _refusal(model.name, layer)
+
+
 def _save_adapted_dense(layer, store):
-    """The `save_own_variables` of `_watch_saves`."""
+    """The `save_own_variables` of `_watch_saves` (the refusal here is the last line of
+    defence: a save through Keras' own functions, `keras.saving.save_model(model, path)`,
+    or of a model that holds a kzoo model as a layer, reaches it with the file already
+    open)."""
     model_name = getattr(layer, "_kzoo_lora_model_name", "the model")
     if layer.lora_enabled and layer.quantization_mode in ("int8", "int4"):
-        raise ValueError(
-            f"Cannot save {model_name!r}: its {layer.quantization_mode}-quantized layer "
-            f"{layer.path!r} (and any other) has LoRA adapters, which Keras would save "
-            "merged into the integer kernel and requantized: the reloaded model would "
-            "have no adapters and different outputs. Save the quantized model before "
-            "`enable_lora` and the adapters with `model.save_lora_weights(path)` "
-            "(`load_lora_weights` puts them back, outputs unchanged), or call "
-            "`model.merge_lora()` first to save the merged, requantized model on purpose."
-        )
+        raise _refusal(model_name, layer)
     if layer.lora_enabled:
         warnings.warn(
             f"Saving {model_name!r} merges its LoRA adapters into the kernels: the "

@@ -35,6 +35,7 @@ import zipfile
 import keras
 
 import kzoo
+import kzoo.lora
 import kzoo.quantize
 from kzoo import checkpoints, registry
 from kzoo.layers.utils import FieldError
@@ -408,6 +409,7 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
         checkpoints.parse_size(max_shard_size)  # checked before anything is written
     if format != "kzoo":
         _refuse_quantized(model, format)
+    kzoo.lora.check_savable(model)  # (before any folder or file is made)
     if not isinstance(overwrite, bool):
         raise ValueError(f"`overwrite` must be True or False; got overwrite={overwrite!r}.")
     if not isinstance(directory, (str, os.PathLike)):

@@ -5,6 +5,8 @@ trainable scalars against `r (in + out)` summed over the targeted kernels' shape
 model against the adapted one; a fresh model with loaded adapters against the original.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -300,6 +302,52 @@ def test_save_of_a_quantized_model_with_adapters_is_refused(mode, fmt, tmp_path)
     merged_out = run(model, x)
     np.testing.assert_allclose(run(_save_and_load(model, tmp_path / "merged", fmt), x),
                                merged_out, rtol=1e-5, atol=1e-5)
+
+
+def _snapshot(path):
+    """`path` as it is on disk: None (absent), a file's bytes, or a folder's
+    {relative path: bytes} of every file under it."""
+    if not os.path.exists(path):
+        return None
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read()
+    files = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                files[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return files
+
+
+@pytest.mark.parametrize("fmt", ["keras", "weights", "preset"])
+def test_a_refused_save_leaves_the_target_as_it_was(fmt, tmp_path):
+    # The refusal came from inside Keras' save, with the target already open: `model.save`
+    # left an empty `m.keras` behind (and truncated an older one), `save_weights` a
+    # half-written `.weights.h5`, `kzoo.presets.save` a folder holding
+    # `tmp.model.weights.h5` (made when absent). Now a refused save writes nothing.
+    save = {"keras": lambda m, path: m.save(path),
+            "weights": lambda m, path: m.save_weights(path),
+            "preset": kzoo.presets.save}[fmt]
+    name = {"keras": "m.keras", "weights": "m.weights.h5", "preset": "preset"}[fmt]
+    model = build_model("gpt")
+    model.quantize("int8")
+    (tmp_path / "older").mkdir()
+    (tmp_path / "fresh").mkdir()
+    older = str(tmp_path / "older" / name)
+    save(model, older)  # (no adapters yet: saved as is)
+    before = _snapshot(older)
+    assert before
+    with pytest.warns(UserWarning, match="int8-quantized"):
+        model.enable_lora(2, targets=("query", "value"))
+    _perturb_adapters(model)
+    for target in (str(tmp_path / "fresh" / name), older):
+        with pytest.raises(ValueError, match=r"Cannot save .*int8-quantized layer "
+                                             r".*save_lora_weights"):
+            save(model, target)
+    assert os.listdir(tmp_path / "fresh") == []  # absent stays absent
+    assert _snapshot(older) == before  # the older save, byte for byte
+    assert os.listdir(tmp_path / "older") == [name]
 
 
 @pytest.mark.parametrize("fmt", ["keras", "preset"])

@@ -923,6 +923,31 @@ class FunctionalModel(keras.Model):
 
         return lora.merge_lora(self)
 
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Keras' `Model.save`, refused (ValueError) before the file is opened when LoRA
+        adapters sit on int8/int4-quantized layers (see `kzoo.lora.check_savable`): the
+        refusal inside Keras' save left an empty `.keras` file, or truncated the older one.
+
+        Example:
+        >>> model.save("gpt.keras")
+        """
+        from kzoo import lora
+
+        lora.check_savable(self)
+        return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Keras' `Model.save_weights`, refused before the file is opened as `save` is.
+
+        Example:
+        >>> model.save_weights("gpt.weights.h5")
+        """
+        from kzoo import lora
+
+        lora.check_savable(self)
+        return super().save_weights(filepath, overwrite=overwrite,
+                                    max_shard_size=max_shard_size)
+
     def export(self, filepath, format="tf_saved_model", verbose=None,  # noqa: A002
                input_signature=None, shapes=None, **kwargs):
         """Export for inference to a TensorFlow SavedModel, ONNX or LiteRT (see
