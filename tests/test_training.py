@@ -456,6 +456,44 @@ def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints")) == []
 
 
+def test_a_diverged_epoch_has_no_row_in_the_log_and_the_resumed_run_logs_it_once(
+        tmp_path, capsys, monkeypatch):
+    """Inputs at float32's largest value at the third step (one step an epoch; finite: NaN
+    inputs are refused up front) make the run diverge in epoch 3
+    after two good epochs. log.csv holds the rows of the last good checkpoint, no NaN row
+    (Keras' CSVLogger had written epoch 3 with a NaN loss, a row no checkpoint or model
+    has); with the data good again, the same command resumes and logs each epoch once."""
+    out = str(tmp_path / "run")
+    log = os.path.join(out, "log.csv")
+    argv = ["vit_digits", "--steps", "4", "--max-epoch-steps", "1", "--save-every", "100",
+            "--out", out, "--verbose", "0", "--no-augment"] + TINY_VIT + ["--batch-size", "16"]
+    clean = D.ArrayTask.train_batch
+
+    def poisoned(self, step):
+        x, y, w = clean(self, step)
+        return (np.full_like(x, np.finfo(np.float32).max) if step == 2 else x), y, w
+
+    monkeypatch.setattr(D.ArrayTask, "train_batch", poisoned)
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "at step 3 " in err and "last good checkpoint is step 2" in err
+    rows = _read_csv(log)
+    assert [r["epoch"] for r in rows] == ["0", "1"]
+    (step, path), = checkpoint.list_checkpoints(os.path.join(out, "checkpoints"))[:1]
+    history = checkpoint.read(path)[0]["history"]
+    assert step == 2 and [h["epoch"] for h in history] == [1, 2]
+    for row, kept in zip(rows, history):  # the log is what the checkpoint resumes from
+        assert np.isfinite(float(row["loss"]))
+        assert float(row["loss"]) == kept["loss"] and float(row["val_loss"]) == kept["val_loss"]
+
+    monkeypatch.setattr(D.ArrayTask, "train_batch", clean)
+    assert main(argv) == 0
+    assert _metrics(out)["run"]["resumed_from_step"] == 2
+    rows = _read_csv(log)
+    assert [r["epoch"] for r in rows] == ["0", "1", "2", "3"]
+    assert all(np.isfinite(float(r["loss"])) for r in rows)
+
+
 def test_a_run_past_the_requested_steps_is_refused_without_a_traceback(tmp_path, capsys):
     """Re-running a finished run's command with fewer `--steps` than its checkpoint has is a
     usage error (exit 2, one line naming the steps and --fresh), not a traceback; the

@@ -12,12 +12,15 @@ They share one `RunState` (global step, per-epoch history, best value, divergenc
   back at the start of the resumed epoch;
 - `StopOnSignal`: on SIGTERM or SIGINT, stops after the current step with a checkpoint of
   it (a second signal ends the process at once);
+- `EpochLog`: rewrites `log.csv` from the run's history at every epoch end (the epochs
+  the checkpoints hold: none that diverged);
 - `PlotCurves`: regenerates the PNG of the curves at every epoch end;
 - `EpochProgbar`: Keras' progress bar, numbering epochs over the whole run (the loop
   calls `fit` once per epoch).
 """
 
 import contextlib
+import csv
 import math
 import os
 import shutil
@@ -334,6 +337,44 @@ class StopOnSignal(keras.callbacks.Callback):
         if self.state.last_checkpoint_step != self.state.step:
             self.step_checkpoint._save(metrics_state=True)
         self.check()
+
+
+def write_log(path, history):
+    """Write `history` (the run's rows, as the checkpoints carry them) to the CSV log
+    `path` as Keras' `CSVLogger` lays it out: `epoch` counted from 0, then the logged
+    values in sorted order ("NA" where a row lacks one). An empty history removes the log.
+    Written to a temporary name and renamed, so the log is never half-written."""
+    if not history:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    keys = sorted({k for row in history for k in row if k not in ("epoch", "step")})
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["epoch"] + keys)
+        writer.writeheader()
+        for row in history:
+            writer.writerow({"epoch": row["epoch"] - 1, **{k: row.get(k, "NA") for k in keys}})
+    os.replace(tmp, path)
+
+
+class EpochLog(keras.callbacks.Callback):
+    """The CSV log (`write_log`) of the run's history, rewritten at every epoch end.
+
+    It holds exactly the epochs that `StepCheckpoint` kept (placed after it): an epoch in
+    which the loss became NaN/inf gets no row. Keras' `CSVLogger` wrote one, with a NaN
+    loss and the metrics of broken weights (a plausible `accuracy` among them), that no
+    checkpoint or saved model matches and that a resumed run dropped again.
+    """
+
+    def __init__(self, state, path):
+        super().__init__()
+        self.state = state
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.state.diverged is None:
+            write_log(self.path, self.state.history)
 
 
 class PlotCurves(keras.callbacks.Callback):

@@ -1,10 +1,12 @@
 """The training harness every recipe uses: `RunConfig` and `run(...)`.
 
 `run` compiles the model with AdamW on a `kzoo.schedules.WarmupInverseSqrt` schedule and
-gradient clipping, trains it with `model.fit` (Keras' progress bar, `CSVLogger`,
-`TerminateOnNaN` and the callbacks of `training.callbacks`), and writes into `cfg.out`:
+gradient clipping, trains it with `model.fit` (Keras' progress bar and `TerminateOnNaN`,
+and the callbacks of `training.callbacks`), and writes into `cfg.out`:
 
-- `log.csv`: one row per epoch (Keras' `CSVLogger`, appending when a run resumes);
+- `log.csv`: one row per epoch, laid out as Keras' `CSVLogger` does: the epochs the latest
+  checkpoint holds (a resumed run continues it; an epoch in which the loss became NaN/inf
+  has no row, the error says where it diverged);
 - `curves.png`: the loss and metric curves, redrawn at every epoch end and at the end;
 - `metrics.json`: the final metrics (`"metrics"`) and facts about the run (`"run"`);
 - `model/`: the trained model as a preset directory (`kzoo.presets.load("<out>/model")`);
@@ -217,24 +219,6 @@ def _json_default(obj):
     return str(obj)
 
 
-def _rewrite_csv(path, history):
-    """The CSV log as `CSVLogger` writes it, rebuilt from a checkpoint's history."""
-    import csv
-
-    if not history:
-        if os.path.exists(path):
-            os.remove(path)
-        return
-    keys = sorted({k for row in history for k in row if k not in ("epoch", "step")})
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["epoch"] + keys)
-        writer.writeheader()
-        for row in history:
-            writer.writerow({"epoch": row["epoch"] - 1, **{k: row.get(k, "NA") for k in keys}})
-    os.replace(tmp, path)
-
-
 def _count(variables):
     return int(sum(np.prod(v.shape) for v in variables))
 
@@ -420,7 +404,7 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
             print(f"Resuming {cfg.recipe} from step {state.step} "
                   f"(checkpoint in {ckpt_dir}).", flush=True)
         if plan.leader:
-            _rewrite_csv(paths["csv"], state.history)
+            cb.write_log(paths["csv"], state.history)
     elif os.path.exists(paths["csv"]) and plan.leader:
         os.remove(paths["csv"])  # a log without checkpoints belongs to no resumable run
     plan.attach(model)  # torch: the same weights everywhere, gradients averaged
@@ -450,7 +434,7 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
         ("best", best_model),
         ("checkpoint", cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint,
                                          extra_meta, epoch_steps=epoch_steps)),
-        ("csv", keras.callbacks.CSVLogger(paths["csv"], append=True)),
+        ("csv", cb.EpochLog(state, paths["csv"])),  # (after "checkpoint")
         ("plot", cb.PlotCurves(state, paths["plot"],
                                title=f"{cfg.recipe} ({keras.backend.backend()})")),
     ]
