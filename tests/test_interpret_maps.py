@@ -17,7 +17,7 @@ from kzoo import graphs
 from kzoo.interpret import attention_maps, masked_heads
 from kzoo.layers import set_attention_kernel
 from kzoo.layers.attention import MultiHeadAttention
-from kzoo.layers.taps import active_tap
+from kzoo.layers.taps import Tap, active_tap
 from tests.harness import backend, forward, hf_checkpoint, to_numpy, torch_forward
 
 ATOL = 1e-5
@@ -403,6 +403,51 @@ def test_masked_heads_refuses_to_hide_another_tap(bert, gpt2):
             with masked_heads(bert[0], np.ones((2, 4))):
                 pass
     assert active_tap() is None
+
+
+class _HalveHeads(Tap):
+    """A user tap of its own: halves head 0 of every layer (a head scale)."""
+
+    def head_scale(self, layer, index):
+        return np.array([0.5, 1.0, 1.0, 1.0], "float32")
+
+
+def test_a_tap_inside_masked_heads_sees_the_masked_model(bert):
+    # (a plain Tap entered inside masked_heads became the only active tap: the model ran
+    # unmasked under it and the tap recorded the unmasked maps)
+    import torch
+
+    model, hf, x, hf_x, mask = bert
+    head_mask = np.ones((2, 4), "float32")
+    head_mask[0, 1] = 0.0   # remove a head
+    head_mask[1, 3] = 0.5   # halve another
+    expected = _hf(hf, hf_x, head_mask=torch.tensor(head_mask))
+    halved = head_mask * np.array([0.5, 1.0, 1.0, 1.0], "float32")  # NumPy product
+    expected_halved = _hf(hf, hf_x, head_mask=torch.tensor(halved)).logits.numpy()
+    with masked_heads(model, head_mask):
+        alone = to_numpy(model(x))
+        with Tap() as tap:
+            tapped = to_numpy(model(x))
+        with Tap() as outer, Tap() as inner:   # taps inside taps see the same pass
+            to_numpy(model(x))
+        with _HalveHeads():
+            scaled = to_numpy(model(x))
+        after = to_numpy(model(x))
+    assert active_tap() is None
+    plain = to_numpy(model(x))
+    diffs = {name: _real_diff(value, expected.logits.numpy(), mask)
+             for name, value in [("alone", alone), ("under a Tap", tapped),
+                                 ("after the Tap", after)]}
+    diffs["under a head-scaling Tap"] = _real_diff(scaled, expected_halved, mask)
+    print(f"[{backend()}] a Tap inside masked_heads vs transformers' head_mask: {diffs}")
+    assert max(diffs.values()) <= ATOL, diffs
+    assert _real_diff(plain, expected.logits.numpy(), mask) > 1e-3  # the mask matters
+    maps = [to_numpy(record.weights) for record in tap.attention_records]
+    assert_maps_match(maps, expected.attentions, mask, "maps a Tap records in masked_heads")
+    assert np.all(maps[0][:, 1] == 0.0)
+    for taps in (outer, inner):
+        assert_maps_match([to_numpy(r.weights) for r in taps.attention_records],
+                          expected.attentions, mask, "nested Taps in masked_heads")
 
 
 def _hf_greedy(hf, ids, steps, head_mask=None):

@@ -142,7 +142,13 @@ class _InterpretTap(Tap):
 
     The scaled (and perturbed) probabilities are what the layer goes on with, and what
     `maps[key][i]` holds: a masked head reads as zeros, as transformers' attentions do.
+    A plain `Tap` entered inside this one passes every tensor through it first (it sees
+    the masked model); this tap does not pass tensors through an enclosing one: it
+    combines an enclosing `masked_heads` of its model through `nest`, and the
+    `kzoo.interpret` functions take that mask explicitly (`_prepare_mask`).
     """
+
+    chains_enclosing = False
 
     def __init__(self, layout, head_mask=None, perturb=None, embedding_fn=None,
                  keep_blocks=False, record_embeddings=False, forget_compiled=False,
@@ -476,7 +482,10 @@ def masked_heads(model, head_mask):
     it), and leaving the inner one (also by an exception) restores the outer mask. Entering
     one inside another active tap (`masked_heads` of a different model, a plain
     `kzoo.layers.taps.Tap`) raises RuntimeError: only the innermost tap is active, so the
-    outer one would silently stop working.
+    outer one would silently stop working. The other way round is fine: a plain `Tap` (or
+    a subclass) entered inside `masked_heads` sees the masked model, so calls under it give
+    the outputs of `masked_heads` alone and it records the scaled probabilities (zeros for
+    a removed head), as `attention_maps` shows them.
 
     The mask applies to direct calls (`model(inputs)`), to `predict` / `evaluate` /
     `*_on_batch` and to `generate` called inside the context: the functions Keras (and

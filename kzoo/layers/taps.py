@@ -15,6 +15,13 @@ Taps see the tensors of the current call, so they work in eager calls and inside
 function (a `jax.grad`, a `tf.GradientTape`, a Keras train step): the recorded tensors must
 be used inside the same trace.
 
+Nested taps: a tap entered while another is active hands every tensor to the enclosing tap
+first and sees what that one passes on (its head scales multiply the inner tap's), so an
+outer tap that alters the pass, such as `kzoo.interpret.masked_heads`, keeps applying inside
+an inner `Tap`, which records the probabilities the model really uses. A subclass that
+handles an enclosing tap itself sets `chains_enclosing = False` (the enclosing tap then sees
+nothing while it is active).
+
 Example:
 >>> with Tap() as tap:
 ...     model(inputs)
@@ -22,6 +29,8 @@ Example:
 """
 
 import dataclasses
+
+from keras import ops
 
 _ACTIVE = []
 
@@ -64,7 +73,13 @@ class Tap:
         record_attention: keep the attention probabilities in `attention_records`.
         record_blocks: keep block outputs in `block_records`.
         record_embeddings: keep input embeddings in `embedding_records`.
+
+    Entered inside another active tap, this one passes each tensor through the enclosing tap
+    before its own hooks (see the module docstring), unless `chains_enclosing` is False.
     """
+
+    # Whether the tap active when this one is entered still sees (first) every tensor.
+    chains_enclosing = True
 
     def __init__(self, record_attention=True, record_blocks=False, record_embeddings=False):
         self.record_attention = record_attention
@@ -76,6 +91,7 @@ class Tap:
         self._attention_calls = 0
         self._block_calls = 0
         self._embedding_calls = 0
+        self._enclosing = None  # the tap this one passes tensors through (while entered)
 
     # Hooks called by the layers ------------------------------------------------------------
     def attention(self, layer, index, weights):
@@ -100,6 +116,8 @@ class Tap:
 
     # Plumbing --------------------------------------------------------------------------------
     def _on_attention(self, layer, weights):
+        if self._enclosing is not None:
+            weights = self._enclosing._on_attention(layer, weights)
         index = self._attention_calls
         self._attention_calls += 1
         weights = self.attention(layer, index, weights)
@@ -108,9 +126,15 @@ class Tap:
         return weights
 
     def _head_scale(self, layer):
-        return self.head_scale(layer, self._attention_calls - 1)
+        scale = self.head_scale(layer, self._attention_calls - 1)
+        outer = None if self._enclosing is None else self._enclosing._head_scale(layer)
+        if outer is None or scale is None:
+            return scale if outer is None else outer
+        return ops.cast(outer, "float32") * ops.cast(scale, "float32")
 
     def _on_block(self, layer, output):
+        if self._enclosing is not None:
+            output = self._enclosing._on_block(layer, output)
         index = self._block_calls
         self._block_calls += 1
         output = self.block(layer, index, output)
@@ -119,6 +143,8 @@ class Tap:
         return output
 
     def _on_embedding(self, layer, output):
+        if self._enclosing is not None:
+            output = self._enclosing._on_embedding(layer, output)
         index = self._embedding_calls
         self._embedding_calls += 1
         output = self.embedding(layer, index, output)
@@ -127,11 +153,13 @@ class Tap:
         return output
 
     def __enter__(self):
+        self._enclosing = active_tap() if self.chains_enclosing else None
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
+        self._enclosing = None
         return False
 
 
