@@ -323,7 +323,7 @@ def _next_token_loss(logits, x):
     log_probs = z - z.max(-1, keepdims=True)
     log_probs = log_probs - np.log(np.exp(log_probs).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_probs, ids[:, 1:, None].astype(int), -1)[..., 0]
-    weight = mask[:, 1:] > 0
+    weight = (mask[:, :-1] > 0) & (mask[:, 1:] > 0)  # a real token predicting a real one
     return (nll * weight).sum() / weight.sum()
 
 
@@ -350,6 +350,35 @@ def test_head_importance_matches_finite_differences(gpt):
           f"{expected.ravel()}")
     np.testing.assert_allclose(importance, expected, atol=2e-3, rtol=2e-2)
     assert expected.max() > 5e-2
+
+
+def test_head_importance_of_padded_batches_is_that_of_the_sequence_alone():
+    # (the default next-token loss weighted position t by token t + 1 alone: a left-padded
+    # row also counted its last pad, a query that sees only padding, predicting its first
+    # real token, and its importance was not that of the sequence)
+    lm = GPTCausalLM(GPTBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                                 hidden_dim=16, intermediate_dim=24, max_sequence_length=16,
+                                 position="rotary", dropout=0.0))  # relative positions:
+    _randomize(lm, 3)                                               # a shift changes nothing
+    sequence = np.random.default_rng(4).integers(1, VOCAB, 5)
+
+    def batch(*pads):
+        """One row a (left, right) padding of `sequence`; the padding holds id 7."""
+        ids = [np.concatenate([np.full(a, 7), sequence, np.full(b, 7)]) for a, b in pads]
+        mask = [np.concatenate([np.zeros(a), np.ones(5), np.zeros(b)]) for a, b in pads]
+        return {"token_ids": np.stack(ids).astype("int32"),
+                "padding_mask": np.stack(mask).astype("int32")}
+
+    alone = head_importance(lm, [batch((0, 0))])  # the reference: no padding at all
+    padded = {"left": head_importance(lm, [batch((2, 0))]),
+              "right": head_importance(lm, [batch((0, 2))]),
+              # one mean over both rows' real pairs: the same mean as the sequence alone
+              "left and right rows": head_importance(lm, [batch((3, 0), (0, 3))])}
+    diffs = {name: float(np.abs(value - alone).max()) for name, value in padded.items()}
+    print(f"[{backend()}] head importance alone {alone.ravel()}; padded vs alone {diffs}")
+    assert alone.max() > 5e-2
+    for name, value in padded.items():
+        np.testing.assert_allclose(value, alone, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 # === Errors ===

@@ -609,7 +609,12 @@ def head_importance(model, data, loss=None, head_mask=None):
             (token models: `kzoo.losses.TokenCrossentropy`), sparse categorical
             cross-entropy on logits for classifiers, mean squared error for a Graphormer
             regression; a `GPTCausalLM` given batches without labels uses the next-token
-            loss of its inputs (the mean cross-entropy over the real next tokens).
+            loss of its inputs: the mean cross-entropy over the pairs (position t, token
+            t + 1) where both are real tokens by `padding_mask`, so padding, left or right,
+            is neither a query nor a target and a padded batch of one sequence scores as
+            the sequence alone. (A left-padded row shifts the learned positions of a
+            `position="learned"` model, as in its own forward pass; rotary positions are
+            relative and see no shift.)
         head_mask: optional head mask at which to differentiate (see `masked_heads`;
             multiplied with the mask of an enclosing `masked_heads`).
 
@@ -664,16 +669,19 @@ def head_importance(model, data, loss=None, head_mask=None):
         else:
             batch_loss, mode = loss, "labels"
         if mode == "next_token":
-            sample_weight = (np.asarray(x["padding_mask"])[:, 1:] > 0).astype("float32")
+            # Position t predicts token t + 1: it counts only when both are real. (With the
+            # target alone, a left-padded row counted its last pad predicting its first
+            # real token: the output of a query that sees nothing but padding.)
+            real = np.asarray(x["padding_mask"]) > 0
+            sample_weight = (real[:, :-1] & real[:, 1:]).astype("float32")
             if not sample_weight.any():
                 # (a mean over no tokens is 0: every score of such a batch was 0, silently)
-                real = np.sum(np.asarray(x["padding_mask"]) > 0, axis=1).tolist()
                 raise ValueError(
                     f"`data` batch {index} has no next token to predict: the default loss of "
-                    f"a {type(model).__name__} without labels needs a row with at least 2 "
+                    f"a {type(model).__name__} without labels needs a row with 2 adjacent "
                     f"real tokens; got token_ids of shape {np.shape(x['token_ids'])} with "
-                    f"{real} real tokens per row. Pass longer sequences, or "
-                    "(inputs, labels) batches and a `loss`."
+                    f"{real.sum(axis=1).tolist()} real tokens per row. Pass longer "
+                    "sequences, or (inputs, labels) batches and a `loss`."
                 )
             # (padding may hold any id, e.g. -1: its weight is 0, and a label 0 keeps the
             # loss' lookup in range on every backend)
