@@ -381,6 +381,22 @@ def test_head_importance_of_padded_batches_is_that_of_the_sequence_alone():
         np.testing.assert_allclose(value, alone, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_a_row_of_padding_has_no_default_position(gpt):
+    # (the last real position of a row without one fell back to seq - 1: a padding
+    # position's logit was explained without a word)
+    lm, x = gpt
+    empty = {"token_ids": x["token_ids"].copy(), "padding_mask": x["padding_mask"].copy()}
+    empty["padding_mask"][1] = 0
+    for explain in (attention_gradient, lambda *a, **k: integrated_gradients(*a, steps=2,
+                                                                             **k)):
+        with pytest.raises(ValueError, match=r"`inputs\['padding_mask'\]` marks no real "
+                                             r"token in row\(s\) \[1\].*pass `position`"):
+            explain(lm, empty)
+    # an explicit position is the caller's choice, taken as given
+    scores = attention_gradient(lm, empty, position=[5, 0])
+    assert scores["self"][0].shape == (2, 2, 6, 6)
+
+
 # === Errors ===
 
 

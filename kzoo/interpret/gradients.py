@@ -25,7 +25,9 @@ example's gradients are its own):
   logit of token `target` at position `position`. `position` defaults to the last real
   position (by the padding mask: `padding_mask`, T5's `decoder_padding_mask`), i.e. the
   next-token prediction of a causal LM and the last decoder step of T5; give the masked
-  position of a masked LM. `target` defaults to the predicted token (argmax) there;
+  position of a masked LM. A row that is all padding has no such position: without
+  `position` it is refused (ValueError naming the row), never read at a padding position.
+  `target` defaults to the predicted token (argmax) there;
 - anything else (a backbone, or another choice): `target` may be a callable
   `target(outputs) -> (batch,)` tensor.
 
@@ -112,8 +114,17 @@ def _selection(layout, inputs, outputs, target, position):
                 positions = np.full((batch,), seq - 1)
             else:
                 real = np.asarray(inputs[key]) > 0
-                positions = np.where(real.any(1), seq - 1 - np.argmax(real[:, ::-1], 1),
-                                     seq - 1)
+                empty = np.flatnonzero(~real.any(1))
+                if empty.size:
+                    # (such a row fell back to position seq - 1: a padding position's
+                    # logit, explained without a word)
+                    raise ValueError(
+                        f"`inputs[{key!r}]` marks no real token in row(s) "
+                        f"{empty.tolist()} (all padding), so they have no last real "
+                        "position to explain by default; pass `position` (an int or one "
+                        "per example) or leave those rows out."
+                    )
+                positions = seq - 1 - np.argmax(real[:, ::-1], 1)
         else:
             positions = _per_example("position", position, batch, -seq, seq) % seq
         place = np.zeros((batch, seq), "float32")
@@ -200,7 +211,8 @@ def attention_gradient(model, inputs, target=None, position=None, head_mask=None
         target: None (the predicted class / token), an int or one int per example (a class
             or token id), or a callable `target(outputs) -> (batch,)` tensor.
         position: for `(batch, seq, vocab)` outputs, the position explained: None (the last
-            real position), an int or one int per example (negative counts from the end).
+            real position; a row that is all padding is refused), an int or one int per
+            example (negative counts from the end).
         head_mask: optional head mask (see `masked_heads`; multiplied with the mask of an
             enclosing `masked_heads`).
 
@@ -209,7 +221,8 @@ def attention_gradient(model, inputs, target=None, position=None, head_mask=None
         "cross"), each float32 `(batch, heads, query, key)`, `A * |dL/dA|` >= 0.
 
     Raises:
-        ValueError: bad model, inputs, target, position or head mask.
+        ValueError: bad model, inputs, target, position or head mask; without `position`,
+            a token model's row that is all padding (it has no real position to explain).
 
     Example:
     >>> scores = attention_gradient(classifier, inputs)          # explain the predicted class
@@ -372,7 +385,8 @@ def integrated_gradients(model, inputs, target=None, steps=32, baseline=None, po
         the completeness gap).
 
     Raises:
-        ValueError: bad model, inputs, target, position, steps, baseline or method.
+        ValueError: bad model, inputs, target, position, steps, baseline or method; without
+            `position`, a token model's row that is all padding (as `attention_gradient`).
 
     Example:
     >>> ig = integrated_gradients(vit_classifier, images, steps=64)
