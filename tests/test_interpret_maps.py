@@ -412,7 +412,7 @@ class _HalveHeads(Tap):
         return np.array([0.5, 1.0, 1.0, 1.0], "float32")
 
 
-def test_a_tap_inside_masked_heads_sees_the_masked_model(bert):
+def test_a_tap_inside_masked_heads_sees_the_masked_model(bert, gpt2):
     # (a plain Tap entered inside masked_heads became the only active tap: the model ran
     # unmasked under it and the tap recorded the unmasked maps)
     import torch
@@ -432,6 +432,8 @@ def test_a_tap_inside_masked_heads_sees_the_masked_model(bert):
             to_numpy(model(x))
         with _HalveHeads():
             scaled = to_numpy(model(x))
+        with Tap() as other_tap:   # another model (a distillation student) is left alone
+            other = to_numpy(gpt2[0](gpt2[2]))
         after = to_numpy(model(x))
     assert active_tap() is None
     plain = to_numpy(model(x))
@@ -448,6 +450,10 @@ def test_a_tap_inside_masked_heads_sees_the_masked_model(bert):
     for taps in (outer, inner):
         assert_maps_match([to_numpy(r.weights) for r in taps.attention_records],
                           expected.attentions, mask, "nested Taps in masked_heads")
+    other_expected = _hf(gpt2[1], gpt2[3])
+    assert _real_diff(other, other_expected.logits.numpy(), gpt2[4]) <= ATOL
+    assert_maps_match([to_numpy(r.weights) for r in other_tap.attention_records],
+                      other_expected.attentions, gpt2[4], "another model in masked_heads")
 
 
 def _hf_greedy(hf, ids, steps, head_mask=None):

@@ -166,6 +166,11 @@ class _InterpretTap(Tap):
         self.maps = {key: [None] * len(layers) for key, layers in layout.attention.items()}
         self.blocks = {key: [None] * len(blocks) for key, blocks in layout.blocks.items()}
 
+    def _covers(self, layer):
+        # (a `Tap` inside `masked_heads` may run another model too, e.g. a distillation
+        # student: its layers pass through the inner tap alone)
+        return id(layer) in self.layout._attention_slot
+
     def attention(self, layer, index, weights):
         key, i = self.layout.attention_slot(layer)
         if self.head_mask is not None and self.head_mask.get(key) is not None:

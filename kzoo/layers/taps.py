@@ -115,8 +115,17 @@ class Tap:
         return output
 
     # Plumbing --------------------------------------------------------------------------------
+    def _passes_through(self, layer):
+        """Whether the tensors of `layer` go through the enclosing tap (see `_covers`)."""
+        return self._enclosing is not None and self._enclosing._covers(layer)
+
+    def _covers(self, layer):
+        """Whether this tap, as an enclosing one, takes the tensors of attention `layer`
+        from an inner tap (a tap bound to one model leaves other models' layers alone)."""
+        return True
+
     def _on_attention(self, layer, weights):
-        if self._enclosing is not None:
+        if self._passes_through(layer):
             weights = self._enclosing._on_attention(layer, weights)
         index = self._attention_calls
         self._attention_calls += 1
@@ -127,7 +136,7 @@ class Tap:
 
     def _head_scale(self, layer):
         scale = self.head_scale(layer, self._attention_calls - 1)
-        outer = None if self._enclosing is None else self._enclosing._head_scale(layer)
+        outer = self._enclosing._head_scale(layer) if self._passes_through(layer) else None
         if outer is None or scale is None:
             return scale if outer is None else outer
         return ops.cast(outer, "float32") * ops.cast(scale, "float32")
