@@ -391,8 +391,6 @@ def test_nested_t5_masks_combine_key_by_key(t5):
 
 
 def test_masked_heads_refuses_to_hide_another_tap(bert, gpt2):
-    from kzoo.layers.taps import Tap
-
     with Tap():
         with pytest.raises(RuntimeError, match=r"`masked_heads` cannot be entered inside "
                                                r"another active tap \(Tap\)"):

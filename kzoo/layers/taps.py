@@ -18,9 +18,11 @@ be used inside the same trace.
 Nested taps: a tap entered while another is active hands every tensor to the enclosing tap
 first and sees what that one passes on (its head scales multiply the inner tap's), so an
 outer tap that alters the pass, such as `kzoo.interpret.masked_heads`, keeps applying inside
-an inner `Tap`, which records the probabilities the model really uses. A subclass that
-handles an enclosing tap itself sets `chains_enclosing = False` (the enclosing tap then sees
-nothing while it is active).
+an inner `Tap`, which records the probabilities the model really uses. An enclosing tap
+bound to one model (`masked_heads`) takes only that model's attention layers (`_covers`):
+another model run under the inner tap passes through it alone. A subclass that handles an
+enclosing tap itself sets `chains_enclosing = False` (the enclosing tap then sees nothing
+while it is active).
 
 Example:
 >>> with Tap() as tap:
