@@ -272,6 +272,100 @@ def test_decoding_lays_the_pattern_on_a_left_padded_rows_tokens(kind, options):
             lm.generate([prompts[0]], max_new_tokens=18)
 
 
+# === Decoding on a cache equals the forward pass without one, at every step ===
+
+
+DECODE_CASES = SPARSE_CASES + [
+    # Global tokens past a short prefix (a count of 4 on a 3-token prompt; position 9), and
+    # `max_global` below the count (it bounds call-time masks only: every option token stays).
+    ("longformer", {"window": 2, "global_tokens": 4, "block_size": 4, "max_global": 1}),
+    ("longformer", {"window": 2, "global_tokens": [2, 9]}),
+]
+
+
+def _np_global_flags(n, global_tokens):
+    flags = np.zeros(n, bool)
+    flags[list(global_tokens) if isinstance(global_tokens, list) else slice(global_tokens)] = 1
+    return flags
+
+
+@pytest.mark.parametrize("kind, options", DECODE_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(DECODE_CASES)])
+def test_cache_decoding_equals_the_forward_pass_at_every_step(kind, options):
+    """Greedy decoding runs a 3-token prompt, then one token a step, on the cache. Each step's
+    output (and, with return_attention_weights, its weights) must equal the last row of the
+    forward pass without a cache on the tokens so far (checked on prefixes of 1, 3, 6, 10 and
+    13 tokens), and a NumPy softmax under the type's causal pattern. A causal longformer
+    refused the prefixes shorter than its global positions ("asks for more global tokens
+    than the sequence has", "positions must lie in [0, n)") that decoding took."""
+    x = np.random.default_rng(7).normal(size=(2, N, DIM)).astype("float32")
+    layer = MultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, attention=kind,
+                               attention_options=options)
+    layer.build(x.shape)
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    if kind == "longformer":
+        flags = _np_global_flags(N, options["global_tokens"])
+        pattern = (np.abs(i - j) < options["window"]) | flags[None, :] | flags[:, None]
+    elif kind == "bigbird":
+        pattern = bigbird_layout(4, **{k: v for k, v in options.items() if k != "block_size"},
+                                 causal=True)[0][i // 4, j // 4]
+    elif kind == "block_sparse":
+        pattern = BLOCK_LAYOUT[i // 4, j // 4]
+    else:
+        pattern = _np_pattern(kind, N, False, **options)
+    pattern &= j <= i
+    q, k, v = _np_projections(layer, x)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(pattern, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = _np_output(layer, np.einsum("bhqk,bkhd->bqhd", weights, v))
+    prompt = 3
+    for return_weights in (False, True):
+        cache = layer.init_cache(2, N)
+        got = layer(x[:, :prompt], use_causal_mask=True, cache=cache, cache_index=0,
+                    return_attention_weights=return_weights)
+        steps, cache = [to_numpy(got[0])], got[-1]
+        for t in range(prompt, N):
+            got = layer(x[:, t:t + 1], use_causal_mask=True, cache=cache, cache_index=t,
+                        return_attention_weights=return_weights)
+            steps.append(to_numpy(got[0]))
+            cache = got[-1]
+            if return_weights:  # (the cache's N slots: those after t weigh nothing)
+                keys = np.arange(N)
+                if kind == "sliding_window":  # a rolling cache: slot s holds the position
+                    keys = t - (t - np.arange(options["window"])) % options["window"]
+                assert_close(to_numpy(got[1])[:, :, 0], weights[:, :, t, keys], atol=1e-5)
+        assert_close(np.concatenate(steps, axis=1), expected, atol=1e-5)
+    for t in (1, 3, 6, 10, N):  # the forward pass on prefixes, without a cache
+        out, prefix_weights = layer(x[:, :t], use_causal_mask=True,
+                                    return_attention_weights=True)
+        assert_close(to_numpy(out), expected[:, :t], atol=1e-5)
+        assert_close(to_numpy(layer(x[:, :t], use_causal_mask=True)), expected[:, :t],
+                     atol=1e-5)
+        assert_close(to_numpy(prefix_weights), weights[:, :, :t, :t], atol=1e-5)
+
+
+def test_longformer_cache_refuses_a_call_time_global_mask():
+    """A cache keeps no record of which keys a call's `global_attention_mask` made global:
+    decoding with one ignored it (4.2 away from the forward pass with the mask); it is
+    refused, naming the mask and the option that decoding reads."""
+    x = np.random.default_rng(8).normal(size=(2, 6, DIM)).astype("float32")
+    layer = MultiHeadAttention(HEADS, attention="longformer",
+                               attention_options={"window": 2, "global_tokens": 0})
+    global_mask = np.zeros((2, 6), bool)
+    global_mask[:, 1] = True
+    layer.build(x.shape)
+    cache = layer.init_cache(2, 6)
+    with pytest.raises(ValueError, match=r"`global_attention_mask` cannot be used with a "
+                       r"decoding `cache`.*`global_tokens`.*shape \(2, 4\)"):
+        layer(x[:, :4], use_causal_mask=True, cache=cache, cache_index=0,
+              global_attention_mask=global_mask[:, :4])
+    # Without a cache the same mask is read.
+    assert tuple(layer(x, use_causal_mask=True, global_attention_mask=global_mask).shape) == (
+        2, 6, DIM)
+
+
 # === GPT: Mistral / Mixtral sliding windows against transformers ===
 
 

@@ -551,6 +551,16 @@ class MultiHeadAttention(keras.layers.Layer):
                     f"attention={kind!r} caches are for causal self-attention decoding: pass "
                     "`cache_index` and use_causal_mask=True."
                 )
+            if global_mask is not None:
+                # (a cache keeps no record of which cached keys a call's mask made global:
+                # the mask was ignored, and the outputs were those of `global_tokens`)
+                raise ValueError(
+                    "`global_attention_mask` cannot be used with a decoding `cache`: decoding "
+                    "lays the global tokens of the attention option `global_tokens` (a count "
+                    "or a list of positions); set them there, or call the layer on the whole "
+                    "sequence without a cache; got global_attention_mask of shape "
+                    f"{tuple(global_mask.shape)} with a cache."
+                )
             # (a `position_index` other than `cache_index`: per-row positions, e.g. a
             # left-padded prompt, on which the global tokens and blocks are laid)
             shift = (ops.cast(cache_index, "int32") - ops.cast(start, "int32")
@@ -565,7 +575,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 # flags of a row (the pattern of every flag gave other weights and outputs).
                 global_mask = self._global_slots(query, global_mask)[0]
             if self._global_projections:
-                flags = self._global_slots(query, global_mask)[0]
+                flags = self._global_slots(query, global_mask, use_causal_mask)[0]
                 kg, vg = self._project_global_key_value(query)
                 qg = self._split(project(self.query_global_dense, query), self.num_heads)
                 global_rows = (qg, kg, flags)
@@ -619,9 +629,9 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         return global_mask
 
-    def _global_slots(self, query, global_mask):
+    def _global_slots(self, query, global_mask, causal=False):
         return efficient.longformer_slots(self.attention_options, query.shape[1],
-                                          query.shape[0], global_mask)
+                                          query.shape[0], global_mask, causal=causal)
 
     def _project_global_key_value(self, query):
         return (self._split(project(self.key_global_dense, query), self._kv_heads),
@@ -630,7 +640,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def _global_projection_rows(self, query, out, mask, causal, global_mask):
         """`out` with the global tokens' rows recomputed under the global projections
         (O(G * n): only the G global queries are projected and scored)."""
-        slots = self._global_slots(query, global_mask)
+        slots = self._global_slots(query, global_mask, causal)
         if slots[1].shape[1] == 0:  # no global token
             return out
         onehot = ops.cast(slots[1], query.dtype)

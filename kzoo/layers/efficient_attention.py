@@ -42,13 +42,17 @@ global tokens sets G. Inside a compiled function (`fit`, `jax.jit`, `tf.function
 not known, so G is `max_global` when set (the first `max_global` global tokens of each row are
 kept) and otherwise every position, which makes the global part O(n^2): set `max_global` for
 compiled training with a global mask. Eagerly, a row with more than `max_global` global tokens
-raises a `ValueError`.
+raises a `ValueError`. A causal call leaves out the `global_tokens` positions at or past the end
+of its sequence (no query sees them yet), so it is the prefix of a longer causal sequence;
+a non-causal call refuses them.
 
 Decoding (see `MultiHeadAttention`): "sliding_window" keeps a rolling cache of `window` key /
 value slots (`rolling_cache_length`), so a cache's memory does not grow with the length;
 "linear" and "performer" keep the O(1) recurrent state `(S, z)` of
 `kzoo.layers.linear_attention_state`. The other sparse variants decode on a full key/value
-cache with their pattern as a dense mask of the cached keys (`dense_pattern`).
+cache with their pattern as a dense mask of the cached keys (`dense_pattern`); "longformer"
+decodes with the global tokens of its `global_tokens` option (a call-time
+`global_attention_mask` is refused with a cache, which keeps no record of it).
 
 Example:
 >>> check_attention("sliding_window", {"window": 128})
@@ -261,16 +265,22 @@ def projection(attention, options, head_dim):
     return linear_mod.random_projection(m, head_dim, fmap, options["seed"])
 
 
-def _global_arg(options, n, global_mask):
+def _global_arg(options, n, global_mask, causal=False):
+    """The global tokens of a call on `n` tokens. Causal, the option's positions at or past
+    `n` are dropped: no query of the sequence sees them yet (its prefix of a longer causal
+    sequence, as decoding on a cache gives it); otherwise they are refused."""
     if global_mask is not None:
         return global_mask
     g = options["global_tokens"]
     if isinstance(g, tuple):
-        return np.asarray(g, dtype="int32")
+        positions = np.asarray(g, dtype="int32")
+        return positions[positions < n] if causal else positions
+    if causal:
+        g = min(g, n)
     if g > n:
         raise ValueError(
             f"`global_tokens`={g} asks for more global tokens than the sequence has "
-            f"({n} tokens)."
+            f"({n} tokens; a causal layer takes the first {n} of them)."
         )
     # An int array, also when empty (`global_tokens=0`: no global token).
     return np.arange(g, dtype="int32")
@@ -340,7 +350,7 @@ def _dispatch(query, key, value, attention, options, causal, mask, scale, global
                                             causal=causal, mask=mask, scale=scale)
     if attention == "longformer":
         return sparse_mod.longformer_attention(
-            query, key, value, options["window"], _global_arg(options, n, global_mask),
+            query, key, value, options["window"], _global_arg(options, n, global_mask, causal),
             causal=causal, mask=mask, scale=scale, block_size=options["block_size"],
             max_global=_max_global(options, n, global_mask))
     if attention == "block_sparse":
@@ -439,11 +449,12 @@ def _block_layout(attention, options, n):
         num_heads=1, seed=options["seed"])
 
 
-def longformer_slots(options, n, batch, global_mask=None):
+def longformer_slots(options, n, batch, global_mask=None, causal=False):
     """The global tokens of a "longformer" call: `(flags (b|1, n) bool, one_hot (b|1, G, n)
     float32, slot_valid (b|1, G) bool, positions (b|1, G) int32)`, G the most global tokens
     a row has (padded slots are not valid). `global_mask` `(batch, seq)` replaces the
-    `global_tokens` option, as in `efficient_attention`.
+    `global_tokens` option, as in `efficient_attention`; `causal`: the option's positions
+    past the sequence are left out, as there.
 
     Example:
     >>> flags, one_hot, valid, positions = longformer_slots(
@@ -452,7 +463,7 @@ def longformer_slots(options, n, batch, global_mask=None):
     [[0]]
     """
     return sparse_mod._global_slots(
-        _global_arg(options, n, global_mask), n, batch,
+        _global_arg(options, n, global_mask, causal), n, batch,
         _max_global(options, n, global_mask))
 
 
