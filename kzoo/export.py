@@ -403,10 +403,14 @@ def _max_sequence_constraints(model, shapes):
 
 
 def _check_moe_dynamic_batch(model, format, backend, signature):  # noqa: A002
-    """ONNX on JAX of a mixture-of-experts model with a dynamic batch is refused by name:
-    the routing sizes its slot grid from the token count, which jax2onnx cannot carry as a
-    symbolic size ("no origin recorded for symbolic dim"; before that,
-    InconclusiveDimensionOperation from inside the MoE layer)."""
+    """ONNX on JAX of a mixture-of-experts model with a dynamic batch is refused by name,
+    with or without `capacity_factor`: the routing sizes its slot grid from the token count,
+    which jax2onnx cannot carry as a symbolic size. Measured (Dec 2026, refusal lifted): the
+    `arange` over the assignments traced as a sentinel size ("Incompatible types for
+    broadcasting: int32[JAX2ONNX_DYNAMIC_DIM_SENTINEL] and int32[16*batch]"); without it,
+    the grid's zeros failed ("no origin recorded for symbolic dim '32*batch + 1'"), and
+    without those, a slice by the grid size ("Symbolic dimension '32*batch' used in a
+    context that requires a constant")."""
     if (backend, format) != ("jax", "onnx"):
         return
     from keras import tree
@@ -420,9 +424,11 @@ def _check_moe_dynamic_batch(model, format, backend, signature):  # noqa: A002
         return
     raise ValueError(
         f"{model.name!r} has mixture-of-experts layers, whose routing jax2onnx cannot "
-        "export with a dynamic batch: format='onnx' on the jax backend needs a fixed batch "
-        "for it, e.g. shapes={'batch': 1, 'sequence': 128}. format='tf_saved_model' on JAX, "
-        "or format='onnx' on the tensorflow backend, keep the batch dynamic."
+        "export with a dynamic batch (with or without capacity_factor: the routing sizes its "
+        "slots by the token count, which jax2onnx cannot trace as a symbolic size): "
+        "format='onnx' on the jax backend needs a fixed batch for it, e.g. "
+        "shapes={'batch': 1, 'sequence': 128}; got a dynamic batch. format='tf_saved_model' "
+        "on JAX, or format='onnx' on the tensorflow backend, keep the batch dynamic."
     )
 
 

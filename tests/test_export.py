@@ -236,6 +236,12 @@ def test_mixture_of_experts_with_a_capacity_factor_exports(format, tmp_path):  #
         capacity_factor=0.6, initializer_range=0.3, dropout=0.0))
     path = str(tmp_path / f"moe{SUFFIX[format]}")
     fixed = (backend(), format) in exporting._DYNAMIC_AXES
+    if (backend(), format) == ("jax", "onnx"):
+        # (lifting the refusal, jax2onnx still failed in the routing: see the message)
+        with pytest.raises(ValueError, match=r"mixture-of-experts.*with or without "
+                           r"capacity_factor.*symbolic size.*needs a fixed batch.*got a "
+                           r"dynamic batch.*tf_saved_model"):
+            model.export(path, format=format, shapes={"sequence": 10})
     model.export(path, format=format, shapes={"batch": 5, "sequence": 10} if fixed else None)
     sizes = ((5, 10),) if fixed else ((5, 10), (3, 8), (1, 5), (2, 16))
     for batch, length in sizes:
