@@ -816,6 +816,7 @@ def test_hf_export_refuses_attention_bert_lacks(attention, options, tmp_path):
                                                        attention_mask=inputs["padding_mask"]))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_all_padding_row_matches_transformers(attn_implementation, tmp_path):
     """Found by the parity audit: a row whose padding_mask is all zeros gave kzoo's zeros

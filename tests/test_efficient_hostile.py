@@ -108,6 +108,7 @@ def _pattern_options(kind, options, extra):
 # === uniform_empty_rows: rows that see no key read the mean of the values ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind, options, extra", EMPTY_ROW_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(EMPTY_ROW_CASES)])
 def test_rows_without_a_visible_key_read_the_mean_of_the_values(data, kind, options, extra):

@@ -212,6 +212,7 @@ POSITIONAL_CASES = [c for c in SPARSE_CASES if c[0] in ("longformer", "block_spa
                  "seed": 5})]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind, options", POSITIONAL_CASES,
                          ids=[c[0] for c in POSITIONAL_CASES])
 def test_decoding_lays_the_pattern_on_a_left_padded_rows_tokens(kind, options):
@@ -553,6 +554,7 @@ def test_sliding_window_gpt_saves_taps_and_fits(tmp_path):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", ["sliding_window", "strided", "longformer", "bigbird",
                                   "linear", "performer", "chunked kernel"])
 def test_compiled_functions_take_a_new_sequence_length(kind):
@@ -696,6 +698,7 @@ def test_longformer_weights_path_keeps_the_kernels_first_max_global_tokens(
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["bert", "gpt", "vit"])
 def test_config_refuses_a_block_layout_of_another_head_count(family):
     """A block_sparse layout needs 1 head (shared) or one per attention head: the config

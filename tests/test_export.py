@@ -82,6 +82,7 @@ def fixed_sizes(family, format):  # noqa: A002
     return {k: v for k, v in SIZES[family].items() if k not in dynamic}
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("family", family_params())
 def test_export_runs_in_its_runtime(family, format, tmp_path):
@@ -168,6 +169,7 @@ def _learned_positions_gpt():
         max_sequence_length=16, position="learned", initializer_range=0.3, dropout=0.0))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("position", ["rotary", "learned"])
 def test_onnx_batch_sizes(position, tmp_path):
     """ONNX on JAX keeps the batch dynamic with a fixed sequence length; torch fixes both
@@ -195,6 +197,7 @@ def _moe_gpt(position):
         top_k=2, initializer_range=0.3, dropout=0.0))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("position", ["rotary", "learned"])
 def test_mixture_of_experts_model_exports(position, format, tmp_path):  # noqa: A002
@@ -253,6 +256,7 @@ def test_mixture_of_experts_with_a_capacity_factor_exports(format, tmp_path):  #
 BFLOAT16_FREE = [f for f in FORMATS if f in ("onnx", "litert")]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("format", BFLOAT16_FREE)
 @pytest.mark.parametrize("dtype", ["mixed_bfloat16", "bfloat16"])
 def test_bfloat16_model_exports_computing_in_float32(dtype, format, tmp_path):  # noqa: A002

@@ -78,6 +78,7 @@ def _decode(block, x, enc, bias, pad, index="int", causal_bias=False):
     return np.concatenate(outs, 1)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("index", ["int", "tensor"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_cached_steps_equal_the_full_causal_pass(name, index):
@@ -169,6 +170,7 @@ GENERATE_STYLES["all_parts"] = dict(LLAMA_STYLE, feedforward="moe", num_experts=
 STYLES_HERE = sorted(GENERATE_STYLES) if TORCH else ["all_parts"]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("style", STYLES_HERE)
 def test_generate_gives_the_same_tokens_with_the_fast_path_off(monkeypatch, style):
     extra = GENERATE_STYLES[style]
@@ -723,6 +725,7 @@ def test_joined_qkv_in_a_compiled_loop_equals_numpy(use_bias):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_compiled_generate_makes_the_transposed_table_once(monkeypatch, family):
     """JAX / TensorFlow: the compiled loop's steps read one `E^T` made before the

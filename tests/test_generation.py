@@ -314,6 +314,7 @@ def _stop_forms(stop):
             tensor(stop, "int32"), [np.int32(stop)], [tensor(stop, "int32")])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_generate_takes_stop_ids_as_arrays_and_tensors(family):
     """`generate(stop_token_ids=...)` of GPT and T5 with a NumPy array / integer or a backend
@@ -842,6 +843,7 @@ def test_t5_sampling_num_return_sequences(tmp_path):
     assert len(a) == 6 and a == model.generate(prompts, compile=False, **options)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_one_prompt_sampled_several_times(family, tmp_path):
     """One prompt, `num_return_sequences=3` draws: each row has its own key/value cache.
@@ -877,6 +879,7 @@ def test_one_prompt_sampled_several_times(family, tmp_path):
         assert ours == [greedy] * 3, compile
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_num_return_sequences_is_checked(family):
     if family == "gpt":

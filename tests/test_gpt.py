@@ -900,6 +900,7 @@ def test_hf_gpt2_scale_attn_by_inverse_layer_idx(variant, tmp_path):
                                _hf_forward(hf, ids, mask)[real], atol=1e-5)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("kind", ["modern", "moe"])
 def test_rotary_export_warns_that_only_attention_dropout_is_written(kind, tmp_path):
     """transformers' LLaMA / Mixtral have only `attention_dropout`: kzoo's dropout (also on the
@@ -1123,6 +1124,7 @@ def test_hf_llama_greedy_generation_left_padding(tmp_path):
     assert len({tuple(o) for o in ours}) == 3
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("model_type, overrides, num_beams", [
     ("llama", {}, 1),
     ("llama", {}, 3),
@@ -1172,6 +1174,7 @@ ROPE_VARIANTS = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
 def test_hf_rope_scaling_and_head_dim_parity_generation_and_round_trip(variant, tmp_path):
     """LLaMA-family checkpoints with `head_dim` other than hidden_size / num_attention_heads
@@ -1243,6 +1246,7 @@ ROPE_PARAMETERS_VARIANTS = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("variant", list(ROPE_PARAMETERS_VARIANTS))
 def test_hf_transformers_5_rope_parameters_are_read(variant, tmp_path):
     """A checkpoint whose config.json keeps its rotary base and scaling in transformers 5's

@@ -313,6 +313,7 @@ def _gpt():
                              intermediate_dim=32, max_sequence_length=16)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_generate_takes_rows_of_backend_tensors_of_any_lengths(family):
     """A list of 1-D torch / TensorFlow / JAX tensors of different lengths (one a prompt, as

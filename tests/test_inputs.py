@@ -195,6 +195,7 @@ def test_out_of_range_id_is_refused_by_every_array_entry_point(family, key, kind
         calls["fit validation_data"]()
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family, unread", [("graphormer", "attn_edge_type"),
                                              ("graphormer_single_hop", "input_edges")])
 def test_graphormer_edge_input_it_does_not_read_is_not_checked(family, unread):
@@ -348,6 +349,7 @@ def test_a_dict_of_python_lists_is_an_input_and_is_checked(family):
         model(as_lists)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_fit_evaluate_and_predict_take_python_lists(family):
     # Keras' data adapters refused them: "Unrecognized data type: x={'token_ids': [[...]]}"

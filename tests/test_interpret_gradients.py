@@ -456,6 +456,7 @@ _ENTRY_POINTS = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("entry", sorted(_ENTRY_POINTS))
 def test_token_ids_are_checked_as_the_model_checks_them(entry, gpt):
     """Out-of-range, negative and float ids raise the model's own ValueError on every

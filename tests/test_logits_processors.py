@@ -69,6 +69,7 @@ def test_repetition_penalty_equals_transformers(penalty):
     np.testing.assert_array_equal(theirs[unseen], scores[unseen])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("ngram_size", [1, 2, 3, 4])
 def test_no_repeat_ngram_equals_transformers(ngram_size):
     # Histories shorter than n, of n - 1 and of n tokens, and long ones with repeated
@@ -192,6 +193,7 @@ def pair(request, tmp_path_factory):
     return _Pair(tmp_path_factory.mktemp(request.param), request.param)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_generate_equals_transformers(pair, num_beams):
     off = pair.kzoo(num_beams)
@@ -211,6 +213,7 @@ def test_generate_equals_transformers(pair, num_beams):
                      min_new_tokens=0) == off
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_eager_loop_equals_transformers(pair, num_beams):
     options = OPTIONS[-1]
@@ -249,6 +252,7 @@ def test_torch_compiled_step_equals_transformers(pair, monkeypatch):
     assert bool(calls) == (BACKEND == "torch")
 
 
+@pytest.mark.spread
 def test_sampling_with_processors(pair):
     """Sampling draws from the processed logits: with no_repeat_ngram_size=1 no token of the
     history comes again, no stop token before min_new_tokens; compiled == eager."""
@@ -306,6 +310,7 @@ def test_options_off_add_nothing():
     assert sampler.processors.start({}, None, 4, (2,)) == {}
 
 
+@pytest.mark.spread
 def test_min_new_tokens_above_max_new_tokens_means_no_stop(pair):
     """Allowed, as by transformers: no stop token at all then."""
     out = pair.model.generate(pair.prompts, max_new_tokens=4, stop_token_ids=[pair.stop],

@@ -274,6 +274,7 @@ def _save_and_load(model, path, fmt):
     return kzoo.presets.load(target)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("fmt", ["keras", "preset"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_save_of_a_quantized_model_with_adapters_is_refused(mode, fmt, tmp_path):
@@ -320,6 +321,7 @@ def _snapshot(path):
     return files
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("fmt", ["keras", "weights", "preset"])
 def test_a_refused_save_leaves_the_target_as_it_was(fmt, tmp_path):
     # The refusal came from inside Keras' save, with the target already open: `model.save`
@@ -447,6 +449,7 @@ def _tiny_lm(seed=0):
                                    intermediate_dim=16, max_sequence_length=12, dropout=0.0))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("make_optimizer", [
     lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
     lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2)),

@@ -504,6 +504,7 @@ def test_gradients_match_numpy_finite_differences(factor):
                  atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("factor,shape", [(1.1, (4, 25, 8)), (1.2, (5, 5, 8))])
 def test_decimal_capacity_factor_is_read_exactly_eager_and_compiled(factor, shape):
     """capacity = ceil(factor * tokens * top_k / num_experts) with the factor as written:

@@ -366,6 +366,7 @@ def test_llama_default_rope_scaling_loads_as_none(tmp_path, scaling):
     _assert_decoder_matches(model, hf, ids, np.ones_like(ids), f"llama rope_scaling {scaling}")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("model_type, scaling", [
     ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
     ("mistral", {"type": "yarn", "factor": 8.0, "beta_fast": 8.0, "beta_slow": 0.5,

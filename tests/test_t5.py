@@ -196,6 +196,7 @@ def _full_logits(lm, enc, enc_mask, dec):
     }))
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_cached_decoding_equals_full_recompute(version):
     lm = shared_lm(version)
@@ -619,6 +620,7 @@ def test_hf_logits_match_transformers(version, tmp_path):
     _assert_t5_matches(model, hf, inputs, f"T5 {version} logits")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("proj", ["gelu_pytorch_tanh", "gelu_fast", "gelu_python",
                                   "gated-gelu_pytorch_tanh", "gated-gelu_fast"])
 def test_hf_other_gelu_names_match_transformers(proj, tmp_path):
@@ -824,6 +826,7 @@ def _unclamped(model):
     return model
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("dtype", ["float16", "mixed_float16"])
 def test_float16_overflow_is_clamped_as_transformers_does(dtype, tmp_path):
     """transformers' T5 clamps the hidden states after each sub-layer in float16 (to
@@ -967,6 +970,7 @@ def test_hf_missing_unexpected_and_mismatched_weights(tmp_path):
         kzoo.presets.load(tmp_path)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_all_padding_encoder_row_matches_transformers(version, tmp_path):
     """Found by the parity audit: an encoder row whose padding mask is all zeros gave kzoo's

@@ -521,6 +521,7 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
     assert name in str(err.value)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("dtype", ["int32", "int8", "uint8", "bool"])
 def test_integer_or_boolean_tensor_for_a_weight_is_refused(tmp_path, dtype):
     """A safetensors file whose weight holds integers or booleans (damaged, or quantized
