@@ -109,6 +109,7 @@ def test_import_keeps_freed_memory_for_reuse_and_release_gives_it_back():
     assert out["released"] is True and out["rss_change_on_release"] < -48 * MIB
 
 
+@pytest.mark.spread
 def test_opting_out_leaves_glibcs_policy():
     """`KZOO_KEEP_FREED_MEMORY=0`: glibc maps the same block afresh and unmaps it on free,
     in the main thread and in another one (what the first test's figures are compared

@@ -485,6 +485,7 @@ def test_decode_families_models_are_the_kinds_named(kind):
     assert peers.count_new_tokens(out) == size["prompts"] * size["new_tokens"]
 
 
+@pytest.mark.spread
 def test_gpu_quick_worker_trains_and_decodes_kzoo():
     """The GPU benchmark's kzoo worker at its quick size (what `--quick` runs on a CPU): it
     trains (a finite loss near ln(vocabulary) for random tokens), decodes every asked token

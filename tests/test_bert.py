@@ -789,6 +789,7 @@ def test_mask_positions_refused_with_a_clear_error(positions, fragment):
         assert fragment in str(info.value)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("attention,options", [
     ("sliding_window", {"window": 3}),
     ("linear", None),

@@ -559,6 +559,7 @@ FAMILY_BACKBONES = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", sorted(FAMILY_BACKBONES))
 def test_family_weight_paths(family):
     make, expected = FAMILY_BACKBONES[family]

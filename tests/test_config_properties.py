@@ -361,6 +361,7 @@ CONFIG_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, pri
                            suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", FAMILIES)
 def test_valid_configs_build_and_normalise(family):
     config_class, backbone_class = CLASSES[family]

@@ -270,6 +270,7 @@ def test_source_names_the_hugging_face_key():
         assert expected in message, message
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_get_config_is_the_dataclass_and_round_trips(family):
     config_class, backbone_class, base = FAMILIES[family]

@@ -917,6 +917,7 @@ def test_rotary_export_warns_that_only_attention_dropout_is_written(kind, tmp_pa
     _assert_gpt_matches(lm, hf, ids, mask, f"{kind} with dropout 0.1 -> transformers")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("tie", [True, False])
 def test_kzoo_model_exports_to_transformers(tie, tmp_path):
     import transformers
@@ -1339,6 +1340,7 @@ def test_gpt_head_dim_and_rope_scaling_config_round_trip_and_errors():
             tiny_backbone("gpt2", **bad)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("model_type, field, value", [
     ("llama", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
     ("llama", "rope_scaling", {"type": "yarn"}),  # no factor

@@ -312,6 +312,7 @@ def _initializer_cases():
     ]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", range(len(_initializer_cases())))
 @pytest.mark.parametrize("bad", ["glorot_bogus", 3, [1.0]])
 def test_bad_initializers_are_refused_by_name(case, bad):

@@ -170,6 +170,7 @@ def _bad_value(sizes, key, kind):
 # === Out-of-range ids at every entry point that takes arrays ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("family,key,kind", BAD_CASES)
 def test_out_of_range_id_is_refused_by_every_array_entry_point(family, key, kind):
     model, x, y, sizes = _family(family)

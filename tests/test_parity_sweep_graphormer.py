@@ -384,6 +384,7 @@ SMALL_CONFIG = dict(num_hidden_layers=2, embedding_dim=8, ffn_embedding_dim=12,
                           num_out_degree=4, num_spatial=4, num_edge_dis=5, num_classes=2)
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("edge_type", ["multi_hop", "single_hop"])
 def test_batches_of_single_node_graphs(tmp_path, edge_type):
     """A batch of 1-node graphs has 0 hops. transformers' single-hop model runs on it;

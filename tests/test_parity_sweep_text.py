@@ -312,6 +312,7 @@ def test_llama_ignores_a_sliding_window_as_transformers_does(tmp_path):
     _assert_decoder_matches(model, hf, ids, np.ones_like(ids), "llama with sliding_window=3")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("model_type", ["mistral", "mixtral"])
 @pytest.mark.parametrize("biases", [dict(attention_bias=True),
                                     dict(attention_bias=True, mlp_bias=True)])
@@ -636,6 +637,7 @@ UNSUPPORTED = {
 }
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_unsupported_options_are_refused(case, tmp_path):
     build, option = UNSUPPORTED[case]

@@ -620,6 +620,7 @@ def test_a_saved_directory_loads_with_the_dtype_it_was_saved_with(dtype, tmp_pat
             kzoo.presets.load("gpt_mini", dtype=bad, **SMALL["gpt_mini"])
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("dtype, stored, code", [
     ("bfloat16", "bfloat16", "BF16"), ("float16", "float16", "F16"),
     ("mixed_bfloat16", "float32", "F32"),  # (mixed: the variables are float32)

@@ -421,6 +421,7 @@ def test_generate_with_tokenizer():
 # === Saving ===
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_keras_file_round_trip(version, tmp_path):
     lm = shared_lm(version)
@@ -633,6 +634,7 @@ def test_hf_other_gelu_names_match_transformers(proj, tmp_path):
 
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("case", ["v1_1_own_head", "v1_1_embedding_as_head", "v1_0"])
 def test_hf_transformers_5_scale_decoder_outputs_is_read(case, tmp_path):
     """transformers 5 writes `tie_word_embeddings: true` for every T5 (measured with 5.17:

@@ -553,6 +553,7 @@ def _bert_hf_dir(directory):
     return model
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("files, problem, named", [
     ({"tokenizer.json": b""}, "is empty", "tokenizer.json"),
     ({"tokenizer.json": b'{"version": "1.0", "model": {'}, "cannot be read", "tokenizer.json"),

@@ -552,6 +552,7 @@ def test_hf_errors(tmp_path):
         kzoo.presets.save(no_cls, str(tmp_path / "nocls"), format="hf")
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("attention,options", [
     ("sliding_window", {"window": 2}),
     ("linear", None),
