@@ -444,7 +444,11 @@ def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
             "--learning-rate", "1e12", "--warmup-steps", "1", "--clipnorm", "0",
             "--out", out, "--verbose", "0", "--no-augment"] + TINY_VIT + ["--batch-size", "16"]
     assert main(argv) == 3
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
+    # A quiet run stays quiet (Keras' TerminateOnNaN printed "Batch 0: Invalid loss,
+    # terminating training" under --verbose 0).
+    assert "Invalid loss" not in captured.out and "Invalid loss" not in err
     assert "became nan" in err.lower() or "became inf" in err.lower()
     assert "no model was saved" in err
     # (it named "checkpoint is step None" and advised a lower --learning-rate alone, which
@@ -454,6 +458,25 @@ def test_nan_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     assert not os.path.exists(os.path.join(out, "model"))
     assert not os.path.exists(os.path.join(out, "metrics.json"))
     assert checkpoint.list_checkpoints(os.path.join(out, "checkpoints")) == []
+
+
+def test_nan_guard_stops_at_a_nan_loss_and_says_so_only_when_verbose(capsys):
+    """`NaNGuard` stops where Keras' `TerminateOnNaN` did (the batch of the NaN loss), records
+    the step, and prints Keras' line only in a verbose run."""
+    import types
+
+    for verbose, expected in ((0, ""), (1, "Batch 2: Invalid loss, terminating training\n")):
+        state = cb.RunState()
+        state.segment_start = 10
+        guard = cb.NaNGuard(state, verbose=verbose)
+        model = types.SimpleNamespace(stop_training=False)
+        guard.set_model(model)
+        guard.on_train_batch_end(1, {"loss": 0.5})
+        assert not model.stop_training and state.diverged is None
+        guard.on_train_batch_end(2, {"loss": float("nan")})
+        assert model.stop_training
+        assert state.diverged["step"] == 13 and np.isnan(state.diverged["loss"])
+        assert capsys.readouterr().out == expected
 
 
 def test_a_diverged_epoch_has_no_row_in_the_log_and_the_resumed_run_logs_it_once(

@@ -6,8 +6,9 @@ They share one `RunState` (global step, per-epoch history, best value, divergenc
   epoch end (`training.checkpoint`: atomic, exact, refuses non-finite losses);
 - `BestModel`: the model with the best validation value so far, as a preset directory
   (`kzoo.presets.save`), like `ModelCheckpoint(save_best_only=True)` but resumable;
-- `NaNGuard`: stops at the first non-finite loss and records where (used with Keras'
-  `TerminateOnNaN`), so that the run ends with a clear error and saves nothing broken;
+- `NaNGuard`: stops at the first non-finite loss and records where (in place of Keras'
+  `TerminateOnNaN`, whose message it prints in verbose runs only), so that the run ends
+  with a clear error and saves nothing broken;
 - `RestoreMetrics`: puts the running metric averages of a checkpoint taken mid-epoch
   back at the start of the resumed epoch;
 - `StopOnSignal`: on SIGTERM or SIGINT, stops after the current step with a checkpoint of
@@ -101,11 +102,17 @@ def _plain_logs(logs):
 
 
 class NaNGuard(keras.callbacks.Callback):
-    """Stop training at the first non-finite loss; remember the step and the value."""
+    """Stop training at the first non-finite loss; remember the step and the value.
 
-    def __init__(self, state):
+    It stops where Keras' `TerminateOnNaN` does (the batch whose loss is NaN/inf) and, with
+    `verbose`, prints the same line ("Batch 0: Invalid loss, terminating training");
+    `TerminateOnNaN` printed it in `--verbose 0` runs too (and on every torch process).
+    """
+
+    def __init__(self, state, verbose=0):
         super().__init__()
         self.state = state
+        self.verbose = verbose
 
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")
@@ -113,6 +120,8 @@ class NaNGuard(keras.callbacks.Callback):
             step = self.state.segment_start + batch + 1
             self.state.diverged = {"step": step, "loss": float(loss), "where": "training"}
             self.model.stop_training = True
+            if self.verbose:
+                print(f"Batch {batch}: Invalid loss, terminating training", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
         for key in ("loss", "val_loss"):

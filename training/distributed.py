@@ -183,11 +183,11 @@ class Plan:
         """The callbacks of `fit` from `(name, callback)` pairs in order: all of them in one
         process; with torch processes, `AverageLogs` first, on rank 0 every callback with
         the checkpoint one made a `SharedCheckpoint`, on the others only those that write
-        nothing ("restore", "nan_guard", "terminate") and the shared checkpoint."""
+        nothing ("restore", "nan_guard") and the shared checkpoint."""
         if self.world == 1:
             first = [OffMeshValidation(*self._validation)] if self._validation else []
             return first + [c for _, c in named]
-        keep = ("restore", "nan_guard", "terminate")
+        keep = ("restore", "nan_guard")
         out = [AverageLogs()]
         for name, c in named:
             if name == "checkpoint":

@@ -1,8 +1,8 @@
 """The training harness every recipe uses: `RunConfig` and `run(...)`.
 
 `run` compiles the model with AdamW on a `kzoo.schedules.WarmupInverseSqrt` schedule and
-gradient clipping, trains it with `model.fit` (Keras' progress bar and `TerminateOnNaN`,
-and the callbacks of `training.callbacks`), and writes into `cfg.out`:
+gradient clipping, trains it with `model.fit` (Keras' progress bar and the callbacks of
+`training.callbacks`, `NaNGuard` stopping at a NaN loss), and writes into `cfg.out`:
 
 - `log.csv`: one row per epoch, laid out as Keras' `CSVLogger` does: the epochs the latest
   checkpoint holds (a resumed run continues it; an epoch in which the loss became NaN/inf
@@ -429,8 +429,8 @@ def _train(cfg, plan, model, task, loss, metrics, monitor, mode, extra_files, pa
 
     named = [
         ("restore", restore_metrics),
-        ("nan_guard", cb.NaNGuard(state)),
-        ("terminate", keras.callbacks.TerminateOnNaN()),
+        # (in place of Keras' `TerminateOnNaN`, which printed "Invalid loss" in quiet runs)
+        ("nan_guard", cb.NaNGuard(state, verbose=verbose)),
         ("best", best_model),
         ("checkpoint", cb.StepCheckpoint(state, ckpt_dir, cfg.save_every, fingerprint,
                                          extra_meta, epoch_steps=epoch_steps)),
