@@ -397,6 +397,28 @@ def test_a_row_of_padding_has_no_default_position(gpt):
     assert scores["self"][0].shape == (2, 2, 6, 6)
 
 
+def test_a_left_out_padding_mask_is_all_ones_as_in_the_model(gpt):
+    """GPT fills in a left-out `padding_mask` as ones (every token real); the interpret
+    functions took only inputs with one ("`inputs` must have the keys ['padding_mask',
+    'token_ids'] ... missing ['padding_mask']"). Without it they give what an all-ones
+    mask gives, for the causal LM and for its backbone."""
+    lm, x = gpt
+    ids = x["token_ids"]
+    bare, ones = {"token_ids": ids}, {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    for model in (lm, lm.backbone):
+        for name, value in attention_maps(model, ones).items():
+            for got, expected in zip(attention_maps(model, bare)[name], value):
+                np.testing.assert_array_equal(got, expected)
+    for got, expected in zip(attention_gradient(lm, bare)["self"],
+                             attention_gradient(lm, ones)["self"]):
+        np.testing.assert_array_equal(got, expected)
+    bare_ig, ones_ig = (integrated_gradients(lm, v, steps=2) for v in (bare, ones))
+    np.testing.assert_array_equal(bare_ig.positions, [5, 5])  # the last position of a row
+    np.testing.assert_array_equal(bare_ig.raw, ones_ig.raw)
+    np.testing.assert_array_equal(logit_lens(lm, bare), logit_lens(lm, ones))
+    np.testing.assert_array_equal(head_importance(lm, [bare]), head_importance(lm, [ones]))
+
+
 # === Errors ===
 
 

@@ -266,9 +266,11 @@ def test_errors_name_the_argument(bert, t5, vit):
     model, _, x, _, _ = bert
     with pytest.raises(ValueError, match="`model` must be a kzoo model"):
         attention_maps(keras.Sequential([keras.layers.Dense(2)]), x)
-    with pytest.raises(ValueError, match=r"`inputs` must have the keys .*optional: "
-                                         r"\['mask_positions'\].*missing \['segment_ids'\]"):
-        attention_maps(model, {k: v for k, v in x.items() if k != "segment_ids"})
+    # (the inputs BERT fills in itself, its padding mask and segment ids, are optional)
+    with pytest.raises(ValueError, match=r"`inputs` must have the keys \['token_ids'\] "
+                                         r"\(optional: \['mask_positions', 'padding_mask', "
+                                         r"'segment_ids'\]\).*missing \['token_ids'\]"):
+        attention_maps(model, {k: v for k, v in x.items() if k != "token_ids"})
     with pytest.raises(ValueError, match=r"`inputs\['token_ids'\]` must have shape "
                                          r"\(batch, any\).*\(2, 9, 1\)"):
         attention_maps(model, {**x, "token_ids": x["token_ids"][..., None]})
@@ -289,6 +291,17 @@ def test_errors_name_the_argument(bert, t5, vit):
         masked_heads(t5[0], {"self": np.ones((2, 3))})
     with pytest.raises(ValueError, match=r"`head_mask\['decoder'\]` must have shape"):
         masked_heads(t5[0], {"decoder": np.ones((2, 4))})
+
+
+def test_left_out_segment_ids_are_zeros_as_in_the_model(bert):
+    """BERT fills in a left-out `segment_ids` as zeros; `attention_maps` took only inputs
+    with it. Without it the maps are those of all-zero segment ids."""
+    model, _, x, _, _ = bert
+    bare = {k: v for k, v in x.items() if k != "segment_ids"}
+    assert np.any(x["segment_ids"] != 0)  # (the fixture's differ from zeros)
+    zeros = attention_maps(model, {**bare, "segment_ids": np.zeros_like(x["token_ids"])})
+    for got, expected in zip(attention_maps(model, bare)["self"], zeros["self"]):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_a_head_mask_that_is_not_an_array_is_named_with_its_value():

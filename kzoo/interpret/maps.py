@@ -313,9 +313,22 @@ def _check_ids(model, inputs):
 
 def _check_inputs(model, inputs):
     """`inputs` checked against the model's inputs (keys, ranks, fixed sizes, one batch
-    size, and the model's id checks: integer ids in range); lists become arrays. Raises
-    ValueError naming `inputs`."""
-    return _check_ids(model, _check_structure(model, inputs))
+    size, and the model's id checks: integer ids in range); lists become arrays. An input
+    the model fills in itself when it is left out is filled in the same way (see
+    `_filled_inputs`). Raises ValueError naming `inputs`."""
+    return _check_ids(model, _check_structure(model, _filled_inputs(model, inputs)))
+
+
+def _filled_inputs(model, inputs):
+    """`inputs` with the inputs that `model` fills in itself when they are left out
+    (`kzoo.models.base.FilledInputs`: GPT's, BERT's and T5's padding masks as ones, BERT's
+    segment ids as zeros) filled in as the model does, so that the functions here run
+    wherever `model(inputs)` runs and read the padding mask the model used (they required
+    GPT's `padding_mask`, which the model does not)."""
+    fill = getattr(model, "_filled", None)
+    if fill is None or not isinstance(inputs, Mapping):
+        return inputs
+    return fill(dict(inputs))
 
 
 def _check_structure(model, inputs):
@@ -328,7 +341,9 @@ def _check_structure(model, inputs):
                 f"`inputs` must be a dict with keys {sorted(expected)} for {model.name}; got "
                 f"{type(inputs).__name__}."
             )
-        optional = sorted(k for k, t in expected.items() if is_optional_input(t))
+        fills = getattr(model, "_input_fills", {})
+        optional = sorted(k for k, t in expected.items()
+                          if is_optional_input(t) or k in fills)
         missing = sorted(set(expected) - set(inputs) - set(optional))
         unknown = sorted(set(inputs) - set(expected))
         if missing or unknown:
@@ -532,6 +547,9 @@ def attention_maps(model, inputs, head_mask=None):
         model: a kzoo backbone or task model (BERT, GPT, T5, ViT, Graphormer).
         inputs: what the model's `__call__` takes (the dict of ids and masks; ViT an image
             array `(batch, height, width, channels)`; Graphormer `kzoo.graphs.batch(...)`).
+            An input the model fills in when it is left out may be left out here too, with
+            the same meaning (GPT's, BERT's and T5's padding masks: every token real;
+            BERT's `segment_ids`: zeros); so for every `kzoo.interpret` function.
         head_mask: optional head mask (see `masked_heads`); the maps show the scaled heads.
             Inside `with masked_heads(model, mask)` that mask applies too (multiplied with
             `head_mask` when both are given).
