@@ -262,6 +262,30 @@ def test_fit_lowers_the_attention_term_and_leaves_the_teacher_alone(models):
     np.testing.assert_allclose(history["student_loss"][0], (nll * w).sum() / w.size, rtol=1e-4)
 
 
+def test_masked_heads_on_the_teacher_reaches_a_distiller_compiled_before(models):
+    """`masked_heads(teacher, zeros)` around `fit`: the teacher's maps are all zero, so the
+    KL term `sum T (log T - log S)` is exactly 0 (a fact of the formula, whatever the
+    student). The distiller's train function compiled by an earlier `fit` (JAX,
+    TensorFlow) kept the unmasked teacher inside the context, and one compiled inside kept
+    the mask after it. (A learning rate of 0: the weights, and the term outside, stay.)"""
+    from kzoo.interpret import masked_heads
+
+    teacher, student, (x, y, w) = models
+    distiller = AttentionDistiller(student, teacher, attention_weight=1.0)
+    distiller.compile(optimizer=keras.optimizers.SGD(0.0))
+
+    def term():
+        history = distiller.fit(x, y, sample_weight=w, batch_size=4, epochs=1, verbose=0)
+        return history.history["attention_loss"][0]
+
+    before = term()
+    with masked_heads(teacher, np.zeros((3, 4))):
+        inside = term()
+    after = term()
+    assert before > 1e-3 and inside == 0.0
+    np.testing.assert_allclose(after, before, rtol=1e-5)
+
+
 def test_distiller_bad_arguments_name_the_argument(models):
     teacher, student, _ = models
     for kwargs, name in ((dict(attention_weight=-1.0), "attention_weight"),

@@ -467,6 +467,52 @@ def test_a_tap_inside_masked_heads_sees_the_masked_model(bert, gpt2):
                       other_expected.attentions, gpt2[4], "another model in masked_heads")
 
 
+class _ZeroBlocks(Tap):
+    """A user tap that replaces every block's output with zeros."""
+
+    def block(self, layer, index, output):
+        return output * 0.0
+
+
+def test_a_tap_sees_a_predict_compiled_before_it():
+    """`predict` reuses the function Keras compiled at its first call (JAX, TensorFlow), a
+    trace of the taps active then: a `Tap` entered after a `predict` compiled inside
+    `masked_heads` (or outside any tap) recorded nothing and altered nothing, and the
+    function compiled under a tap would have kept it after. Reference: with every block's
+    output zero, GPT's logits are its final LayerNorm's offset `beta` (the norm of zeros)
+    through the tied embedding `E`, `beta @ E^T` at every position (NumPy)."""
+    from kzoo.models.gpt import GPTBackbone, GPTCausalLM
+
+    lm = GPTCausalLM(GPTBackbone(vocabulary_size=24, num_layers=1, num_heads=2,
+                                 hidden_dim=16, intermediate_dim=32, max_sequence_length=8,
+                                 dropout=0.0))
+    rng = np.random.default_rng(6)
+    lm.backbone.final_norm.beta.assign(rng.normal(size=(16,)).astype("float32"))
+    ids = rng.integers(0, 24, (2, 5)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    beta = to_numpy(lm.backbone.final_norm.beta).astype("float64")
+    table = to_numpy(lm.backbone.token_embedding.embeddings).astype("float64")
+    zeroed = np.broadcast_to(beta @ table.T, (2, 5, 24))
+
+    def predict():
+        return to_numpy(lm.predict(x, batch_size=2, verbose=0))
+
+    plain = predict()
+    assert np.abs(plain - zeroed).max() > 1e-2
+    with masked_heads(lm, np.ones((1, 2))):
+        np.testing.assert_allclose(predict(), plain, atol=ATOL)  # (compiled in here)
+        with _ZeroBlocks() as tap:
+            inside = predict()
+        assert tap.attention_records  # (it recorded nothing)
+        np.testing.assert_allclose(inside, zeroed, atol=ATOL)
+    np.testing.assert_allclose(predict(), plain, atol=ATOL)
+    with _ZeroBlocks() as tap:
+        outside = predict()
+    assert tap.attention_records
+    np.testing.assert_allclose(outside, zeroed, atol=ATOL)
+    np.testing.assert_allclose(predict(), plain, atol=ATOL)  # (left: not zeroed any more)
+
+
 def _hf_greedy(hf, ids, steps, head_mask=None):
     """Greedy continuation of `ids` by transformers' forward pass (with `head_mask`)."""
     import torch

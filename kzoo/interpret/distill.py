@@ -40,7 +40,7 @@ import numpy as np
 from keras import ops
 
 from kzoo.layers.attention import MultiHeadAttention
-from kzoo.layers.taps import Tap
+from kzoo.layers.taps import RetracesUnderTaps, Tap
 
 
 # === Mappings ===
@@ -283,7 +283,7 @@ def _query_mask(inputs, kind):
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
-class AttentionDistiller(keras.Model):
+class AttentionDistiller(RetracesUnderTaps, keras.Model):
     """Trains `student` on its own loss plus `attention_weight` x KL(teacher || student)
     of their attention maps (see `AttentionDistillationLoss`), with `teacher` frozen.
 
@@ -298,6 +298,12 @@ class AttentionDistiller(keras.Model):
     is the mean over kinds. The real query rows are those of the inputs' `padding_mask`
     (T5: `encoder_padding_mask` / `decoder_padding_mask`); inputs without one count every
     row.
+
+    Under `with kzoo.interpret.masked_heads(teacher, mask)` the student learns the masked
+    teacher's maps (zeros for a removed head; the student runs unmasked): the distiller's
+    compiled `fit` / `evaluate` / `predict` functions are traced again on entering and on
+    leaving (`kzoo.layers.taps.RetracesUnderTaps`; on JAX and TensorFlow one traced before
+    had kept the unmasked teacher inside, and one traced inside kept the mask after it).
 
     Args:
         student: the model to train (a kzoo task model).

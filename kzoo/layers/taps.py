@@ -13,7 +13,11 @@ so a forward pass that does not ask for taps costs nothing extra.
 
 Taps see the tensors of the current call, so they work in eager calls and inside one traced
 function (a `jax.grad`, a `tf.GradientTape`, a Keras train step): the recorded tensors must
-be used inside the same trace.
+be used inside the same trace. A traced function sees the taps that were active when it was
+traced: kzoo models (and `kzoo.interpret.AttentionDistiller`) make their compiled `predict`
+/ `evaluate` / `fit` functions again when the active taps are not those they were traced
+under (`tap_stamp`, `same_taps`), so a tap entered after an earlier `predict` sees the next
+one, and one left no longer alters it.
 
 Nested taps: a tap entered while another is active hands every tensor to the enclosing tap
 first and sees what that one passes on (its head scales multiply the inner tap's), so an
@@ -31,6 +35,7 @@ Example:
 """
 
 import dataclasses
+import weakref
 
 from keras import ops
 
@@ -177,3 +182,47 @@ class Tap:
 def active_tap():
     """The innermost active `Tap`, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def tap_stamp():
+    """The active taps, innermost last, as weak references: what a function traced now sees
+    (compare with `same_taps`; a weak reference keeps no tap, nor what it recorded, alive)."""
+    return tuple(weakref.ref(tap) for tap in _ACTIVE)
+
+
+def same_taps(stamp):
+    """Whether the active taps are exactly those of `stamp` (`tap_stamp`): the same objects
+    in the same order. A function traced under other taps (or none) must be traced again:
+    it would alter the pass as they did and hand nothing to the taps active now (a `Tap`
+    around a JAX `predict` compiled earlier, e.g. inside `kzoo.interpret.masked_heads`,
+    recorded nothing)."""
+    return len(stamp) == len(_ACTIVE) and all(ref() is tap for ref, tap in zip(stamp, _ACTIVE))
+
+
+class RetracesUnderTaps:
+    """A `keras.Model` mixin: `make_predict_function` / `make_test_function` /
+    `make_train_function` make the function again when the active taps are not those it
+    was traced under (see `same_taps`). Outside any tap nothing changes: a function traced
+    outside taps is reused outside taps."""
+
+    def _traced_under_other_taps(self, name):
+        if getattr(self, name, None) is None:
+            return False
+        return not same_taps(self.__dict__.get("_tap_stamps", {}).get(name, ()))
+
+    def _made_under_taps(self, name, function):
+        self.__dict__.setdefault("_tap_stamps", {})[name] = tap_stamp()
+        return function
+
+    def make_predict_function(self, force=False):
+        force = force or self._traced_under_other_taps("predict_function")
+        return self._made_under_taps("predict_function",
+                                     super().make_predict_function(force))
+
+    def make_test_function(self, force=False):
+        force = force or self._traced_under_other_taps("test_function")
+        return self._made_under_taps("test_function", super().make_test_function(force))
+
+    def make_train_function(self, force=False):
+        force = force or self._traced_under_other_taps("train_function")
+        return self._made_under_taps("train_function", super().make_train_function(force))

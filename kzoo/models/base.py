@@ -34,6 +34,7 @@ from kzoo import inputs as input_checks
 from kzoo.inputs import FloatInput, IdInput  # noqa: F401  (the families declare their inputs)
 from kzoo.layers.feedforward import get_activation
 from kzoo.layers.norm import LayerNorm
+from kzoo.layers.taps import RetracesUnderTaps
 from kzoo.layers.utils import FieldError, check_positive_float, serialize_initializer
 
 
@@ -378,7 +379,7 @@ def _source_arrays(model, data, nbytes):
     return arrays
 
 
-class FunctionalModel(keras.Model):
+class FunctionalModel(RetracesUnderTaps, keras.Model):
     """A functional `keras.Model` that may set attributes before `super().__init__`.
 
     With the torch backend `torch.nn.Module.__setattr__` refuses sub-modules before
@@ -398,6 +399,10 @@ class FunctionalModel(keras.Model):
     (a dataset or generator batch by batch, as it is produced) and then run Keras' own
     method with the checks of `__call__` suspended, so nothing is checked inside a train
     step.
+
+    Compiled functions (`kzoo.layers.taps.RetracesUnderTaps`): `predict`, `evaluate` and
+    `fit` trace their function again when the active taps are not those it was traced
+    under, so a `kzoo.layers.taps.Tap` sees a `predict` that an earlier call had compiled.
     """
 
     def __init__(self, *args, **kwargs):
@@ -534,6 +539,7 @@ class FunctionalModel(keras.Model):
                    for layer in attentions)
 
     def make_predict_function(self, force=False):
+        force = force or self._traced_under_other_taps("predict_function")
         if self.predict_function is not None and not force:
             return self.predict_function
         with _exact_tracing(self._needs_static_shapes):
@@ -548,12 +554,14 @@ class FunctionalModel(keras.Model):
                 self._jit_compile = keras_choice
 
     def make_train_function(self, force=False):
+        force = force or self._traced_under_other_taps("train_function")
         if self.train_function is not None and not force:
             return self.train_function
         with _exact_tracing(self._needs_static_shapes):  # (ViT's fit at a new image size)
             return super().make_train_function(force)
 
     def make_test_function(self, force=False):
+        force = force or self._traced_under_other_taps("test_function")
         if self.test_function is not None and not force:
             return self.test_function
         with _exact_tracing(self._needs_static_shapes):
