@@ -529,6 +529,40 @@ def test_patterns_that_cover_every_key_equal_full_attention(family, case):
     assert_close(b, a, atol=2e-5)
 
 
+def test_sliding_window_decoding_weights_are_in_rolling_slot_order():
+    """A sliding-window GPT decoding one token a call hands its taps (and returns) weights
+    over the rolling cache's `window` slots in slot order, not in position order: slot `s`
+    holds position `t - ((t - s) mod window)` at query position `t`. Mapped back by that
+    formula, each step's row is row `t` of the full forward pass's weights (which has no
+    weight outside those positions); the prompt's weights are in position order."""
+    from kzoo.layers.taps import Tap
+
+    window, n, prompt = 3, 6, 2
+    backbone = GPTBackbone(vocabulary_size=24, num_layers=1, num_heads=2, hidden_dim=16,
+                           intermediate_dim=32, max_sequence_length=n, dropout=0.0,
+                           attention="sliding_window", attention_options={"window": window})
+    ids = np.random.default_rng(4).integers(0, 24, (2, n)).astype("int32")
+    with Tap() as full:
+        backbone({"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    expected = to_numpy(full.attention_records[0].weights)  # (batch, heads, n, n)
+    cache = backbone.init_cache(2, n)
+    with Tap() as tap:
+        _, cache = backbone.call_with_cache(ids[:, :prompt], cache, 0)
+        for t in range(prompt, n):
+            _, cache = backbone.call_with_cache(ids[:, t:t + 1], cache, t)
+    prefill, *steps = [to_numpy(r.weights) for r in tap.attention_records]
+    assert_close(prefill, expected[:, :, :prompt, :prompt], atol=1e-5)
+    assert len(steps) == n - prompt
+    shuffled = 0
+    for t, got in zip(range(prompt, n), steps):
+        assert got.shape == (2, 2, 1, window)
+        held = t - (t - np.arange(window)) % window  # the position in each slot
+        assert_close(expected[:, :, t, held].sum(-1), np.ones((2, 2)), atol=1e-5)
+        assert_close(got[:, :, 0], expected[:, :, t, held], atol=1e-5)
+        shuffled += list(held) != sorted(held)
+    assert shuffled == 2  # (t = 3, 4: slot order is not position order)
+
+
 @pytest.mark.spread
 def test_sliding_window_gpt_saves_taps_and_fits(tmp_path):
     lm = kzoo.presets.load("gpt_long_mini", num_layers=1, hidden_dim=16, num_heads=2,

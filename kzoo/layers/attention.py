@@ -164,6 +164,14 @@ class MultiHeadAttention(keras.layers.Layer):
             `s` holds position `s - (cache_index - position_index[b])`.
         return_attention_weights: also return `(batch, heads, q_len, k_len)` probabilities
             (efficient types: computed by the explicit quadratic formula of their pattern).
+            With a decoding cache, the keys are the cache's slots: `max_len` of them, slot
+            `s` = position `s`, except on "sliding_window"'s rolling cache (`slots =
+            min(window, max_len)`): its one-token steps give the weights in slot order,
+            slot `s` holding position `t - ((t - s) mod slots)` for the query at position
+            `t = cache_index` (a slot whose position would be negative, not written yet,
+            weighs 0), not in position order; its prompt (`cache_index=0`) gives
+            `(batch, heads, q_len, q_len)` over the prompt's positions. A `Tap` active
+            while decoding sees the same weights.
         global_attention_mask: "longformer" only: `(batch, seq)`, True/1 for global tokens
             (replaces the `global_tokens` option; Hugging Face's `global_attention_mask`).
             Under `jax.jit` / `tf.function` its count of global tokens is not known, so the
@@ -769,6 +777,12 @@ class MultiHeadAttention(keras.layers.Layer):
         return out, weights, values, new_cache
 
     def _rolling_decode(self, q, k, v, padding, cache, index, q_len, multi, need_weights):
+        """(output, weights or None, values, new cache) of "sliding_window" decoding on a
+        rolling cache (position `p` in slot `p % slots`). The weights of a prompt are over
+        its positions, `(batch, heads, q_len, q_len)`; those of a one-token step are over
+        the cache's slots in slot order, `(batch, heads, 1, slots)`, slot `s` holding
+        position `index - ((index - s) mod slots)` (weight 0 where that is negative):
+        what `return_attention_weights` returns and a tap sees (see the class docstring)."""
         window = self.attention_options["window"]
         slots = cache.shape[3]
         if multi:

@@ -103,7 +103,10 @@ class Tap:
     # Hooks called by the layers ------------------------------------------------------------
     def attention(self, layer, index, weights):
         """Called with the post-softmax probabilities of attention call number `index`;
-        returns the probabilities the layer goes on with."""
+        returns the probabilities the layer goes on with. While decoding with a cache, the
+        keys are the cache's slots: a "sliding_window" layer's one-token steps hand them in
+        its rolling cache's slot order (slot `s` holds position `t - ((t - s) mod slots)`
+        for the query at position `t`; see `MultiHeadAttention`'s `return_attention_weights`)."""
         return weights
 
     def head_scale(self, layer, index):
