@@ -1436,15 +1436,21 @@ def _cache_for(model):
     the layers' variables and calls, and a trace made before kept the old computation
     (JAX and TensorFlow: a GPT that had generated once then ignored the adapters that
     `enable_lora` added, and its int8 kernels after `quantize`: other tokens than
-    `compile=False`)."""
+    `compile=False`), and when the active taps are not those the loops were traced under
+    (`kzoo.layers.taps.same_taps`: a loop traced before a tap that alters the pass, such as a
+    `Tap` subclass scaling heads, ignored it; one traced inside kept its effect after it)."""
+    from kzoo.layers.taps import same_taps, tap_stamp
+
     variables = model.variables
     cache = model.__dict__.get("_generation_fns")
     traced = model.__dict__.get("_generation_variables", ())
     if cache is None or len(traced) != len(variables) or any(
-            a is not b for a, b in zip(traced, variables)):
+            a is not b for a, b in zip(traced, variables)) or not same_taps(
+            model.__dict__.get("_generation_taps", ())):
         cache = {}
         object.__setattr__(model, "_generation_fns", cache)
         object.__setattr__(model, "_generation_variables", list(variables))
+        object.__setattr__(model, "_generation_taps", tap_stamp())
     if len(cache) > 32:  # many different settings: start afresh rather than grow forever
         cache.clear()
     return cache

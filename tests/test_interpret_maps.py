@@ -555,6 +555,44 @@ def test_generate_inside_masked_heads_uses_the_mask(gpt2):
     np.testing.assert_array_equal(after, plain)
 
 
+class _SecondHeadOff(Tap):
+    """A user's tap that alters the pass: every attention layer's second head scaled to 0."""
+
+    def __init__(self):
+        super().__init__(record_attention=False)
+
+    def head_scale(self, layer, index):
+        return np.array([1.0, 0.0], "float32")
+
+
+def test_generate_inside_a_tap_that_alters_the_pass_uses_it(gpt2):
+    # (JAX and TensorFlow: `generate` reused the decode loop compiled before the tap, so a
+    # tap scaling heads was ignored, and one compiled inside it kept the scaling after it;
+    # only `masked_heads` dropped the loops)
+    model, hf, x, _, _ = gpt2
+    prompt = x["token_ids"][:1, :5]
+    steps = 6
+
+    def generate():
+        out = model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)},
+                             max_new_tokens=steps, strategy="greedy")
+        out = out["token_ids"] if isinstance(out, dict) else out
+        return np.asarray(to_numpy(out))[:, -steps:]
+
+    plain = _hf_greedy(hf, prompt, steps)
+    scaled = _hf_greedy(hf, prompt, steps, np.array([[1.0, 0.0], [1.0, 0.0]], "float32"))
+    assert not np.array_equal(plain, scaled)  # the scaling changes the tokens
+    before = generate()                       # (compiles the decode loop without a tap)
+    with _SecondHeadOff():
+        inside = generate()
+    after = generate()
+    print(f"[{backend()}] greedy tokens: transformers {plain} / heads scaled {scaled}; kzoo "
+          f"{before} / inside {inside} / after {after}")
+    np.testing.assert_array_equal(before, plain)
+    np.testing.assert_array_equal(inside, scaled)
+    np.testing.assert_array_equal(after, plain)
+
+
 def test_a_mask_on_the_backbone_reaches_the_task_models_compiled_functions(gpt2):
     # (`masked_heads(lm.backbone, ...)`: the task model's predict function and decode loops,
     # compiled before around the backbone, kept the unmasked trace on JAX: logits 1.58 off)
