@@ -526,33 +526,12 @@ def _hf_greedy(hf, ids, steps, head_mask=None):
     return ids[:, -steps:].numpy()
 
 
-def test_generate_inside_masked_heads_uses_the_mask(gpt2):
-    # (JAX and TensorFlow: generate reused the decode loop it had compiled before the
-    # context, so inside it the unmasked model's tokens came out)
-    model, hf, x, _, _ = gpt2
-    prompt = x["token_ids"][:1, :5]
-    steps = 6
-    head_mask = np.ones((2, 2), "float32")
-    head_mask[0, 0] = head_mask[1, 1] = 0.0
-
-    def generate():
-        out = model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)},
-                             max_new_tokens=steps, strategy="greedy")
-        out = out["token_ids"] if isinstance(out, dict) else out
-        return np.asarray(to_numpy(out))[:, -steps:]
-
-    plain = _hf_greedy(hf, prompt, steps)
-    masked = _hf_greedy(hf, prompt, steps, head_mask)
-    assert not np.array_equal(plain, masked)  # the mask changes the tokens
-    before = generate()                       # (compiles the decode loop without a mask)
-    with masked_heads(model, head_mask):
-        inside = generate()
-    after = generate()
-    print(f"[{backend()}] greedy tokens: transformers {plain} / masked {masked}; kzoo "
-          f"{before} / inside {inside} / after {after}")
-    np.testing.assert_array_equal(before, plain)
-    np.testing.assert_array_equal(inside, masked)
-    np.testing.assert_array_equal(after, plain)
+def _greedy_tail(model, prompt, steps):
+    """The `steps` tokens kzoo's greedy `generate` appends to `prompt` (NumPy)."""
+    out = model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)},
+                         max_new_tokens=steps, strategy="greedy")
+    out = out["token_ids"] if isinstance(out, dict) else out
+    return np.asarray(to_numpy(out))[:, -steps:]
 
 
 class _SecondHeadOff(Tap):
@@ -565,31 +544,33 @@ class _SecondHeadOff(Tap):
         return np.array([1.0, 0.0], "float32")
 
 
-def test_generate_inside_a_tap_that_alters_the_pass_uses_it(gpt2):
-    # (JAX and TensorFlow: `generate` reused the decode loop compiled before the tap, so a
-    # tap scaling heads was ignored, and one compiled inside it kept the scaling after it;
-    # only `masked_heads` dropped the loops)
+@pytest.mark.parametrize("context", ["masked_heads", "tap"])
+def test_generate_inside_a_context_that_alters_the_pass_uses_it(gpt2, context):
+    # (JAX and TensorFlow: generate reused the decode loop it had compiled before the
+    # context, so inside it the unaltered model's tokens came out: first inside
+    # `masked_heads`, then, after `masked_heads` dropped the loops itself, inside a user's
+    # `Tap` that scales heads, whose loop compiled inside also kept the scaling after it)
     model, hf, x, _, _ = gpt2
     prompt = x["token_ids"][:1, :5]
     steps = 6
-
-    def generate():
-        out = model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)},
-                             max_new_tokens=steps, strategy="greedy")
-        out = out["token_ids"] if isinstance(out, dict) else out
-        return np.asarray(to_numpy(out))[:, -steps:]
-
+    if context == "masked_heads":
+        head_mask = np.ones((2, 2), "float32")
+        head_mask[0, 0] = head_mask[1, 1] = 0.0
+        altering = masked_heads(model, head_mask)
+    else:
+        head_mask = np.array([[1.0, 0.0], [1.0, 0.0]], "float32")
+        altering = _SecondHeadOff()
     plain = _hf_greedy(hf, prompt, steps)
-    scaled = _hf_greedy(hf, prompt, steps, np.array([[1.0, 0.0], [1.0, 0.0]], "float32"))
-    assert not np.array_equal(plain, scaled)  # the scaling changes the tokens
-    before = generate()                       # (compiles the decode loop without a tap)
-    with _SecondHeadOff():
-        inside = generate()
-    after = generate()
-    print(f"[{backend()}] greedy tokens: transformers {plain} / heads scaled {scaled}; kzoo "
-          f"{before} / inside {inside} / after {after}")
+    altered = _hf_greedy(hf, prompt, steps, head_mask)
+    assert not np.array_equal(plain, altered)  # the heads' change changes the tokens
+    before = _greedy_tail(model, prompt, steps)  # (compiles the decode loop outside)
+    with altering:
+        inside = _greedy_tail(model, prompt, steps)
+    after = _greedy_tail(model, prompt, steps)
+    print(f"[{backend()}] greedy tokens ({context}): transformers {plain} / altered {altered}; "
+          f"kzoo {before} / inside {inside} / after {after}")
     np.testing.assert_array_equal(before, plain)
-    np.testing.assert_array_equal(inside, scaled)
+    np.testing.assert_array_equal(inside, altered)
     np.testing.assert_array_equal(after, plain)
 
 
@@ -614,10 +595,7 @@ def test_a_mask_on_the_backbone_reaches_the_task_models_compiled_functions(gpt2)
     steps = 5
 
     def generate():
-        out = model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)},
-                             max_new_tokens=steps, strategy="greedy")
-        out = out["token_ids"] if isinstance(out, dict) else out
-        return np.asarray(to_numpy(out))[:, -steps:]
+        return _greedy_tail(model, prompt, steps)
 
     np.testing.assert_allclose(logits(), plain.logits.numpy()[real], atol=1e-5)
     before = generate()  # (compiles the decode loop without a mask)
