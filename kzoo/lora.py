@@ -212,6 +212,10 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
     Example:
     >>> model.enable_lora(8, targets=("query", "key", "value", "output"), alpha=16)
     """
+    return _enable_lora(model, rank, targets, alpha, warn_zero_heads=True)
+
+
+def _enable_lora(model, rank, targets, alpha, warn_zero_heads):
     check_keras_model(model)
     rank = _check_rank(rank)
     targets = check_targets(targets)
@@ -233,33 +237,23 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
         )
     layers = [layer for t in targets for layer in found[t]]
     for layer in layers:
-        if layer.quantization_mode not in (None, "int8", "int4"):
+        if layer.quantization_mode not in (None, *QUANTIZED):
             raise ValueError(
                 f"LoRA on a {layer.quantization_mode!r}-quantized layer ({layer.path}) is not "
                 "supported; use a float, int8 or int4 model."
             )
     _check_rank_fits(rank, layers)
-    quantized = sorted({layer.quantization_mode for layer in layers} - {None})
-    if quantized:
-        # Keras' quantized Dense saves its adapters merged into its integer kernel (requantized):
-        # reloaded, the model has no adapters and its outputs moved (int8: ~1e-3 of logits
-        # ~0.3), with nothing said.
-        warnings.warn(
-            f"LoRA on {'/'.join(quantized)}-quantized layers of {model.name!r}: "
-            "`model.save` and `kzoo.presets.save` refuse this model (Keras would save the "
-            "adapters merged into the integer kernels, requantized: outputs change and the "
-            "reloaded model has no adapters to train on). Save the quantized model before `enable_lora`, keep "
-            "the adapters with `model.save_lora_weights(path)`, and put them back on the "
-            "reloaded model with `enable_lora` + `load_lora_weights`.",
-            stacklevel=2)
-    if "head" not in targets:
+    # With adapters on an int8/int4 layer, every adapter of the model is saved apart from
+    # its kernel and the model's config records the settings (see `_watch_saves`).
+    kept = any(layer.quantization_mode in QUANTIZED for layer in layers)
+    if "head" not in targets and warn_zero_heads:
         _warn_zero_heads(model, found["head"])
     unfrozen = [v for v in model.weights if v.trainable]
     for variable in unfrozen:
         variable.trainable = False
     for layer in layers:
         layer.enable_lora(rank, lora_alpha=alpha)
-        _watch_saves(layer, model.name)
+        _watch_saves(layer, model.name, kept)
     # Plain attributes: Keras' tracker must not adopt these variables a second time.
     object.__setattr__(model, "_kzoo_lora",
                        {"rank": rank, "alpha": alpha, "targets": list(targets)})
@@ -268,69 +262,75 @@ def enable_lora(model, rank, targets=("query", "value"), alpha=None):
     return [layer.path for layer in layers]
 
 
-def _watch_saves(layer, model_name):
-    """Give the adapted Dense `layer` a `save_own_variables` of its own (removed by
-    `merge_lora`) that Keras' `.keras` saving and `save_weights` (hence `kzoo.presets.save`)
-    call instead of `Dense.save_own_variables`:
+# The quantization modes whose layers take adapters (Keras' `Dense.enable_lora`).
+QUANTIZED = ("int8", "int4")
 
-    - on an int8/int4 layer it refuses the save. Keras' method writes the adapters merged
-      into the integer kernel, requantized (`Dense._get_kernel_with_merged_lora`): the
-      reloaded GPT had no adapters and its logits moved by up to 9e-2 (of ~4). The adapters
-      cannot be kept apart in these files: a kzoo model's config does not record them, so
-      the reloaded layer has no adapter variables to load them into (and Keras'
-      `load_own_variables` zeroes any it finds).
-    - on a float layer it warns: the merged kernel reloads with the same outputs, but the
-      adapters are gone, and with them what the optimizer held for them.
+# The attributes `_watch_saves` gives an adapted layer (removed by `merge_lora`).
+_SAVE_HOOKS = ("save_own_variables", "load_own_variables", "_kzoo_lora_model_name",
+               "_kzoo_lora_kept")
+
+
+def _watch_saves(layer, model_name, kept):
+    """Give the adapted Dense `layer` a `save_own_variables` and a `load_own_variables` of
+    its own (removed by `merge_lora`), which Keras' `.keras` saving and loading and
+    `save_weights` / `load_weights` (hence `kzoo.presets.save` / `load`) call instead of
+    Dense's:
+
+    - `kept` (the model has adapters on an int8/int4 layer): the layer's own variables go
+      to the file as they are (the integer kernel and its scales untouched, in the order of
+      Dense's `variable_serialization_spec`), followed by `lora_kernel_a` and
+      `lora_kernel_b`; loading reads them back in that order. Dense's own method wrote the
+      adapters merged into the integer kernel, requantized (`_get_kernel_with_merged_lora`):
+      the reloaded GPT had no adapters and its logits moved by up to 9e-2 (of ~4). The
+      model's config records the LoRA settings (`config_entry`), so the reloaded model
+      has the adapter variables to load them into (see `restore`).
+    - otherwise (float layers): the save warns and writes Dense's merged kernel; the
+      reloaded model has the same outputs but no adapters, and with them goes what the
+      optimizer held for them.
     """
-    # A method bound to `layer` (a closure over it would, in a `copy.deepcopy` of the
-    # model, still save the original's variables); plain attributes, no Keras tracking.
+    # Methods bound to `layer` (a closure over it would, in a `copy.deepcopy` of the model,
+    # still save the original's variables); plain attributes, no Keras tracking.
     object.__setattr__(layer, "_kzoo_lora_model_name", model_name)
+    object.__setattr__(layer, "_kzoo_lora_kept", bool(kept))
     object.__setattr__(layer, "save_own_variables",
                        types.MethodType(_save_adapted_dense, layer))
+    object.__setattr__(layer, "load_own_variables",
+                       types.MethodType(_load_adapted_dense, layer))
 
 
-def _refusal(model_name, layer):
-    """The ValueError that refuses to save a model whose int8/int4 `layer` has adapters."""
-    return ValueError(
-        f"Cannot save {model_name!r}: its {layer.quantization_mode}-quantized layer "
-        f"{layer.path!r} (and any other) has LoRA adapters, which Keras would save "
-        "merged into the integer kernel and requantized: the reloaded model would "
-        "have no adapters and different outputs. Save the quantized model before "
-        "`enable_lora` and the adapters with `model.save_lora_weights(path)` "
-        "(`load_lora_weights` puts them back, outputs unchanged), or call "
-        "`model.merge_lora()` first to save the merged, requantized model on purpose."
-    )
+def _kept(layer):
+    return layer.lora_enabled and getattr(layer, "_kzoo_lora_kept", False)
 
 
-def check_savable(model):
-    """Raise the ValueError of a refused save when `model` has adapters on an int8/int4
-    layer; nothing otherwise.
-
-    kzoo's save entry points (`model.save`, `model.save_weights`, `kzoo.presets.save`)
-    call it before they open or make anything: the refusal in `save_own_variables`
-    (`_watch_saves`) comes only once Keras has opened the target, which was then left
-    behind empty or half-written (an older file of that name truncated, a preset folder
-    with a stray `tmp.model.weights.h5`).
-
-    Example:
-    >>> kzoo.lora.check_savable(model)  # ValueError if model.save would be refused
-    """
-    if not isinstance(model, keras.layers.Layer):
-        return  # (not a model: the caller's own checks name it)
-    for layer in lora_layers(model):
-        if layer.quantization_mode in ("int8", "int4"):
-            raise _refusal(model.name, layer)
+def _stored_variables(layer):
+    """The variables of `layer` that Keras' quantized Dense writes, in its order (the
+    integer kernel, the bias if any, the scales; for int4 by blocks its zero points and
+    group indices), without the adapters."""
+    mode = layer.quantization_mode
+    spec = layer.variable_serialization_spec
+    if mode not in spec:
+        raise ValueError(
+            f"Cannot save the adapters of {layer.path!r}: its quantization mode {mode!r} "
+            "has no known variable order.")
+    variables = []
+    for name in spec[mode]:
+        variable = layer._kernel if name == "kernel" else getattr(layer, name, None)
+        if variable is not None:  # (no bias; int4 per channel: no zero points, no g_idx)
+            variables.append(variable)
+    return variables
 
 
 def _save_adapted_dense(layer, store):
-    """The `save_own_variables` of `_watch_saves` (the refusal here is the last line of
-    defence: a save through Keras' own functions, `keras.saving.save_model(model, path)`,
-    or of a model that holds a kzoo model as a layer, reaches it with the file already
-    open)."""
-    model_name = getattr(layer, "_kzoo_lora_model_name", "the model")
-    if layer.lora_enabled and layer.quantization_mode in ("int8", "int4"):
-        raise _refusal(model_name, layer)
+    """The `save_own_variables` of `_watch_saves`."""
+    if not layer.built:
+        return None
+    if _kept(layer):
+        variables = _stored_variables(layer) + [layer.lora_kernel_a, layer.lora_kernel_b]
+        for i, variable in enumerate(variables):
+            store[str(i)] = variable
+        return None
     if layer.lora_enabled:
+        model_name = getattr(layer, "_kzoo_lora_model_name", "the model")
         warnings.warn(
             f"Saving {model_name!r} merges its LoRA adapters into the kernels: the "
             "reloaded model gives the same outputs but has no adapters, and the "
@@ -339,6 +339,105 @@ def _save_adapted_dense(layer, store):
             "them and that state with `model.save_lora_weights(path)`.",
             stacklevel=2)
     return type(layer).save_own_variables(layer, store)
+
+
+def _load_adapted_dense(layer, store):
+    """The `load_own_variables` of `_watch_saves`: a file written by `_save_adapted_dense`
+    gives the layer its kernel, scales and adapters back as saved. A file of the layer
+    without adapters (the quantized model saved before `enable_lora`) loads its variables
+    and zeroes the adapters, as Dense's own method does (the model then computes what the
+    saved one did)."""
+    if not layer.built or not _kept(layer):
+        return type(layer).load_own_variables(layer, store)
+    variables = _stored_variables(layer)
+    adapters = [layer.lora_kernel_a, layer.lora_kernel_b]
+    count = len(store.keys())
+    if count not in (len(variables), len(variables) + 2):
+        raise ValueError(
+            f"Layer {layer.path!r} ({layer.quantization_mode}, with LoRA adapters) expected "
+            f"{len(variables) + 2} variables ({len(variables)} without the adapters), but "
+            f"the file holds {count}.")
+    for i, variable in enumerate(variables):
+        variable.assign(store[str(i)])
+    if count == len(variables):
+        for variable in adapters:
+            variable.assign(keras.ops.zeros(variable.shape, variable.dtype))
+        return None
+    for i, variable in enumerate(adapters, start=len(variables)):
+        value = store[str(i)]
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"The saved adapter {variable.path!r} has shape {tuple(value.shape)}; the "
+                f"layer's has shape {tuple(variable.shape)} (saved with another rank?).")
+        variable.assign(value)
+    return None
+
+
+def config_entry(model):
+    """The `"lora"` entry of `model`'s config (and of a preset directory's
+    `kzoo_config.json`): `{"rank", "alpha", "targets"}` when `model` carries adapters that
+    its saves keep apart (on int8/int4 layers; see `_watch_saves`), else None. `restore`
+    puts them back on the model rebuilt from it, before its variables are loaded.
+
+    Example:
+    >>> kzoo.lora.config_entry(model)
+    {'rank': 2, 'alpha': 2.0, 'targets': ['query', 'value']}
+    """
+    settings = getattr(model, "_kzoo_lora", None)
+    if not settings or not any(_kept(layer) for layer in lora_layers(model)):
+        return None
+    return dict(settings)
+
+
+def restore(model, entry, source="the saved config"):
+    """Enable LoRA on `model` (rebuilt from a saved config, quantized, not loaded yet) with
+    the settings of a config's `"lora"` entry (`config_entry`), so that loading gives the
+    adapters back. Returns `model`."""
+    if entry is None:
+        return model
+    try:
+        rank, alpha, targets = entry["rank"], entry["alpha"], entry["targets"]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"The `lora` entry of {source} must be a dict with rank, alpha and targets; "
+            f"got {entry!r}.") from None
+    # (no zero-head warning: the weights, the head's among them, are not loaded yet)
+    _enable_lora(model, rank, targets, alpha, warn_zero_heads=False)
+    return model
+
+
+def _refusal(model_name, layer):
+    """The ValueError refusing to save a model (a backbone) whose int8/int4 `layer` has
+    adapters that `enable_lora` added on the model holding it: its own config cannot
+    record them."""
+    return ValueError(
+        f"Cannot save {model_name!r} alone: its {layer.quantization_mode}-quantized layer "
+        f"{layer.path!r} has LoRA adapters that `enable_lora` added on the model holding "
+        f"{model_name!r}, and only that model's config records them. Save that model "
+        "(its file keeps the adapters), keep the adapters with "
+        "`model.save_lora_weights(path)`, or call `model.merge_lora()` first to save the "
+        "merged, requantized model."
+    )
+
+
+def check_savable(model):
+    """Raise a ValueError when a save of `model` could not be loaded back with its
+    adapters: a model holding int8/int4 layers with adapters added by `enable_lora` on
+    another model (a task model's backbone saved alone); nothing otherwise.
+
+    kzoo's save entry points (`model.save`, `model.save_weights`, `kzoo.presets.save`)
+    call it before they open or make anything.
+
+    Example:
+    >>> kzoo.lora.check_savable(model)  # ValueError if model.save would be refused
+    """
+    if not isinstance(model, keras.layers.Layer):
+        return  # (not a model: the caller's own checks name it)
+    if getattr(model, "_kzoo_lora", None):
+        return
+    for layer in lora_layers(model):
+        if _kept(layer):
+            raise _refusal(model.name, layer)
 
 
 def _warn_zero_heads(model, heads):
@@ -591,7 +690,7 @@ def merge_lora(model):
             super(keras.layers.Layer, layer).__delattr__(name)
         layer.lora_enabled = False
         layer.lora_rank = None
-        for name in ("save_own_variables", "_kzoo_lora_model_name"):  # `_watch_saves`'
+        for name in _SAVE_HOOKS:  # `_watch_saves`'
             if name in vars(layer):
                 super(keras.layers.Layer, layer).__delattr__(name)
     for variable in getattr(model, "_kzoo_lora_frozen", ()):

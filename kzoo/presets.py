@@ -464,6 +464,9 @@ def save(model, directory, format="kzoo", overwrite=True, *,  # noqa: A002
     quantized = kzoo.quantize.quantization_map(model)
     if quantized:  # {layer path: quantized policy}; `load` quantizes these layers again
         meta["quantization"] = quantized
+    adapters = kzoo.lora.config_entry(model)
+    if adapters:  # LoRA on int8/int4 layers: `load` enables it again (weights kept apart)
+        meta["lora"] = adapters
     if metrics:
         meta["metrics"] = metrics
     weights_tmp = os.path.join(directory, "tmp." + WEIGHTS_FILE)
@@ -665,7 +668,7 @@ def _json_default(obj):
 def _read_saved_config(path):
     """The checked contents of a saved directory's `kzoo_config.json`:
     (family, task, config, task config, weights path, quantization map, dtype policy name
-    or None)."""
+    or None, LoRA settings or None)."""
     config_path = checkpoints.file_in(path, CONFIG_FILE, "saved kzoo config")
     meta = {"task": registry.BACKBONE_TASK, "task_config": {},
             **checkpoints.read_json(config_path, "saved kzoo config")}
@@ -679,12 +682,12 @@ def _read_saved_config(path):
         except ValueError as e:
             raise ValueError(f"{config_path!r}: {e}") from None
     return (family, meta["task"], meta["config"], meta["task_config"], weights,
-            meta.get("quantization") or {}, dtype)
+            meta.get("quantization") or {}, dtype, meta.get("lora"))
 
 
 def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
-    family, saved_task, config, saved_task_config, weights_path, quantized, saved_dtype = \
-        _read_saved_config(path)
+    (family, saved_task, config, saved_task_config, weights_path, quantized, saved_dtype,
+     adapters) = _read_saved_config(path)
     if dtype is None:  # the policy it was saved with (`dtype=` picks another)
         dtype = saved_dtype
     if weights is not False:
@@ -698,8 +701,15 @@ def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
     task = family.task_of(model)
     if task == saved_task:
         kzoo.quantize.apply_quantization(model, quantized, source)
+        kzoo.lora.restore(model, adapters, repr(source))
         _read_keras_weights(model, weights_path, overrides)
     else:
+        if adapters:
+            raise ValueError(
+                f"{path!r} was saved with LoRA adapters on quantized layers ({adapters}), "
+                f"which load with its own task only; got task={task!r} (saved: "
+                f"{saved_task!r}). Load it with its own task, or merge the adapters "
+                "(`model.merge_lora()`) before saving it to load it with another.")
         # Another head on the saved backbone: load the saved model, copy its backbone.
         saved = family.build(config, task=saved_task, task_config=saved_task_config,
                              dtype=dtype, source=source)

@@ -873,20 +873,29 @@ class FunctionalModel(RetracesUnderTaps, keras.Model):
         """The `name`, `trainable` and `dtype` entries every kzoo model config starts with.
 
         A quantized model's `dtype` is a `DTypePolicyMap` (float default, one quantized
-        policy per quantized layer path; see `kzoo.quantize`)."""
+        policy per quantized layer path; see `kzoo.quantize`). A model with LoRA adapters
+        on int8/int4 layers also has a `lora` entry, `{"rank", "alpha", "targets"}`: its
+        saves keep the adapters apart from the integer kernels, and `from_config` enables
+        LoRA with these settings so that loading puts them back (see `kzoo.lora`)."""
+        from kzoo import lora
         from kzoo import quantize as quantization
 
         policy = quantization.policy_map(self) if self.built else None
-        return {
+        config = {
             "name": self.name,
             "trainable": self.trainable,
             "dtype": keras.dtype_policies.serialize(policy or self.dtype_policy),
         }
+        entry = lora.config_entry(self) if self.built else None
+        if entry is not None:
+            config["lora"] = entry
+        return config
 
     @classmethod
     def from_config(cls, config):
         config, quantized = _split_quantization(_deserialize_dtype(dict(config)))
-        return _quantized(cls(**config), quantized)
+        entry = config.pop("lora", None)
+        return _adapted(_quantized(cls(**config), quantized), entry)
 
     # === Fine-tuning and deployment (kzoo.lora, kzoo.quantize) ===
 
@@ -932,9 +941,12 @@ class FunctionalModel(RetracesUnderTaps, keras.Model):
         return lora.merge_lora(self)
 
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """Keras' `Model.save`, refused (ValueError) before the file is opened when LoRA
-        adapters sit on int8/int4-quantized layers (see `kzoo.lora.check_savable`): the
-        refusal inside Keras' save left an empty `.keras` file, or truncated the older one.
+        """Keras' `Model.save`. With LoRA adapters on int8/int4-quantized layers the file
+        keeps the integer kernels and scales as they are and the adapters apart, and the
+        config records rank, alpha and targets: `keras.saving.load_model` gives the model
+        back with its adapters, trainable, the rest frozen (see `kzoo.lora`). Refused
+        (ValueError) before the file is opened for a backbone whose adapters were added on
+        the task model holding it (see `kzoo.lora.check_savable`).
 
         Example:
         >>> model.save("gpt.keras")
@@ -945,7 +957,8 @@ class FunctionalModel(RetracesUnderTaps, keras.Model):
         return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
-        """Keras' `Model.save_weights`, refused before the file is opened as `save` is.
+        """Keras' `Model.save_weights` (adapters on int8/int4 layers kept apart, as `save`
+        keeps them), refused before the file is opened where `save` is.
 
         Example:
         >>> model.save_weights("gpt.weights.h5")
@@ -1008,6 +1021,16 @@ def _quantized(model, quantized):
         from kzoo import quantize as quantization
 
         quantization.apply_quantization(model, quantized, f"the config of {model.name!r}")
+    return model
+
+
+def _adapted(model, entry):
+    """`model` (rebuilt by `from_config`, quantized) with the LoRA adapters its config's
+    `lora` entry records (see `kzoo.lora.config_entry`), before Keras loads the variables."""
+    if entry is not None:
+        from kzoo import lora
+
+        lora.restore(model, entry, f"the config of {model.name!r}")
     return model
 
 
@@ -1439,8 +1462,9 @@ class TaskModel(FunctionalModel):
     @classmethod
     def from_config(cls, config):
         config, quantized = _split_quantization(_deserialize_dtype(dict(config)))
+        entry = config.pop("lora", None)
         config["backbone"] = keras.layers.deserialize(config["backbone"])
-        return _quantized(cls(**config), quantized)
+        return _adapted(_quantized(cls(**config), quantized), entry)
 
 
 class HeadTransform(keras.layers.Layer):
