@@ -229,8 +229,7 @@ def test_lora_on_an_int8_model_and_merge():
     model = build_model("gpt")
     x = model_inputs("gpt")
     model.quantize("int8")
-    with pytest.warns(UserWarning, match="int8-quantized layers.*merged into the integer"):
-        model.enable_lora(2, targets=("query", "value"))
+    model.enable_lora(2, targets=("query", "value"))
     _perturb_adapters(model)
     adapted_out = run(model, x)
     model.merge_lora()
@@ -242,23 +241,20 @@ def test_lora_on_an_int8_model_and_merge():
 
 @pytest.mark.spread
 def test_adapters_of_an_int8_model_kept_apart_from_its_save(tmp_path):
-    # The workflow the warning of `enable_lora` gives: the quantized base saved first, the
-    # adapters in their own file, both back on a reloaded model with the same outputs (a
-    # `.keras` of the adapted model holds them merged and requantized).
+    # The quantized base saved before `enable_lora`, the adapters in their own file: both
+    # back on a reloaded model with the same outputs.
     model = build_model("gpt")
     x = model_inputs("gpt")
     model.quantize("int8")
     base = str(tmp_path / "base.keras")
     model.save(base)
-    with pytest.warns(UserWarning, match="save_lora_weights"):
-        model.enable_lora(2, targets=("query", "value"))
+    model.enable_lora(2, targets=("query", "value"))
     _perturb_adapters(model)
     adapted_out = run(model, x)
     adapters = str(tmp_path / "adapters.npz")
     model.save_lora_weights(adapters)
     again = kzoo.presets.load(base)
-    with pytest.warns(UserWarning):
-        again.enable_lora(2, targets=("query", "value"))
+    again.enable_lora(2, targets=("query", "value"))
     again.load_lora_weights(adapters)
     np.testing.assert_array_equal(run(again, x), adapted_out)
 
@@ -277,32 +273,26 @@ def _save_and_load(model, path, fmt):
 @pytest.mark.spread
 @pytest.mark.parametrize("fmt", ["keras", "preset"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_save_of_a_quantized_model_with_adapters_is_refused(mode, fmt, tmp_path):
+def test_save_of_a_quantized_model_with_adapters_keeps_them(mode, fmt, tmp_path):
     # Keras' quantized Dense saved its adapters merged into the integer kernel and
-    # requantized: the reloaded GPT had no adapters and logits up to 9e-2 away (int8).
-    # Now the save is refused, naming what keeps the outputs: the quantized base saved
-    # before `enable_lora` plus `save_lora_weights`, or an explicit `merge_lora`.
+    # requantized: the reloaded GPT had no adapters and logits up to 9e-2 away (int8); then
+    # kzoo refused the save. Now the integer kernels and the adapters are saved apart (see
+    # tests/test_lora_quantized_saves.py for the round trip in full); a merged model
+    # (requantized on purpose) saves, and reloads with its own outputs.
     model = build_model("gpt")
     x = model_inputs("gpt")
     model.quantize(mode)
-    base = _save_and_load(model, tmp_path / "base", fmt)  # (no adapters yet: saved as is)
-    with pytest.warns(UserWarning, match=f"{mode}-quantized"):
-        model.enable_lora(2, targets=("query", "value"))
+    model.enable_lora(2, targets=("query", "value"))
     _perturb_adapters(model)
     adapted_out = run(model, x)
-    with pytest.raises(ValueError, match=f"{mode}-quantized layer .*save_lora_weights"):
-        _save_and_load(model, tmp_path / "adapted", fmt)
-    # What the message names gives the adapted outputs back.
-    adapters = str(tmp_path / "adapters.npz")
-    model.save_lora_weights(adapters)
-    with pytest.warns(UserWarning):
-        base.load_lora_weights(adapters)
-    np.testing.assert_allclose(run(base, x), adapted_out, rtol=1e-5, atol=1e-5)
-    # A merged model (requantized on purpose) saves, and reloads with its own outputs.
+    again = _save_and_load(model, tmp_path / "adapted", fmt)
+    np.testing.assert_array_equal(run(again, x), adapted_out)
+    assert kzoo.lora.lora_settings(again) == kzoo.lora.lora_settings(model)
     model.merge_lora()
     merged_out = run(model, x)
-    np.testing.assert_allclose(run(_save_and_load(model, tmp_path / "merged", fmt), x),
-                               merged_out, rtol=1e-5, atol=1e-5)
+    merged = _save_and_load(model, tmp_path / "merged", fmt)
+    assert not kzoo.lora.lora_layers(merged)
+    np.testing.assert_allclose(run(merged, x), merged_out, rtol=1e-5, atol=1e-5)
 
 
 def _snapshot(path):
@@ -324,10 +314,11 @@ def _snapshot(path):
 @pytest.mark.spread
 @pytest.mark.parametrize("fmt", ["keras", "weights", "preset"])
 def test_a_refused_save_leaves_the_target_as_it_was(fmt, tmp_path):
-    # The refusal came from inside Keras' save, with the target already open: `model.save`
-    # left an empty `m.keras` behind (and truncated an older one), `save_weights` a
-    # half-written `.weights.h5`, `kzoo.presets.save` a folder holding
-    # `tmp.model.weights.h5` (made when absent). Now a refused save writes nothing.
+    # The one save still refused: a backbone alone whose int8 layers have adapters added by
+    # `enable_lora` on its task model (only the task model's config records them). The
+    # refusal came from inside Keras' save, with the target already open (an empty
+    # `m.keras` left behind, an older one truncated, a preset folder holding
+    # `tmp.model.weights.h5`); it comes before anything is written.
     save = {"keras": lambda m, path: m.save(path),
             "weights": lambda m, path: m.save_weights(path),
             "preset": kzoo.presets.save}[fmt]
@@ -337,16 +328,15 @@ def test_a_refused_save_leaves_the_target_as_it_was(fmt, tmp_path):
     (tmp_path / "older").mkdir()
     (tmp_path / "fresh").mkdir()
     older = str(tmp_path / "older" / name)
-    save(model, older)  # (no adapters yet: saved as is)
+    save(model.backbone, older)  # (no adapters yet: saved as is)
     before = _snapshot(older)
     assert before
-    with pytest.warns(UserWarning, match="int8-quantized"):
-        model.enable_lora(2, targets=("query", "value"))
+    model.enable_lora(2, targets=("query", "value"))
     _perturb_adapters(model)
     for target in (str(tmp_path / "fresh" / name), older):
-        with pytest.raises(ValueError, match=r"Cannot save .*int8-quantized layer "
-                                             r".*save_lora_weights"):
-            save(model, target)
+        with pytest.raises(ValueError, match=r"Cannot save .* alone: its int8-quantized "
+                                             r"layer .*Save that model"):
+            save(model.backbone, target)
     assert os.listdir(tmp_path / "fresh") == []  # absent stays absent
     assert _snapshot(older) == before  # the older save, byte for byte
     assert os.listdir(tmp_path / "older") == [name]
