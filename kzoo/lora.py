@@ -33,12 +33,27 @@ model whose weights are all trainable again.
 merged kernels `W + (alpha/rank) A B`, with a warning: the reloaded model gives the same
 outputs but has no adapters (all its weights trainable), and `keras.saving.load_model` drops
 the saved optimizer state (Keras warns "Skipping variable loading for optimizer": it was the
-adapters'). With adapters on int8/int4-quantized layers both refuse to save (ValueError),
-and so does `model.save_weights`, before anything is written (the target path is left as it
-was): Keras would requantize the merged kernels and the outputs would move. To go on
-training the adapters later, keep them with `save_lora_weights` and put them back with
-`load_lora_weights` on the model saved before `enable_lora` (the training CLI writes both:
-the merged model and `adapters.lora.npz`; its checkpoints keep everything of a LoRA run).
+adapters'). To go on training the adapters later, keep them with `save_lora_weights` and put
+them back with `load_lora_weights` on the model saved before `enable_lora` (the training CLI
+writes both: the merged model and `adapters.lora.npz`; its checkpoints keep everything of a
+LoRA run).
+
+QLoRA: with adapters on int8/int4-quantized layers, `model.save`, `model.save_weights` and
+`kzoo.presets.save` keep the adapters instead. Each adapted layer writes its integer kernel
+and scales unchanged (in the order of Keras' quantized Dense) followed by `lora_kernel_a`
+and `lora_kernel_b`, and the model's config (a preset directory's `kzoo_config.json`)
+records `"lora": {"rank", "alpha", "targets"}`; `keras.saving.load_model` and
+`kzoo.presets.load` rebuild the quantized model, enable LoRA with these settings and load
+the variables: the outputs are the saved model's (bit for bit), the adapters are trainable
+and the rest frozen as `enable_lora` left it, and a `.keras` file gives the optimizer its
+state back, so `fit` continues where it stopped. (Keras' quantized Dense alone would save
+the adapters merged into the integer kernel, requantized: the reloaded model had no adapters
+and its outputs moved.) `merge_lora()` still folds the adapters in and requantizes, for a
+deployable model without them. Two things stay refused (ValueError, before anything is
+written): a backbone saved alone whose adapters `enable_lora` added on the task model holding
+it (only that model's config records them), and `kzoo.presets.load` of such a directory with
+another `task` than its own. The Hugging Face and keras-hub formats refuse quantized models
+altogether (`kzoo.presets.save`, before anything is written).
 
 Resuming the adapters' training with its optimizer state, as a `.keras` file does for a
 model without adapters: `save_lora_weights` of a model whose optimizer has trained exactly

@@ -225,9 +225,9 @@ def _count(variables):
 
 def save_model(model, directory, extra_files=None):
     """`kzoo.presets.save` plus the recipe's extra files (e.g. the tokenizer). A LoRA model
-    is saved with its adapters merged into the kernels (Keras' Dense saves the merged
-    kernel), plus the adapters alone in `adapters.lora.npz`, written first (a model
-    `kzoo.presets.save` refuses, int8 / int4 layers with adapters, loses nothing)."""
+    is saved with its adapters merged into the float kernels (Keras' Dense saves the merged
+    kernel; on int8 / int4 layers `kzoo.presets.save` keeps them apart instead, see
+    `kzoo.lora`), plus the adapters alone in `adapters.lora.npz`, written first."""
     if kzoo.lora.lora_layers(model):
         os.makedirs(directory, exist_ok=True)
         model.save_lora_weights(os.path.join(directory, "adapters.lora.npz"))
