@@ -41,6 +41,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kzoo.layers.gradients import custom_gradient
+
 
 @keras.saving.register_keras_serializable(package="kzoo")
 class TokenCrossentropy(keras.losses.Loss):
@@ -458,7 +460,7 @@ def _tf_cross_entropy():
     import tensorflow as tf
 
     def cross_entropy(logits, labels):
-        @tf.custom_gradient
+        @custom_gradient
         def loss(z):
             valid = (labels >= 0) & (labels < tf.shape(z)[-1])
             index = tf.where(valid, labels, 0)

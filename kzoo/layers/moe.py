@@ -48,6 +48,7 @@ import keras
 from keras import ops
 
 from kzoo.layers.feedforward import get_activation
+from kzoo.layers.gradients import custom_gradient
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_choice
 from kzoo.layers.utils import check_positive_float
@@ -217,7 +218,7 @@ def _dispatch(x, slot_token, slot, top_k):
     one past the last slot for dropped / padded assignments.
     """
 
-    @ops.custom_gradient
+    @custom_gradient
     def dispatch(x, slot_token, slot):
         out = ops.take(x, slot_token, axis=0)
 
@@ -232,7 +233,7 @@ def _dispatch(x, slot_token, slot, top_k):
     return dispatch(x, slot_token, slot)
 
 
-@ops.custom_gradient
+@custom_gradient
 def _combine(ye, slot, slot_assignment):
     """ye (slots, dim) -> (k * tokens, dim): row a is the output of assignment a's slot.
 

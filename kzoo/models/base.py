@@ -33,6 +33,7 @@ from kzoo import allocator
 from kzoo import inputs as input_checks
 from kzoo.inputs import FloatInput, IdInput  # noqa: F401  (the families declare their inputs)
 from kzoo.layers.feedforward import get_activation
+from kzoo.layers.gradients import adopt_custom_gradients
 from kzoo.layers.norm import LayerNorm
 from kzoo.layers.taps import RetracesUnderTaps
 from kzoo.layers.utils import FieldError, check_positive_float, serialize_initializer
@@ -816,6 +817,9 @@ class FunctionalModel(RetracesUnderTaps, keras.Model):
             # is given back once the loop ends; `train_on_batch` keeps it for the next call)
             for layer in self._flatten_layers():
                 layer.__dict__.pop("_logits_buffer", None)
+            # (TensorFlow: the training step's graph is freed with the model; see
+            # `kzoo.layers.gradients`)
+            adopt_custom_gradients()
             allocator.release_memory()  # what malloc kept for the steps (kzoo.allocator)
 
     def evaluate(self, *args, **kwargs):
