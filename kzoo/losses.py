@@ -41,7 +41,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kzoo.layers.gradients import custom_gradient
+from kzoo.layers.gradients import tf_custom_gradient
 
 
 @keras.saving.register_keras_serializable(package="kzoo")
@@ -460,7 +460,7 @@ def _tf_cross_entropy():
     import tensorflow as tf
 
     def cross_entropy(logits, labels):
-        @custom_gradient
+        @tf_custom_gradient
         def loss(z):
             valid = (labels >= 0) & (labels < tf.shape(z)[-1])
             index = tf.where(valid, labels, 0)

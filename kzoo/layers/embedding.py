@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from kzoo.layers.gradients import custom_gradient
+from kzoo.layers.gradients import tf_custom_gradient
 from kzoo.layers.taps import active_tap
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import clip
@@ -464,8 +464,8 @@ def _tf_tied_logits(hidden, table, bias=None):
 
     h, table = tf.convert_to_tensor(hidden), tf.convert_to_tensor(table)
     if bias is None:
-        return custom_gradient(lambda h, table: logits_of(h, table, None))(h, table)
-    return custom_gradient(lambda h, table, bias: logits_of(h, table, bias))(
+        return tf_custom_gradient(lambda h, table: logits_of(h, table, None))(h, table)
+    return tf_custom_gradient(lambda h, table, bias: logits_of(h, table, bias))(
         h, table, tf.convert_to_tensor(bias))
 
 

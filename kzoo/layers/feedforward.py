@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from kzoo.layers.gradients import custom_gradient
+from kzoo.layers.gradients import tf_custom_gradient
 from kzoo.layers.utils import check_bool
 from kzoo.layers.utils import check_positive_int
 from kzoo.layers.utils import check_rate
@@ -94,7 +94,7 @@ def _tf_gelu_tanh(x):
     MiB (fresh processes)."""
     import tensorflow as tf
 
-    @custom_gradient
+    @tf_custom_gradient
     def gelu(x):
         s = tf.sigmoid(x * (_K1 + _K2 * tf.square(x)))
 

@@ -15,10 +15,13 @@ its graphs an iteration, and grew by 63 MiB an iteration (1,014 -> 2,206 MiB ove
 Here the registry keeps only a weak reference to the gradient function, and the graph that
 the op was made in keeps the strong one: the gradient can be looked up exactly as long as
 its graph (and with it anything that could ask for it) lives, and the registry's entry goes
-with the graph. On JAX and torch this is `keras.ops.custom_gradient` unchanged.
+with the graph (`tf_custom_gradient`; `custom_gradient` is `keras.ops.custom_gradient` on JAX
+and torch). `adopt_custom_gradients` does the same for registrations made by others'
+code (TensorFlow's own, in every traced training step), and `fit` of a kzoo model calls it.
 """
 
 import functools
+import sys
 import weakref
 
 import keras
@@ -28,9 +31,8 @@ _GRAPH_ATTRIBUTE = "_kzoo_custom_gradients"
 
 
 def custom_gradient(f):
-    """`keras.ops.custom_gradient(f)` (`f(*args) -> (outputs, grad_fn)`), on TensorFlow with
-    its gradient's registration owned by the graph it is traced in (see the module's
-    docstring).
+    """`keras.ops.custom_gradient(f)` (`f(*args) -> (outputs, grad_fn)`); on the TensorFlow
+    backend `tf_custom_gradient(f)`.
 
     >>> @custom_gradient
     ... def clipped(x):
@@ -38,6 +40,13 @@ def custom_gradient(f):
     """
     if keras.backend.backend() != "tensorflow":
         return keras.ops.custom_gradient(f)
+    return tf_custom_gradient(f)
+
+
+def tf_custom_gradient(f):
+    """`tf.custom_gradient(f)` with the gradient's registration owned by the graph it is
+    traced in (see the module's docstring), whatever the Keras backend (kzoo's TensorFlow
+    code also runs in `tf.data` pipelines under JAX and torch)."""
     import tensorflow as tf
 
     decorated = tf.custom_gradient(f)
@@ -63,8 +72,8 @@ def adopt_custom_gradients():
     traced in; return how many were handed over. TensorFlow's own code registers some too
     (`tf.distribute`'s `all_reduce`, which Keras' optimizers call in every traced training
     step), and they pin the graph of `fit`'s step as kzoo's did. An entry whose graph cannot
-    be found is left as it is. Nothing happens on JAX and torch."""
-    if keras.backend.backend() != "tensorflow":
+    be found is left as it is. Nothing happens where TensorFlow is not loaded."""
+    if "tensorflow" not in sys.modules:
         return 0
     registry = _registry()
     if registry is None:
@@ -148,4 +157,4 @@ def _forget(registry, name, _):
     registry.pop(name, None)
 
 
-__all__ = ["adopt_custom_gradients", "custom_gradient"]
+__all__ = ["adopt_custom_gradients", "custom_gradient", "tf_custom_gradient"]

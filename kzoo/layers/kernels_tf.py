@@ -23,7 +23,7 @@ may see, and each key block over the range of query blocks that may see it.
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
-from kzoo.layers.gradients import custom_gradient
+from kzoo.layers.gradients import tf_custom_gradient
 from kzoo.layers.kernels import _NEG, _grouped_scores, _pad_axis, reference_attention
 
 _LSE_EMPTY = 1e30  # log-sum-exp of a row with no visible key: exp(s - 1e30) == 0
@@ -108,7 +108,7 @@ def reference_with_gradient(query, key, value, mask, bias, scale, rows):
         inputs.append(tf.cast(bias, tf.float32))
     additive = None if mask is None else tf.where(mask, 0.0, _NEG)
 
-    @custom_gradient
+    @tf_custom_gradient
     def attend(*args):
         q, k, v = (tf.transpose(x, (0, 2, 1, 3)) for x in args[:3])  # (b, h, ., d)
         if scale != 1.0:
@@ -427,4 +427,4 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
         return out, grad
 
     args = [query, key, value] + ([bias] if bias is not None else [])
-    return custom_gradient(run)(*args)
+    return tf_custom_gradient(run)(*args)

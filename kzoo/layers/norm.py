@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from kzoo.layers.gradients import custom_gradient
+from kzoo.layers.gradients import tf_custom_gradient
 from kzoo.layers.utils import check_positive_float
 from kzoo.layers.utils import last_axis_size
 from kzoo.layers.utils import serialize_initializer
@@ -188,7 +188,7 @@ def _tf_layer_norm(x, gamma, beta, epsilon):
     has_gamma, has_beta = gamma is not None, beta is not None
     lead = list(range(len(x.shape) - 1))
 
-    @custom_gradient
+    @tf_custom_gradient
     def norm(x, *weights):
         centred = x - tf.reduce_mean(x, axis=-1, keepdims=True)
         r = tf.math.rsqrt(tf.reduce_mean(tf.square(centred), axis=-1, keepdims=True)
