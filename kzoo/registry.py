@@ -25,6 +25,7 @@ import difflib
 import importlib
 import inspect
 import pathlib
+import warnings
 from collections.abc import Mapping
 from importlib import resources
 from types import MappingProxyType
@@ -285,6 +286,17 @@ class Family:
         module.load_weights(model, reader)
         if strict:
             reader.finish()
+        elif reader.missing:
+            # Another head than the checkpoint's (e.g. a `LlamaModel` or `BertModel` loaded as
+            # a language model): its weights are fresh, random ones. transformers warns of
+            # them by name; kzoo ran `generate` on a random head in silence.
+            warnings.warn(
+                f"The checkpoint has no weights for {reader.missing} of this "
+                f"{self.task_of(model)!r} model (it was saved with another head): they keep "
+                "a new model's initial values, and the outputs mean nothing until they are "
+                "trained.",
+                stacklevel=4,
+            )
 
     def to_hf(self, model):
         """(Hugging Face config dict, state dict) of `model`."""

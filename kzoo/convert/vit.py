@@ -217,6 +217,9 @@ def load_weights(model, weights):
                 "load it with task='backbone' and put a new ViTClassifier on top."
             )
         _dense(weights, classifier.head, "classifier")
+    elif classifier is not None:
+        # (named as missing: a non-strict load warns of them, as transformers does)
+        weights.missing.extend(["classifier.weight", "classifier.bias"])
 
 
 def _np(variable):

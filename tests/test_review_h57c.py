@@ -1,0 +1,127 @@
+"""Regression tests of a hostile review (h57c): each checks kzoo against an independent
+reference (transformers' own loading report or outputs, a NumPy formula)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import kzoo
+from tests.harness import hf_checkpoint
+
+
+def _tiny_llama(cls, tie=False):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        tie_word_embeddings=tie)
+    return getattr(transformers, cls)(config).eval()
+
+
+def _tiny_bert(cls, **extra):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, max_position_embeddings=16, **extra)
+    return getattr(transformers, cls)(config).eval()
+
+
+def _tiny_vit(cls):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        image_size=8, patch_size=4, num_labels=2)
+    return getattr(transformers, cls)(config).eval()
+
+
+_MAKERS = {"Llama": _tiny_llama, "Bert": _tiny_bert, "ViT": _tiny_vit}
+
+
+def _make(cls):
+    return next(make for prefix, make in _MAKERS.items() if cls.startswith(prefix))(cls)
+
+
+def _missing_in_transformers(cls, path):
+    """The weights transformers reports as newly initialised when `cls` loads `path`."""
+    import transformers
+
+    _, info = getattr(transformers, cls).from_pretrained(path, output_loading_info=True)
+    return set(info["missing_keys"])
+
+
+def _fresh_weight_warnings(caught):
+    return [str(w.message) for w in caught if "initial values" in str(w.message)
+            and "has no weights for" in str(w.message)]
+
+
+@pytest.mark.parametrize("saved, loaded, task, kwargs", [
+    ("LlamaModel", "LlamaForCausalLM", "causal_lm", {}),
+    ("BertModel", "BertForMaskedLM", "masked_lm", {}),
+    ("BertForMaskedLM", "BertForSequenceClassification", "classifier", {"num_classes": 2}),
+    ("ViTModel", "ViTForImageClassification", "classifier", {"num_classes": 2}),
+])
+def test_a_checkpoint_loaded_with_another_head_names_the_fresh_weights(saved, loaded, task,
+                                                                        kwargs, tmp_path):
+    """A checkpoint saved without the head of the task asked for: kzoo built that head with
+    random weights and said nothing (`generate` of a `LlamaModel` loaded as a causal LM gave
+    random tokens). transformers names them; so must kzoo, each of them one transformers
+    names too."""
+    path = hf_checkpoint(tmp_path / "ckpt", _make(saved))
+    expected = _missing_in_transformers(loaded, path)
+    assert expected  # (the reference: transformers initialises these afresh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kzoo.presets.load(path, task=task, **kwargs)
+    messages = _fresh_weight_warnings(caught)
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    named = {name for name in expected if f"'{name}'" in messages[0]}
+    assert named, (messages[0], expected)
+
+
+@pytest.mark.parametrize("saved, task, kwargs", [
+    ("LlamaForCausalLM", "causal_lm", {}),
+    ("LlamaForCausalLM", "backbone", {}),
+    ("BertForMaskedLM", "masked_lm", {}),
+    ("BertForSequenceClassification", "classifier", {"num_classes": 3}),
+    ("ViTForImageClassification", "classifier", {"num_classes": 2}),
+    ("ViTModel", "backbone", {}),
+])
+def test_a_checkpoint_with_every_weight_of_the_task_warns_of_none(saved, task, kwargs, tmp_path):
+    model = _tiny_bert(saved, num_labels=3) if saved.startswith("BertForSeq") else _make(saved)
+    path = hf_checkpoint(tmp_path / "ckpt", model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kzoo.presets.load(path, task=task, **kwargs)
+    assert not _fresh_weight_warnings(caught)
+
+
+def test_a_tied_head_needs_no_weights_of_its_own(tmp_path):
+    """A `LlamaModel` with tied embeddings loaded as a causal LM has every weight it needs:
+    its logits equal transformers' `LlamaForCausalLM` of the same checkpoint."""
+    import torch
+    import transformers
+
+    path = hf_checkpoint(tmp_path / "ckpt", _tiny_llama("LlamaModel", tie=True))
+    assert not _missing_in_transformers("LlamaForCausalLM", path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = kzoo.presets.load(path, task="causal_lm")
+    assert not _fresh_weight_warnings(caught)
+    ids = np.array([[3, 9, 27, 1]], dtype="int32")
+    hf = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids).long()).logits.numpy()
+    from tests.harness import to_numpy
+
+    ours = to_numpy(model({"token_ids": ids}))
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
