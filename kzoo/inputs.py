@@ -457,6 +457,7 @@ def check_inputs(inputs, specs, source="model input"):
     else:
         return
     batches = {}  # axis name -> (key, size) of the first input with that batch axis
+    mask_shapes = {}  # mask key -> (key, shape) of the first id input checked against it
     for spec in specs:
         if isinstance(spec, DocumentIdInput):
             check_document_ids(values, spec, source)
@@ -484,6 +485,14 @@ def check_inputs(inputs, specs, source="model input"):
                 f"`{spec.key}` ({source}) has {array.shape[1]} tokens a row; the model takes "
                 f"at most max_sequence_length={spec.max_length} (its learned position "
                 "table).")
+        first = mask_shapes.setdefault(spec.mask, (spec.key, array.shape))
+        if spec.mask and array.shape != first[1]:
+            # (BERT's `segment_ids` of another shape than `token_ids` blamed the padding mask,
+            # which the model may have made itself from `token_ids`, and without a mask
+            # failed deep inside the model: torch naming `Add`)
+            raise ValueError(
+                f"`{spec.key}` ({source}) has shape {tuple(array.shape)}; it must have the "
+                f"shape of `{first[0]}`, {tuple(first[1])} (one entry a token).")
         mask = values.get(spec.mask) if spec.mask else None
         if mask is not None and is_symbolic(mask):
             mask = None

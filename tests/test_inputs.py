@@ -579,7 +579,7 @@ def test_a_padding_mask_of_another_shape_is_refused(family):
             with pytest.raises(ValueError, match=rf"`{key}` .*must have the shape of"):
                 model.predict(bad, verbose=0)
     if family == "bert":
-        with pytest.raises(ValueError, match=r"`padding_mask` .*shape of `segment_ids`"):
+        with pytest.raises(ValueError, match=r"`segment_ids` .*shape of `token_ids`"):
             model({**x, "segment_ids": x["segment_ids"][:1]})
     model(x)  # the right shapes still run
 

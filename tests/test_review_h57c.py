@@ -125,3 +125,19 @@ def test_a_tied_head_needs_no_weights_of_its_own(tmp_path):
 
     ours = to_numpy(model({"token_ids": ids}))
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_segment_ids_of_another_shape_than_token_ids_are_named(mask):
+    """BERT's `segment_ids` of another length than `token_ids`: the error blamed
+    `padding_mask`, which the caller had not given (the model made it from `token_ids`)."""
+    model = kzoo.presets.load("bert_tiny_uncased", num_layers=1, hidden_dim=16, num_heads=2,
+                              intermediate_dim=16, vocabulary_size=32, max_sequence_length=8)
+    inputs = {"token_ids": np.ones((1, 4), "int32"), "segment_ids": np.zeros((1, 3), "int32")}
+    if mask:
+        inputs["padding_mask"] = np.ones((1, 4), "int32")
+    with pytest.raises(ValueError, match=r"`segment_ids` .* shape \(1, 3\); it must have the "
+                                         r"shape of `token_ids`, \(1, 4\)"):
+        model(inputs)
+    with pytest.raises(ValueError, match=r"`segment_ids` .* shape \(1, 3\)"):
+        model.predict(inputs, verbose=0)
