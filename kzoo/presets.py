@@ -718,11 +718,28 @@ def _load_saved(path, task=None, weights=None, dtype=None, overrides=None):
                                          strict=False)
         _read_keras_weights(saved, weights_path)
         _backbone(model, task).set_weights(_backbone(saved, saved_task).get_weights())
+        _warn_of_fresh_head(model, task, path)
     return model
 
 
 def _backbone(model, task):
     return model if task == registry.BACKBONE_TASK else model.backbone
+
+
+def _warn_of_fresh_head(model, task, path):
+    """A task model whose head weights a checkpoint of another task did not hold (a
+    backbone loaded as a masked LM, say) warns of them by name, as transformers does: they
+    keep their initial values (the Hugging Face path names the checkpoint's missing
+    tensors, `registry.Family.load_hf_weights`)."""
+    if task == registry.BACKBONE_TASK:
+        return
+    loaded = {id(v) for v in model.backbone.weights}
+    fresh = [v.path for v in model.weights if id(v) not in loaded]
+    if fresh:
+        warnings.warn(
+            f"The checkpoint {path!r} has no weights for {fresh} of this {task!r} model (it "
+            "was saved with another head): they keep a new model's initial values, and the "
+            "outputs mean nothing until they are trained.", stacklevel=4)
 
 
 def _load_keras_hub(path, task=None, dtype=None, overrides=None, weights=None):
@@ -736,6 +753,9 @@ def _load_keras_hub(path, task=None, dtype=None, overrides=None, weights=None):
     if weights is None:
         with _naming_overrides(path, overrides):
             converter.load_weights(model, path)
+        task = registry.family(family).task_of(model)
+        if task != hub_task:  # (the preset's own head is read from task.weights.h5)
+            _warn_of_fresh_head(model, task, path)
     elif weights is not False:
         _load_weights_into(model, weights, overrides)
     return model

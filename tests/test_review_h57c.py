@@ -141,3 +141,29 @@ def test_segment_ids_of_another_shape_than_token_ids_are_named(mask):
         model(inputs)
     with pytest.raises(ValueError, match=r"`segment_ids` .* shape \(1, 3\)"):
         model.predict(inputs, verbose=0)
+
+
+def test_a_keras_hub_backbone_or_kzoo_backbone_loaded_with_a_head_names_the_fresh_weights(
+        tmp_path):
+    """The same for a keras-hub preset of a backbone and a kzoo directory of a backbone:
+    the masked-LM head kzoo builds on them has no saved weights (keras-hub's own
+    `BertMaskedLM` of that backbone starts its head afresh too)."""
+    import keras_hub
+
+    hub = keras_hub.models.BertBackbone(vocabulary_size=32, num_layers=1, num_heads=2,
+                                        hidden_dim=8, intermediate_dim=16,
+                                        max_sequence_length=8)
+    hub.save_to_preset(str(tmp_path / "hub"))
+    ours = kzoo.presets.load("bert_tiny_uncased", task="backbone", num_layers=1, hidden_dim=8,
+                             num_heads=2, intermediate_dim=16, vocabulary_size=32,
+                             max_sequence_length=8)
+    kzoo.presets.save(ours, str(tmp_path / "kzoo"))
+    for path in (tmp_path / "hub", tmp_path / "kzoo"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lm = kzoo.presets.load(str(path), task="masked_lm")
+            kzoo.presets.load(str(path), task="backbone")
+        messages = _fresh_weight_warnings(caught)
+        assert len(messages) == 1, [str(w.message) for w in caught]
+        head = [v.path for v in lm.weights if v.path.startswith("mlm_")]
+        assert head and all(f"'{name}'" in messages[0] for name in head), messages[0]
