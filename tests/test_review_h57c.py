@@ -167,3 +167,48 @@ def test_a_keras_hub_backbone_or_kzoo_backbone_loaded_with_a_head_names_the_fres
         assert len(messages) == 1, [str(w.message) for w in caught]
         head = [v.path for v in lm.weights if v.path.startswith("mlm_")]
         assert head and all(f"'{name}'" in messages[0] for name in head), messages[0]
+
+
+def _attention_reference(q, k, v, causal):
+    """NumPy attention, (batch, seq, heads, head_dim), keys a query may not see left out
+    (bottom-right causal alignment); NaN scores stay NaN."""
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    q_len, k_len = q.shape[1], k.shape[1]
+    allowed = np.ones((q_len, k_len), bool)
+    if causal:
+        allowed = np.arange(k_len)[None, :] <= np.arange(q_len)[:, None] + k_len - q_len
+    out = np.zeros(q.shape, np.float64)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            for i in range(q_len):
+                s = scores[b, h, i, allowed[i]]
+                p = np.exp(s - s.max())
+                out[b, i, h] = (p / p.sum()) @ v[b, allowed[i], h]
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", ["reference", "chunked"])
+def test_attention_keeps_a_nan_score_nan_in_the_rows_that_see_it(kernel, causal):
+    """A NaN (or infinite) score, e.g. from an overflowing float16 product, made the chunked
+    kernel's rows zeros (`denom > 0` is False for a NaN sum): a wrong answer in silence,
+    where the reference kernel and the formula give NaN. Rows that cannot see the NaN key
+    stay finite and equal the formula."""
+    from kzoo.layers import dot_product_attention
+    from tests.harness import to_numpy
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 6, 2, 4)).astype("float32") for _ in range(3))
+    q[0, 1, 0, 0] = np.nan  # query row 1 of head 0
+    k[1, 3, 1, 2] = np.nan  # key 3 of head 1 in the second example
+    expected = _attention_reference(q.astype("float64"), k.astype("float64"),
+                                     v.astype("float64"), causal)
+    out = to_numpy(dot_product_attention(q, k, v, is_causal=causal, kernel=kernel))
+    nan = np.isnan(expected).any(-1)
+    assert nan.any() and np.isnan(out[nan]).all()  # NaN wherever the formula has NaN
+    got_nan = np.isnan(out).any(-1)
+    if kernel == "chunked" or not causal:
+        np.testing.assert_array_equal(got_nan, nan)
+    # (the reference kernel on JAX / TensorFlow adds a causal mask as a bias: NaN plus a
+    # large negative value reaches the rows before a NaN key too)
+    np.testing.assert_allclose(out[~got_nan], expected[~got_nan], atol=1e-5)

@@ -233,7 +233,10 @@ def _chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
         )
         (_, run_sum, acc), _ = jax.lax.scan(k_step, init, jnp.arange(nk))
         denom = jnp.swapaxes(run_sum, 1, 2)[..., None]
-        return jnp.where(denom > 0, acc / jnp.maximum(denom, 1e-30), 0.0).astype(out_dtype)
+        # (a row that sees no key: zeros; a NaN sum, from a NaN or infinite score, stays
+        # NaN as in the other kernels: `denom > 0` turned it into zeros)
+        empty = denom == 0
+        return jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, denom)).astype(out_dtype)
 
     def q_step(carry, i):
         return carry, jax.checkpoint(q_block)(i)

@@ -353,9 +353,13 @@ def chunked_attention_tf(query, key, value, mask, bias, is_causal, scale, bq, bk
                 lambda j, *_: j <= k_last[i], k_body, init
             )
             denom = tf.transpose(run_sum, (0, 2, 1))[..., None]
-            out_i = tf.where(denom > 0, acc / tf.maximum(denom, 1e-30), 0.0)
-            lse_i = tf.where(run_sum > 0, run_max + tf.math.log(tf.maximum(run_sum, 1e-30)),
-                             _LSE_EMPTY)
+            # (a row that sees no key: zeros; a NaN sum, from a NaN or infinite score, stays
+            # NaN as in the reference kernel: `denom > 0` turned it into zeros)
+            empty = tf.equal(denom, 0.0)
+            out_i = tf.where(empty, 0.0, acc / tf.where(empty, 1.0, denom))
+            no_key = tf.equal(run_sum, 0.0)
+            lse_i = tf.where(no_key, _LSE_EMPTY,
+                             run_max + tf.math.log(tf.where(no_key, 1.0, run_sum)))
             out_b = _write_block(out_b, i, out_i)
             lse_b = _write_block(lse_b, i, lse_i)
             return i + 1, out_b, lse_b

@@ -192,7 +192,10 @@ def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
                 s = ops.where(allowed, s, _NEG)
             # (torch.amax: keras' `ops.max` on torch refuses any tensor with a zero-size
             # axis, a batch of 0 rows too, where the other kernels return an empty output.)
-            blk_max = torch.amax(s, dim=-1)
+            # (clamped at _NEG as the other backends' running maxima start: a row whose scores
+            # are all -inf (a -inf bias) then gets zero weights, and zeros, not NaN; a NaN
+            # score stays NaN)
+            blk_max = torch.amax(s, dim=-1).clamp_min(_NEG)
             new_max = blk_max if running_max is None else ops.maximum(running_max, blk_max)
             p = ops.exp(s - new_max[..., None])
             if allowed is not None:
@@ -209,7 +212,10 @@ def chunked(query, key, value, mask, bias, is_causal, scale, bq, bk):
         if running_max is None:  # every key lies in this block's future: no row sees one
             return ops.zeros(tuple(ops.shape(q_blk)[:3]) + (d,), out_dtype)
         denom = ops.transpose(running_sum, (0, 2, 1))[..., None]  # (b,t,h,1)
-        out = ops.where(denom > 0, acc / ops.maximum(denom, 1e-30), 0.0)
+        # (a row that sees no key: zeros; a NaN sum, from a NaN or infinite score, stays
+        # NaN as in the reference kernel: `denom > 0` turned it into zeros)
+        empty = denom == 0
+        out = ops.where(empty, 0.0, acc / ops.where(empty, 1.0, denom))
         return ops.cast(out, out_dtype)
 
     outputs = []
