@@ -736,10 +736,7 @@ def _warn_of_fresh_head(model, task, path):
     loaded = {id(v) for v in model.backbone.weights}
     fresh = [v.path for v in model.weights if id(v) not in loaded]
     if fresh:
-        warnings.warn(
-            f"The checkpoint {path!r} has no weights for {fresh} of this {task!r} model (it "
-            "was saved with another head): they keep a new model's initial values, and the "
-            "outputs mean nothing until they are trained.", stacklevel=4)
+        registry.warn_fresh_weights(f"The checkpoint {path!r}", fresh, task)
 
 
 def _load_keras_hub(path, task=None, dtype=None, overrides=None, weights=None):

@@ -107,6 +107,16 @@ def check_float64_available(policy, dtype):
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
+def warn_fresh_weights(checkpoint, names, task):
+    """Warn that the weights `names` of a `task` model were not in `checkpoint` (a phrase:
+    "The checkpoint", "The checkpoint '/path'"): loaded with another head than the one it
+    was saved with, they keep their initial values, as transformers warns."""
+    warnings.warn(
+        f"{checkpoint} has no weights for {list(names)} of this {task!r} model (it was saved "
+        "with another head): they keep a new model's initial values, and the outputs mean "
+        "nothing until they are trained.", stacklevel=5)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # one record a family: identity is equality
 class Family:
     """One model family.
@@ -290,13 +300,7 @@ class Family:
             # Another head than the checkpoint's (e.g. a `LlamaModel` or `BertModel` loaded as
             # a language model): its weights are fresh, random ones. transformers warns of
             # them by name; kzoo ran `generate` on a random head in silence.
-            warnings.warn(
-                f"The checkpoint has no weights for {reader.missing} of this "
-                f"{self.task_of(model)!r} model (it was saved with another head): they keep "
-                "a new model's initial values, and the outputs mean nothing until they are "
-                "trained.",
-                stacklevel=4,
-            )
+            warn_fresh_weights("The checkpoint", reader.missing, self.task_of(model))
 
     def to_hf(self, model):
         """(Hugging Face config dict, state dict) of `model`."""
